@@ -1,0 +1,79 @@
+"""CUDA-event timing: median of many runs, L2 flushed before each run."""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+_flush_buffers: dict[int, torch.Tensor] = {}
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    min_ms: float
+    p90_ms: float
+    reps: int
+
+    @property
+    def median_us(self) -> float:
+        return self.median_ms * 1e3
+
+
+def _flush_buffer(device: int) -> torch.Tensor:
+    buf = _flush_buffers.get(device)
+    if buf is None:
+        from ..runtime import device_info
+
+        l2 = device_info(device).l2_bytes or 64 << 20
+        buf = torch.empty(max(4 * l2, 256 << 20), dtype=torch.uint8, device=f"cuda:{device}")
+        _flush_buffers[device] = buf
+    return buf
+
+
+def flush_l2(device: int | None = None) -> None:
+    """Overwrite a buffer several times the L2 size, so no operand of the next run is cached."""
+    _flush_buffer(torch.cuda.current_device() if device is None else device).bitwise_not_()
+
+
+def time_cuda(fn, *, reps: int = 50, warmup: int = 5, flush: bool = True, min_reps: int = 10,
+              max_seconds: float = 5.0) -> Timing:
+    """Median of `reps` CUDA-event-timed calls of fn(), each after an L2 flush.
+
+    Warm-up calls run first (compilation, allocator, cuBLAS handles stay out of the numbers).
+    The rep count shrinks for slow kernels so one measurement stays under `max_seconds`.
+    """
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    one = time.perf_counter() - t0
+    reps = max(min_reps, min(reps, int(max_seconds / max(one, 1e-6))))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        if flush:
+            flush_l2()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    ms = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return Timing(statistics.median(ms), ms[0], ms[int(0.9 * (len(ms) - 1))], reps)
+
+
+def host_overhead_us(fn, calls: int = 2000) -> float:
+    """Host time per call (Python wrapper + launch) on a problem small enough that the GPU keeps up."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6

@@ -1,0 +1,170 @@
+"""tilefish command line: info | compile | bench | demo."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def _dir_size(path: Path) -> tuple[int, int]:
+    n = size = 0
+    if path.is_dir():
+        for f in path.rglob("*"):
+            if f.is_file():
+                n += 1
+                size += f.stat().st_size
+    return n, size
+
+
+def cmd_info(args) -> int:
+    import torch
+
+    from . import __version__
+    from .runtime import cache_dir
+    from .runtime.compiler import nvrtc_version
+
+    print(f"tilefish        {__version__}")
+    print(f"torch           {torch.__version__} (CUDA {torch.version.cuda})")
+    try:
+        import cuda.core
+
+        print(f"cuda-core       {cuda.core.__version__}")
+    except ImportError as e:
+        print(f"cuda-core       not importable: {e}")
+    try:
+        print(f"NVRTC           {nvrtc_version()}")
+    except Exception as e:  # noqa: BLE001
+        print(f"NVRTC           not usable: {e}")
+    try:
+        from cuda.bindings import driver
+
+        err, v = driver.cuDriverGetVersion()
+        print(f"CUDA driver     {v // 1000}.{v % 1000 // 10}" if int(err) == 0 else f"CUDA driver     none ({err})")
+    except Exception as e:  # noqa: BLE001
+        print(f"CUDA driver     none ({e.__class__.__name__})")
+    if torch.cuda.is_available():
+        from .runtime import device_info
+
+        for i in range(torch.cuda.device_count()):
+            d = device_info(i)
+            print(f"GPU {i}           {d.name}  {d.arch}  {d.sm_count} SMs  L2 {d.l2_bytes / 2**20:.0f} MiB  "
+                  f"memory {d.total_memory / 2**30:.1f} GiB  smem/block {d.smem_per_block_optin // 1024} KiB")
+    else:
+        print("GPU             none visible to torch (kernels compile; they cannot run)")
+    cd = cache_dir()
+    n, size = _dir_size(cd)
+    on = os.environ.get("TILEFISH_CACHE", "1") not in ("0", "false", "no", "off")
+    print(f"kernel cache    {cd}  ({n} files, {size / 2**20:.1f} MiB){'' if on else '  [disabled: TILEFISH_CACHE=0]'}")
+    return 0
+
+
+def cmd_compile(args) -> int:
+    from .ops import kernel_specs
+    from .runtime import CompileError, compile_kernel
+
+    archs = args.arch or ["sm_80", "sm_90"]
+    failures = 0
+    print(f"{'arch':7s} {'family':7s} {'kernel':74s} {'regs':>5s} {'smem':>7s} {'stack':>6s} {'spill':>9s}")
+    for arch in archs:
+        for fam, spec in kernel_specs(include_variants=args.all):
+            if not spec.supports(arch):
+                continue
+            try:
+                ck = compile_kernel(spec, arch)
+            except CompileError as e:
+                failures += 1
+                print(f"{arch:7s} {fam:7s} {spec.name:74s} COMPILE ERROR\n{e.log}", file=sys.stderr)
+                continue
+            r = ck.resources
+            bad = spec.hot and r.spills
+            failures += bad
+            print(f"{spec.target(arch):7s} {fam:7s} {spec.name[:74]:74s} {r.registers:5d} {r.static_smem:7d} "
+                  f"{r.stack_bytes:6d} {r.spill_stores:4d}/{r.spill_loads:<4d}{'  SPILLS IN HOT KERNEL' if bad else ''}")
+    print(f"{failures} failure(s)")
+    return 1 if failures else 0
+
+
+def _parse_shapes(text: str | None):
+    if not text:
+        return None
+    return [tuple(int(x) for x in s.lower().split("x")) for s in text.split(",") if s]
+
+
+def cmd_bench(args) -> int:
+    import torch
+
+    from .bench import suites
+    from .bench.report import Report
+
+    if not torch.cuda.is_available():
+        print("tilefish bench needs an NVIDIA GPU (sm_80 or newer); none is visible to torch.", file=sys.stderr)
+        return 2
+    families = [args.family] if args.family else list(suites.FAMILIES)
+    reports = []
+    for fam in families:
+        rep = suites.FAMILIES[fam](args)
+        reports.append(rep)
+        print(rep.table(), flush=True)
+        print()
+    if args.family:
+        final = reports[0]
+    else:
+        final = Report("tilefish summary (default shapes; ratios are peer time / tilefish time)")
+        for rep in reports:
+            final.ceilings.update(rep.ceilings)
+            final.rows += [r for r in rep.rows if r.impl.startswith("tilefish")]
+            final.notes += rep.notes
+        print(final.table())
+    if args.json:
+        final.to_json(args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        final.plot(args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    import torch
+
+    from . import nf4
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    w = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+    q = nf4.quantize(w, blocksize=64, double_quant=True)
+    w_hat = nf4.dequantize(q, torch.bfloat16)
+    rel = ((w_hat.float() - w.float()).norm() / w.float().norm()).item()
+    print(f"NF4 4096x4096 on {dev}: {q.codes.numel() / 2**20:.1f} MiB of codes for "
+          f"{w.numel() * 2 / 2**20:.0f} MiB of bf16; round-trip relative error {rel:.4f}")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="tilefish", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("info", help="GPU, versions, kernel cache").set_defaults(fn=cmd_info)
+    c = sub.add_parser("compile", help="compile every kernel variant (no GPU needed); print resources")
+    c.add_argument("--arch", action="append", choices=["sm_80", "sm_86", "sm_89", "sm_90"],
+                   help="target (repeatable); default sm_80 and sm_90")
+    c.add_argument("--all", action="store_true", help="also the benchmark-only design-space variants")
+    c.set_defaults(fn=cmd_compile)
+    b = sub.add_parser("bench", help="benchmark against peers and ceilings (needs a GPU)")
+    b.add_argument("family", nargs="?", choices=["nf4"], help="one family; default: all, with a summary")
+    b.add_argument("--shapes", help="comma-separated RxC list, e.g. 4096x4096,16384x16384")
+    b.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    b.add_argument("--blocksize", type=int, default=64)
+    b.add_argument("--single-quant", action="store_true", help="NF4 without double quantization")
+    b.add_argument("--variants", action="store_true", help="sweep the kernel design space (nf4)")
+    b.add_argument("--reps", type=int, default=50)
+    b.add_argument("--json", help="write the report as JSON here")
+    b.add_argument("--plot", help="write a PNG plot here")
+    b.set_defaults(fn=cmd_bench)
+    sub.add_parser("demo", help="a short worked example").set_defaults(fn=cmd_demo)
+    args = p.parse_args(argv)
+    args.shapes = _parse_shapes(getattr(args, "shapes", None))
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""torch.library registrations: every op's schema and fake (meta) implementation in one place.
+
+Eager calls go straight to the ops' Python implementations (lower host overhead); under
+torch.compile the public functions route through these custom ops, so fullgraph tracing works.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def _nf4_weight(codes, absmax, absmax_q, code2, absmax2, offset, shape, blocksize, dtype):
+    from ..quant.nf4 import NF4Weight
+
+    return NF4Weight(codes=codes, shape=torch.Size(shape), dtype=dtype, blocksize=blocksize, absmax=absmax,
+                     absmax_q=absmax_q, code2=code2, absmax2=absmax2, offset=offset)
+
+
+@torch.library.custom_op("tilefish::nf4_dequantize", mutates_args=())
+def nf4_dequantize_op(codes: Tensor, absmax: Optional[Tensor], absmax_q: Optional[Tensor], code2: Optional[Tensor],
+                      absmax2: Optional[Tensor], offset: Optional[Tensor], shape: list[int], blocksize: int,
+                      dtype: torch.dtype) -> Tensor:
+    from .nf4 import dequantize_impl
+
+    return dequantize_impl(_nf4_weight(codes, absmax, absmax_q, code2, absmax2, offset, shape, blocksize, dtype), dtype)
+
+
+@nf4_dequantize_op.register_fake
+def _(codes, absmax, absmax_q, code2, absmax2, offset, shape, blocksize, dtype):
+    return codes.new_empty(shape, dtype=dtype)
+
+
+@torch.library.custom_op("tilefish::nf4_dequantize_out", mutates_args=("out",))
+def nf4_dequantize_out_op(codes: Tensor, absmax: Optional[Tensor], absmax_q: Optional[Tensor],
+                          code2: Optional[Tensor], absmax2: Optional[Tensor], offset: Optional[Tensor],
+                          shape: list[int], blocksize: int, out: Tensor) -> None:
+    from .nf4 import dequantize_impl
+
+    dequantize_impl(_nf4_weight(codes, absmax, absmax_q, code2, absmax2, offset, shape, blocksize, out.dtype),
+                    out.dtype, out)
+
+
+@nf4_dequantize_out_op.register_fake
+def _(codes, absmax, absmax_q, code2, absmax2, offset, shape, blocksize, out):
+    return None
+
+
+def nf4_dequantize(q, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
+    fields = (q.codes, q.absmax, q.absmax_q, q.code2, q.absmax2, q.offset, list(q.shape), q.blocksize)
+    if out is None:
+        return nf4_dequantize_op(*fields, dtype)
+    nf4_dequantize_out_op(*fields, out)
+    return out

@@ -1,0 +1,87 @@
+"""Slow, exact pure-torch implementations of every op: the ground truth for tests and the CPU path of the ops.
+
+One section per op family. Functions accept CPU or GPU tensors and favour obviously-correct arithmetic over
+speed or memory.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["nf4_absmax", "nf4_dequantize_fp32_chain", "nf4_dequantize_f64"]
+
+
+def _round_f64_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round float64 ``x`` once, to nearest-even, to ``dtype``.
+
+    torch converts float64 to float16/bfloat16 through float32, which rounds twice. Rounding to float32 *to odd*
+    first makes the second rounding land where a single one would: float32 keeps at least p + 2 bits of both
+    16-bit formats (p = 11 and 8).
+    """
+    if dtype == torch.float64:
+        return x
+    y = x.to(torch.float32)
+    if dtype == torch.float32:
+        return y
+    # round to odd: truncate toward zero, then force the last mantissa bit to 1 when inexact
+    y = torch.where(y.double().abs() > x.abs(), torch.nextafter(y, torch.zeros_like(y)), y)
+    inexact = (y.double() != x).to(torch.int32)
+    return (y.view(torch.int32) | inexact).view(torch.float32).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# NF4 (bitsandbytes-compatible; format in tilefish.quant.nf4)
+# ---------------------------------------------------------------------------------------------------------------------
+
+def _nf4_indices(q) -> torch.Tensor:
+    """The 4-bit codes as int64, padded with 0 to [nblocks, blocksize] (element order: high nibble first)."""
+    c = q.codes
+    idx = torch.stack((c >> 4, c & 0xF), dim=1).reshape(-1)[: q.numel].long()
+    return torch.nn.functional.pad(idx, (0, q.nblocks * q.blocksize - q.numel)).view(q.nblocks, q.blocksize)
+
+
+def _nf4_groups(q) -> torch.Tensor:
+    from .quant.nf4 import NESTED_BLOCKSIZE
+
+    return torch.arange(q.nblocks, device=q.codes.device) // NESTED_BLOCKSIZE
+
+
+def nf4_absmax(q) -> torch.Tensor:
+    """Decoded per-block absmax, fp32 [nblocks], in bitsandbytes' order of fp32 operations.
+
+    Double quant: ``code2[absmax_q] * absmax2[b // 256]`` rounded to fp32, then ``+ offset`` rounded to fp32
+    (two separate torch ops, so never fused into an FMA). Single level: ``absmax`` itself.
+    """
+    if not q.double_quant:
+        return q.absmax.float()
+    scale = q.code2[q.absmax_q.long()] * q.absmax2[_nf4_groups(q)]
+    return scale + q.offset.reshape(())
+
+
+def nf4_dequantize_fp32_chain(q, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """bitsandbytes' dequantize_4bit arithmetic exactly: fp32 absmax (``nf4_absmax``), ``NF4[code] * absmax``
+    in fp32, then one cast to ``dtype`` (default: the weight's dtype). Returns shape ``q.shape``."""
+    from .quant.nf4 import nf4_table
+
+    dtype = q.dtype if dtype is None else dtype
+    vals = nf4_table(q.codes.device)[_nf4_indices(q)]
+    out = (vals * nf4_absmax(q)[:, None]).reshape(-1)[: q.numel]
+    return out.to(dtype).reshape(q.shape)
+
+
+def nf4_dequantize_f64(q, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The NF4 formula in float64 throughout, rounded once to ``dtype`` (default: the weight's dtype).
+
+    Every fp32 input is exact in float64, so this is the exact value of the format up to the single final
+    rounding: the yardstick for how far any fp32 evaluation order may drift (within an ulp of ``dtype``).
+    """
+    from .quant.nf4 import nf4_table
+
+    dtype = q.dtype if dtype is None else dtype
+    if q.double_quant:
+        absmax = (q.code2.double()[q.absmax_q.long()] * q.absmax2.double()[_nf4_groups(q)]
+                  + q.offset.double().reshape(()))
+    else:
+        absmax = q.absmax.double()
+    vals = nf4_table(q.codes.device).double()[_nf4_indices(q)]
+    out = (vals * absmax[:, None]).reshape(-1)[: q.numel]
+    return _round_f64_to(out, dtype).reshape(q.shape)

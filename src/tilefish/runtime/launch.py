@@ -1,0 +1,109 @@
+"""Load compiled kernels into the current device's context and launch them on torch's stream.
+
+Launches never synchronize and never allocate, so they are legal inside CUDA-graph capture.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+from .compiler import CompiledKernel, KernelSpec, compile_kernel
+from .device import device_info
+
+i32, i64, u32, f32 = np.int32, np.int64, np.uint32, np.float32  # typed scalar kernel arguments
+
+_lock = threading.Lock()
+_loaded: dict[tuple[KernelSpec, int], "LoadedKernel"] = {}
+_streams: dict[int, object] = {}
+_contexts_ready: set[int] = set()
+
+_DEFAULT_DYN_SMEM = 48 * 1024
+
+
+class LoadedKernel:
+    __slots__ = ("spec", "compiled", "kernel", "device", "_module", "_dyn_smem_limit")
+
+    def __init__(self, spec: KernelSpec, compiled: CompiledKernel, kernel, module, device: int):
+        self.spec, self.compiled, self.kernel, self._module, self.device = spec, compiled, kernel, module, device
+        self._dyn_smem_limit = _DEFAULT_DYN_SMEM
+
+    def ensure_dynamic_smem(self, nbytes: int) -> None:
+        """Raise the kernel's dynamic shared-memory limit once, when a launch asks above 48 KB."""
+        if nbytes <= self._dyn_smem_limit:
+            return
+        cap = device_info(self.device).smem_per_block_optin - self.compiled.resources.static_smem
+        if nbytes > cap:
+            raise ValueError(f"{self.spec.name} asks for {nbytes} B of dynamic shared memory; "
+                             f"the device allows {cap} B per block")
+        from cuda.bindings import driver
+
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        h = self.kernel.handle
+        if isinstance(h, driver.CUkernel):
+            (err,) = driver.cuKernelSetAttribute(attr, nbytes, h, self.device)
+        else:
+            (err,) = driver.cuFuncSetAttribute(h, attr, nbytes)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuFuncSetAttribute(max dynamic smem={nbytes}) failed for {self.spec.name}: {err}")
+        self._dyn_smem_limit = nbytes
+
+
+def _ensure_context(index: int) -> None:
+    if index in _contexts_ready:
+        return
+    from cuda.core import Device
+
+    torch.cuda.init()
+    Device(index).set_current()  # the primary context, the same one torch uses
+    _contexts_ready.add(index)
+
+
+def get_kernel(spec: KernelSpec, device: torch.device | int | None = None) -> LoadedKernel:
+    """The loaded kernel for this device, compiling (or reading the disk cache) on first use."""
+    if isinstance(device, torch.device):
+        device = device.index
+    index = torch.cuda.current_device() if device is None else device
+    key = (spec, index)
+    k = _loaded.get(key)
+    if k is not None:
+        return k
+    with _lock:
+        if (k := _loaded.get(key)) is not None:
+            return k
+        from cuda.core import ObjectCode
+
+        with torch.cuda.device(index):
+            _ensure_context(index)
+            compiled = compile_kernel(spec, device_info(index).arch)
+            module = ObjectCode.from_cubin(compiled.cubin, name=spec.source)
+            kernel = module.get_kernel(compiled.lowered_name)
+        k = LoadedKernel(spec, compiled, kernel, module, index)
+        _loaded[key] = k
+        return k
+
+
+def _stream_for(device_index: int):
+    handle = torch.cuda.current_stream(device_index).cuda_stream
+    s = _streams.get(handle)
+    if s is None:
+        from cuda.core import Stream
+
+        s = Stream.from_handle(handle)
+        _streams[handle] = s
+    return s
+
+
+def launch(kernel: LoadedKernel, grid, block, *args, smem: int = 0) -> None:
+    """Launch on torch.cuda.current_stream() of the kernel's device.
+
+    Pointer arguments are plain ints (tensor.data_ptr()); other scalars must be typed
+    (i32 / u32 / f32), because a bare Python int is passed as a 64-bit value.
+    """
+    from cuda.core import LaunchConfig, launch as _launch
+
+    if smem > _DEFAULT_DYN_SMEM:
+        kernel.ensure_dynamic_smem(smem)
+    cfg = LaunchConfig(grid=grid, block=block, shmem_size=smem)
+    _launch(_stream_for(kernel.device), cfg, kernel.kernel, *args)

@@ -1,0 +1,86 @@
+"""Runtime on the CPU: NVRTC compilation, the disk cache, compile errors, compile-all for sm_80/sm_90."""
+from __future__ import annotations
+
+import os
+import textwrap
+
+import pytest
+
+from tilefish.ops import kernel_specs
+from tilefish.runtime import CompileError, KernelSpec, compile_kernel
+from tilefish.runtime import compiler
+
+
+@pytest.fixture
+def tmp_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILEFISH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TILEFISH_CACHE", "1")
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def scratch_kernel(tmp_path, monkeypatch):
+    """A throwaway kernels/ tree so tests can write sources."""
+    root = tmp_path / "kernels"
+    (root / "common").mkdir(parents=True)
+    (root / "common" / "h.cuh").write_text("#pragma once\n#define SCALE 2.0f\n")
+    monkeypatch.setattr(compiler, "KERNEL_ROOT", root)
+    return root
+
+
+def test_compile_and_cache_roundtrip(tmp_cache, scratch_kernel):
+    (scratch_kernel / "k.cu").write_text(textwrap.dedent('''
+        #include "common/h.cuh"
+        template <int N> __global__ void scale(float* x) { x[threadIdx.x] *= SCALE * N; }
+    '''))
+    spec = KernelSpec("k.cu", "scale<3>")
+    first = compile_kernel(spec, "sm_90")
+    assert not first.from_cache and first.cubin and first.lowered_name.startswith("_Z")
+    assert first.resources.registers > 0 and not first.resources.spills
+    second = compile_kernel(spec, "sm_90")
+    assert second.from_cache and second.cubin == first.cubin
+    # editing an included header changes the key
+    (scratch_kernel / "common" / "h.cuh").write_text("#pragma once\n#define SCALE 4.0f\n")
+    assert not compile_kernel(spec, "sm_90").from_cache
+    # corrupt entries are recompiled, never fatal
+    for f in tmp_cache.rglob("*.cubin"):
+        f.write_bytes(b"garbage")
+    assert not compile_kernel(spec, "sm_90").from_cache
+    for f in tmp_cache.rglob("*.json"):
+        f.write_text("{not json")
+    assert not compile_kernel(spec, "sm_90").from_cache
+
+
+def test_cache_can_be_disabled(tmp_cache, scratch_kernel, monkeypatch):
+    (scratch_kernel / "k.cu").write_text('extern "C" __global__ void k(float* x) { x[0] = 1; }')
+    monkeypatch.setenv("TILEFISH_CACHE", "0")
+    compile_kernel(KernelSpec("k.cu", "k"), "sm_80")
+    assert not tmp_cache.exists() or not any(tmp_cache.rglob("*.cubin"))
+
+
+def test_compile_error_names_kernel_and_carries_log(tmp_cache, scratch_kernel):
+    (scratch_kernel / "bad.cu").write_text('extern "C" __global__ void broken(float* x) { x[0] = undefined_name; }')
+    with pytest.raises(CompileError) as e:
+        compile_kernel(KernelSpec("bad.cu", "broken"), "sm_90")
+    assert "broken" in str(e.value) and "undefined_name" in e.value.log
+
+
+def test_arch_specific_target():
+    assert KernelSpec("x.cu", "k", arch_specific=True).target("sm_90") == "sm_90a"
+    assert KernelSpec("x.cu", "k").target("sm_90") == "sm_90"
+    assert not KernelSpec("x.cu", "k", min_sm=90).supports("sm_80")
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_compile_all_dispatchable_kernels(arch, tmp_cache):
+    """Every kernel the library can dispatch compiles, and no hot kernel spills."""
+    specs = [s for _, s in kernel_specs()]
+    assert specs
+    for spec in specs:
+        if not spec.supports(arch):
+            continue
+        ck = compile_kernel(spec, arch)
+        assert ck.resources.registers > 0, spec.name
+        if spec.hot:
+            assert not ck.resources.spills, f"{spec.name} spills on {arch}: {ck.resources}"
+            assert ck.resources.stack_bytes == 0, f"{spec.name} uses a stack frame on {arch}"
