@@ -8,7 +8,7 @@ import tilefish
 from tilefish import nf4
 from tilefish.reference import nf4_dequantize_f64, nf4_dequantize_fp32_chain
 
-from conftest import poison, ulp_distance
+from conftest import poison, rel_err, ulp_distance
 
 pytestmark = pytest.mark.gpu
 
@@ -28,9 +28,15 @@ def _check(q, dtype):
     chain = nf4_dequantize_fp32_chain(q, dtype)
     # Bit-exact with bitsandbytes' fp32 arithmetic (multiply, add, multiply, each rounded to fp32).
     assert torch.equal(out.view(-1), chain.view(-1)), "differs from the fp32-chain reference"
-    # Within 1 ulp of the float64 formula rounded once (the fp32 intermediate roundings may move it by one).
     f64 = nf4_dequantize_f64(q, dtype)
-    assert ulp_distance(out.view(-1), f64.view(-1)).max().item() <= 1
+    if dtype != torch.float32:
+        # 16-bit output: within 1 ulp of the float64 formula rounded once (the fp32 intermediates
+        # can move a value that sits near a rounding boundary by one ulp).
+        assert ulp_distance(out.view(-1), f64.view(-1)).max().item() <= 1
+    else:
+        # fp32 output: the format's fp32 arithmetic rounds three times and p + offset can cancel,
+        # so single elements may sit a few fp32 ulps from the float64 value; check the norm instead.
+        assert rel_err(out, f64) < 1e-6
     return out
 
 

@@ -1,4 +1,4 @@
-"""tilefish command line: info | compile | bench | demo."""
+"""tilefish command line: info | compile | bench | table | demo."""
 from __future__ import annotations
 
 import argparse
@@ -125,6 +125,22 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_table(args) -> int:
+    from .bench.report import Report
+
+    for path in args.paths:
+        rep = Report.from_json(path)
+        env = getattr(rep, "environment", {})
+        print(f"**{rep.title}** — {env.get('gpu', '?')}, commit {env.get('commit', '?')[:12]}, "
+              f"{env.get('date', '?')[:10]}; ceilings: "
+              + ", ".join(f"{k} {v:,.0f}" for k, v in rep.ceilings.items()) + "\n")
+        print(rep.markdown())
+        for n in rep.notes:
+            print(f"\n{n}")
+        print()
+    return 0
+
+
 def cmd_demo(args) -> int:
     import torch
 
@@ -160,6 +176,9 @@ def main(argv=None) -> int:
     b.add_argument("--json", help="write the report as JSON here")
     b.add_argument("--plot", help="write a PNG plot here")
     b.set_defaults(fn=cmd_bench)
+    t = sub.add_parser("table", help="print a benchmark JSON (bench/results/...) as a markdown table")
+    t.add_argument("paths", nargs="+")
+    t.set_defaults(fn=cmd_table)
     sub.add_parser("demo", help="a short worked example").set_defaults(fn=cmd_demo)
     args = p.parse_args(argv)
     args.shapes = _parse_shapes(getattr(args, "shapes", None))

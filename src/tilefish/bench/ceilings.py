@@ -19,6 +19,15 @@ def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float:
 
 
 @functools.lru_cache(maxsize=None)
+def write_bandwidth_gbps(nbytes: int = 2 << 30) -> float:
+    """Write-only rate (torch fill_), GB/s: the ceiling of an op whose traffic is mostly output."""
+    dst = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda")
+    t = time_cuda(lambda: dst.fill_(1.5), reps=30)
+    del dst
+    return nbytes / (t.median_ms * 1e-3) / 1e9
+
+
+@functools.lru_cache(maxsize=None)
 def cublas_tflops(dtype: torch.dtype = torch.float16, n: int = 8192) -> float:
     """Dense cuBLAS matmul rate on random n x n x n operands (TF32 off for fp32)."""
     prev = torch.backends.cuda.matmul.allow_tf32

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .ceilings import copy_bandwidth_gbps
+from .ceilings import copy_bandwidth_gbps, write_bandwidth_gbps
 from .report import Report, Row
 from .timing import host_overhead_us, time_cuda
 
@@ -40,7 +40,8 @@ def run(shapes=None, dtype: str = "bf16", blocksize: int = 64, double_quant: boo
     out_dtype = DTYPES[dtype]
     copy = copy_bandwidth_gbps()
     report = Report(f"NF4 dequantize -> {dtype}, blocksize {blocksize}, "
-                    f"{'double' if double_quant else 'single'} quant", {"copy GB/s": copy})
+                    f"{'double' if double_quant else 'single'} quant",
+                    {"copy GB/s": copy, "write-only GB/s": write_bandwidth_gbps()})
     F = _bnb()
     if F is None:
         report.notes.append("bitsandbytes not importable: no peer column (pip install 'tilefish[peers]')")

@@ -23,6 +23,8 @@ class Row:
 
 
 def _git_commit() -> str:
+    if os.environ.get("TILEFISH_COMMIT"):  # set by scripts that run a copy of the tree without .git
+        return os.environ["TILEFISH_COMMIT"]
     for cwd in (os.getcwd(), Path(__file__).resolve().parents[3]):
         try:
             out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5)
@@ -93,6 +95,27 @@ class Report:
         lines += [fmt(head), fmt(["-" * w for w in widths])] + [fmt(b) for b in body]
         lines += self.notes
         return "\n".join(lines)
+
+    def markdown(self) -> str:
+        """The table as GitHub markdown (docs and README tables are generated from JSON with this)."""
+        peers = sorted({p for r in self.rows for p in r.ratios})
+        head = ["case", "impl", "time (us)", "rate", "% of ceiling"] + [f"vs {p}" for p in peers]
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in self.rows:
+            cells = [r.case, r.impl, f"{r.time_us:,.1f}", f"{r.metric:,.1f} {r.unit}",
+                     "" if r.pct_ceiling is None else f"{r.pct_ceiling:.1f}%"]
+            cells += [f"{r.ratios[p]:.2f}x" if p in r.ratios else "" for p in peers]
+            lines.append("| " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "Report":
+        rec = json.loads(Path(path).read_text())
+        rep = cls(rec["title"], rec.get("ceilings"))
+        rep.notes = rec.get("notes", [])
+        rep.rows = [Row(**r) for r in rec["rows"]]
+        rep.environment = rec.get("environment", {})
+        return rep
 
     def to_json(self, path: str | os.PathLike) -> None:
         rec = {"title": self.title, "environment": environment(), "ceilings": self.ceilings,

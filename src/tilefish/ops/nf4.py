@@ -4,6 +4,7 @@ CPU tensors go to reference.py (bitsandbytes' exact fp32 arithmetic), so the op 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -22,32 +23,39 @@ class DequantConfig:
     """Template parameters of kernels/nf4/dequantize.cu plus the grid size rule."""
     lut: int = 0          # 0 shared-memory 16 floats, 1 warp shuffle, 2 shared 256 x float2
     transpose: int = 1    # 1: re-deal codes through shared memory so warp stores are contiguous
-    ilp: int = 2          # 16-byte vectors in flight per lane
-    stream: bool = False  # evict-first output stores
-    blocks_per_sm: int = 8
+    ilp: int = 1          # 16-byte vectors in flight per lane
+    stream: bool = True   # evict-first output stores
+    prefetch: bool = False  # L2::256B hint on code loads
+    blocks_per_sm: int = 0  # grid = SMs x this (grid-stride loop); 0: one pass, a block per tile
 
     def label(self) -> str:
-        return f"lut{self.lut}-t{self.transpose}-ilp{self.ilp}-{'cs' if self.stream else 'wb'}-b{self.blocks_per_sm}"
+        return (f"lut{self.lut}-t{self.transpose}-ilp{self.ilp}-{'cs' if self.stream else 'wb'}"
+                f"{'-pf' if self.prefetch else ''}-b{self.blocks_per_sm}")
 
 
 # Chosen from `tilefish bench nf4 --variants` on the H200 (docs/nf4.md has the sweep).
 DEFAULT_CONFIG = DequantConfig()
 
 
+@functools.lru_cache(maxsize=None)
 def kernel_spec(dtype: torch.dtype, double_quant: bool, cfg: DequantConfig = DEFAULT_CONFIG) -> KernelSpec:
     name = (f"nf4_dequantize<{OUT_DTYPES[dtype]}, {'true' if double_quant else 'false'}, {cfg.lut}, "
-            f"{cfg.transpose}, {cfg.ilp}, {'true' if cfg.stream else 'false'}>")
+            f"{cfg.transpose}, {cfg.ilp}, {'true' if cfg.stream else 'false'}, {'true' if cfg.prefetch else 'false'}>")
     return KernelSpec(SOURCE, name, hot=True)
 
 
 def variant_configs() -> list[DequantConfig]:
-    """The design space the benchmark sweeps (each is compilable; only the default is dispatched)."""
-    out = []
+    """The design space the benchmark sweeps (each is compilable; only the default is dispatched).
+
+    TRANSPOSE=0 stays in with one representative per LUT: it shows what the store pattern costs.
+    """
+    out = [DequantConfig(lut, 0, 1, False) for lut in (0, 1, 2)]
     for lut in (0, 1, 2):
-        for transpose in (0, 1):
-            for ilp in (1, 2, 4):
-                for stream in (False, True):
-                    out.append(DequantConfig(lut, transpose, ilp, stream))
+        for ilp in (1, 2):
+            for stream in (False, True):
+                for bps in (8, 32, 0):
+                    out.append(DequantConfig(lut, 1, ilp, stream, False, bps))
+    out += [DequantConfig(0, 1, 1, True, True, bps) for bps in (8, 32, 0)]
     return out
 
 
@@ -78,7 +86,8 @@ def _launch(q: NF4Weight, out: torch.Tensor, cfg: DequantConfig = DEFAULT_CONFIG
     k = get_kernel(kernel_spec(out.dtype, q.double_quant, cfg), dev)
     n_vec = q.numel // VECTOR_ELEMS
     per_block = THREADS * cfg.ilp
-    grid = max(1, min(-(-n_vec // per_block), device_info(dev.index).sm_count * cfg.blocks_per_sm))
+    tiles = max(1, -(-n_vec // per_block))
+    grid = tiles if cfg.blocks_per_sm == 0 else min(tiles, device_info(dev.index).sm_count * cfg.blocks_per_sm)
     null = 0
     args = (
         q.codes.data_ptr(), out.data_ptr(),
@@ -96,7 +105,7 @@ def _launch(q: NF4Weight, out: torch.Tensor, cfg: DequantConfig = DEFAULT_CONFIG
 def dequantize_impl(q: NF4Weight, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     q.validate()
     if dtype not in OUT_DTYPES:
-        raise TypeError(f"NF4 dequantize outputs bfloat16, float16 or float32, not {dtype}")
+        raise TypeError(f"NF4 dequantize: dtype must be bfloat16, float16 or float32, not {dtype}")
     if out is not None:
         _check_out(out, q, dtype)
     if q.codes.device.type == "cpu":

@@ -18,6 +18,17 @@ _lock = threading.Lock()
 _loaded: dict[tuple[KernelSpec, int], "LoadedKernel"] = {}
 _streams: dict[int, object] = {}
 _contexts_ready: set[int] = set()
+_configs: dict[tuple, object] = {}
+_launch_fn = None
+
+
+def _cuda_launch():
+    global _launch_fn
+    if _launch_fn is None:
+        from cuda.core import launch as fn
+
+        _launch_fn = fn
+    return _launch_fn
 
 _DEFAULT_DYN_SMEM = 48 * 1024
 
@@ -101,9 +112,14 @@ def launch(kernel: LoadedKernel, grid, block, *args, smem: int = 0) -> None:
     Pointer arguments are plain ints (tensor.data_ptr()); other scalars must be typed
     (i32 / u32 / f32), because a bare Python int is passed as a 64-bit value.
     """
-    from cuda.core import LaunchConfig, launch as _launch
-
     if smem > _DEFAULT_DYN_SMEM:
         kernel.ensure_dynamic_smem(smem)
-    cfg = LaunchConfig(grid=grid, block=block, shmem_size=smem)
-    _launch(_stream_for(kernel.device), cfg, kernel.kernel, *args)
+    key = (grid, block, smem)
+    cfg = _configs.get(key)
+    if cfg is None:
+        from cuda.core import LaunchConfig
+
+        if len(_configs) > 4096:  # shapes vary without bound in some workloads; keep the memo small
+            _configs.clear()
+        cfg = _configs[key] = LaunchConfig(grid=grid, block=block, shmem_size=smem)
+    _cuda_launch()(_stream_for(kernel.device), cfg, kernel.kernel, *args)

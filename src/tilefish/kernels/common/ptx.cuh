@@ -18,6 +18,15 @@ __device__ __forceinline__ uint4 ld_nc_v4(const void* p) {
     return r;
 }
 
+// Same, with the L2::256B prefetch-size hint: a streaming reader asks DRAM for whole 256 B
+// spans, so fewer, larger requests keep the memory pipeline full.
+__device__ __forceinline__ uint4 ld_nc_v4_l2_256(const void* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
 // 16-byte store with the evict-first (streaming) hint: output that is written once and
 // not re-read should not push reusable lines out of L2.
 __device__ __forceinline__ void st_cs_v4(void* p, uint4 v) {

@@ -5,8 +5,8 @@
 // each product and sum rounded to fp32 separately (no FMA), exactly as bitsandbytes does.
 //
 // Work unit: one 16-byte vector of codes = 32 elements. blocksize >= 32, so a vector never
-// straddles two absmax blocks: the absmax is decoded once per vector (or once per 4-byte
-// word when TRANSPOSE spreads a vector's words over the warp). A grid-stride loop over
+// straddles two absmax blocks: the absmax is decoded once per vector (with TRANSPOSE the
+// decoded scale travels to the lanes that store the vector's words by a warp shuffle). A grid-stride loop over
 // vectors, grid sized from the SM count on the host; the < 32 leftover elements go through a
 // scalar tail. No run-time division: block indices are shifts.
 //
@@ -19,6 +19,7 @@
 //                every 16-byte store instruction of the warp covers one contiguous span.
 //   ILP       vectors loaded per lane before the first is decoded (bytes in flight).
 //   STREAM    evict-first stores for the output.
+//   PREFETCH  the L2::256B hint on code loads (DRAM fetches whole 256 B spans).
 // Limits: it is a pure streaming kernel; the ceiling is DRAM bandwidth (2.5 B per element
 // for 16-bit output), so everything here is about keeping enough bytes in flight.
 #include "common/ptx.cuh"
@@ -118,7 +119,7 @@ __device__ __forceinline__ void decode_store_word(u32 w, float scale, const Look
     }
 }
 
-template <typename OutT, bool DQ, int LUT, int TRANSPOSE, int ILP, bool STREAM>
+template <typename OutT, bool DQ, int LUT, int TRANSPOSE, int ILP, bool STREAM, bool PREFETCH = false>
 __global__ void __launch_bounds__(kThreads)
 nf4_dequantize(const unsigned char* codes_ptr, void* out_ptr, const float* absmax, const unsigned char* absmax_q,
                const float* code2, const float* absmax2, const float* offset_ptr, long long numel,
@@ -152,7 +153,7 @@ nf4_dequantize(const unsigned char* codes_ptr, void* out_ptr, const float* absma
 #pragma unroll
         for (int u = 0; u < ILP; ++u) {
             long long v = base + u * 32 + lane;
-            c[u] = v < n_vec ? ld_nc_v4(codes + v) : make_uint4(0, 0, 0, 0);
+            c[u] = v < n_vec ? (PREFETCH ? ld_nc_v4_l2_256(codes + v) : ld_nc_v4(codes + v)) : make_uint4(0, 0, 0, 0);
         }
         if constexpr (TRANSPOSE == 0) {
 #pragma unroll
@@ -170,18 +171,22 @@ nf4_dequantize(const unsigned char* codes_ptr, void* out_ptr, const float* absma
             // Re-deal: word (i*32 + lane) of the warp's span goes to lane `lane` in step i,
             // so each 16-byte store instruction of the warp writes one contiguous 512 B run.
             uint4* stage = s_stage + warp * 32 * ILP;
+            float own_scale[ILP];  // absmax of the lane's own vector, decoded once
 #pragma unroll
-            for (int u = 0; u < ILP; ++u) stage[u * 32 + lane] = c[u];
+            for (int u = 0; u < ILP; ++u) {
+                stage[u * 32 + lane] = c[u];
+                long long v = base + u * 32 + lane;
+                own_scale[u] = v < n_vec ? block_absmax<DQ>(a, v >> vec_shift, s_code2, offset) : 0.f;
+            }
             __syncwarp();
             const u32* words = reinterpret_cast<const u32*>(stage);
 #pragma unroll
             for (int i = 0; i < 4 * ILP; ++i) {
                 int word = i * 32 + lane;          // word index within the warp's span
-                long long v = base + (word >> 2);  // the vector it belongs to
-                bool live = v < n_vec;
-                float scale = live ? block_absmax<DQ>(a, v >> vec_shift, s_code2, offset) : 0.f;
+                long long v = base + (word >> 2);  // its vector: loaded by lane (word >> 2) % 32 in unroll i / 4
+                float scale = __shfl_sync(0xffffffffu, own_scale[i >> 2], ((i & 3) << 3) | (lane >> 2));
                 decode_store_word<OutT, LUT, STREAM>(words[word], scale, lut,
-                                                     out + base * 32 + (long long)word * 8, live);
+                                                     out + base * 32 + (long long)word * 8, v < n_vec);
             }
             __syncwarp();
         }
