@@ -176,14 +176,16 @@ def test_round_trip(shape, blocksize, double_quant, dtype):
     tol = 0.15 if n < 10_000 else 0.1 if blocksize <= 256 else 0.125
     assert (cf - wf).norm() / wf.norm() < tol
 
-    # every code is the nearest NF4 entry to w / absmax (absmax itself decoded when double quant
-    # perturbs it, so compare against the exact single-level absmax of w)
+    # every code is the NF4 entry nearest to w / absmax (the exact absmax: the codes never depend on how absmax
+    # is stored), i.e. w / absmax lies between the midpoints around the chosen entry
     am = torch.nn.functional.pad(wf.reshape(-1).abs(), (0, q.nblocks * blocksize - n)).view(-1, blocksize).amax(1)
-    s = wf.reshape(-1) / am.repeat_interleave(blocksize)[:n].clamp(min=1e-300)
+    s = wf.reshape(-1) / am.repeat_interleave(blocksize)[:n]
     tab = N.nf4_table().double()
-    dist = (s[:, None] - tab[None, :]).abs()
-    chosen = dist.gather(1, nibbles(q.codes, n)[:, None]).squeeze(1)
-    assert bool((chosen <= dist.min(1).values + 1e-6).all())
+    mid = (tab[:-1] + tab[1:]) / 2
+    inf = torch.tensor([float("inf")], dtype=torch.float64)
+    code = nibbles(q.codes, n)
+    lo, hi = torch.cat((-inf, mid))[code], torch.cat((mid, inf))[code]
+    assert bool(((s >= lo - 1e-6) & (s <= hi + 1e-6)).all())
 
     # The fp32 chain (bitsandbytes' arithmetic) against the exact value rounded once: within one ulp for 16-bit
     # outputs; for fp32 outputs exact with one level, and within the error of its three fp32 roundings with two.
@@ -213,8 +215,10 @@ def test_double_quant_absmax_close_to_exact():
     w = torch.randn(64, 4096)
     q1, q2 = N.quantize(w, 64, False), N.quantize(w, 64, True)
     assert torch.equal(q1.codes, q2.codes)  # the NF4 codes do not depend on how absmax is stored
-    # 8-bit dynamic map: relative absmax error well under 1%
-    assert float(((nf4_absmax(q2) - q1.absmax).abs() / q1.absmax).max()) < 1e-2
+    # nearest dynamic-map entry: off by at most half the widest gap of the map, in units of absmax2
+    half_gap = float((q2.code2[1:] - q2.code2[:-1]).max()) / 2
+    bound = half_gap * q2.absmax2.repeat_interleave(256)[: q2.nblocks] + 1e-6 * q1.absmax
+    assert bool(((nf4_absmax(q2) - q1.absmax).abs() <= bound).all())
     assert q2.offset.dim() == 0 and q2.offset.dtype == torch.float32
     assert torch.equal(q2.offset, q1.absmax.mean())
 
@@ -256,7 +260,8 @@ def assert_same(a: NF4Weight, b: NF4Weight):
         x, y = getattr(a, f), getattr(b, f)
         assert (x is None) == (y is None), f
         if x is not None:
-            assert x.dtype == y.dtype and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), f
+            assert x.dtype == y.dtype, f
+            assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), f
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -481,15 +486,16 @@ def bnb_dequantize(packed, qs):
 
 
 def _assert_codes_agree(ours: torch.Tensor, theirs: torch.Tensor, scaled: torch.Tensor, table: torch.Tensor,
-                        max_frac: float):
-    """Codes equal, except where bitsandbytes picked a neighbour that is not nearer than ours (ties and
-    near-ties: its CPU backend divides where we multiply by the reciprocal, and its CPU 8-bit search is
-    not always exactly nearest)."""
+                        max_frac: float, adjacent: bool = True):
+    """Codes equal, except where bitsandbytes picked an entry that is not nearer than ours: NF4 ties and
+    near-ties (its CPU backend divides where we multiply by the reciprocal), and its CPU 8-bit search, which
+    is not always exactly nearest (e.g. 0.0 -> 2.1e-5, index 131 for 127, in the dense part of the map)."""
     diff = (ours != theirs).nonzero().flatten()
-    assert diff.numel() <= max(2, max_frac * ours.numel()), diff.numel()
+    assert diff.numel() <= max(8, max_frac * ours.numel()), diff.numel()
     if diff.numel():
         o, t, s = ours[diff].long(), theirs[diff].long(), scaled[diff].double()
-        assert bool(((o - t).abs() == 1).all())
+        if adjacent:
+            assert bool(((o - t).abs() == 1).all())
         tab = table.double()
         assert bool(((s - tab[o]).abs() <= (s - tab[t]).abs() + 1e-6).all())
 
@@ -511,7 +517,8 @@ def test_bnb_quantize_agrees(blocksize, double_quant, dtype):
         assert torch.equal(ours.offset, theirs.offset.reshape(()))
         assert torch.equal(ours.absmax2, theirs.absmax2) and torch.equal(ours.code2, theirs.code2)
         s2 = (single.absmax - ours.offset).double() / ours.absmax2.double().repeat_interleave(256)[: ours.nblocks]
-        _assert_codes_agree(ours.absmax_q, theirs.absmax_q, s2, N.dynamic_map_signed(), 0.02)
+        # bitsandbytes' CPU 8-bit search misses the nearest entry for ~0.3% of values, clustered for 16-bit inputs
+        _assert_codes_agree(ours.absmax_q, theirs.absmax_q, s2, N.dynamic_map_signed(), 0.1, adjacent=False)
     else:
         assert torch.equal(ours.absmax, theirs.absmax)
 
@@ -577,3 +584,12 @@ def test_bnb_packed_bytes_odd_numel():
     assert int(theirs.codes[-1]) & 0xF == int(ours.codes[-1]) & 0xF == 7  # the pad nibble
     s = w.reshape(-1).double() / ours.absmax.double().repeat_interleave(64)[:195]
     _assert_codes_agree(nibbles(ours.codes, 195), nibbles(theirs.codes, 195), s, N.nf4_table(), 0)
+
+
+@pytest.mark.parametrize("double_quant", [True, False])
+def test_quantize_chunking_is_invisible(monkeypatch, double_quant):
+    # Large weights are quantized in chunks of whole blocks; force tiny chunks and compare.
+    w = torch.randn(37, 301)  # odd numel, partial last block
+    whole = N.quantize(w, 64, double_quant)
+    monkeypatch.setattr(N, "_CHUNK", 128)
+    assert_same(N.quantize(w, 64, double_quant), whole)

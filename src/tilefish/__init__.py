@@ -4,6 +4,15 @@ Import is light: kernels compile on first use (and are cached on disk).
 """
 __version__ = "0.1.0"
 
+import importlib as _importlib
+
+_LAZY = ("nf4", "w4a16", "nn", "reference", "runtime", "ops", "quant", "bench")
 
 
-__all__ = ["__version__", "nf4"]
+def __getattr__(name):  # submodules load on first use: `import tilefish` stays light
+    if name in _LAZY:
+        return _importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'tilefish' has no attribute {name!r}")
+
+
+__all__ = ["__version__", "nf4", "w4a16", "nn"]

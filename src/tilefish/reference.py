@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["nf4_absmax", "nf4_dequantize_fp32_chain", "nf4_dequantize_f64"]
-
 
 def _round_f64_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Round float64 ``x`` once, to nearest-even, to ``dtype``.
@@ -85,3 +83,18 @@ def nf4_dequantize_f64(q, dtype: torch.dtype | None = None) -> torch.Tensor:
     vals = nf4_table(q.codes.device).double()[_nf4_indices(q)]
     out = (vals * absmax[:, None]).reshape(-1)[: q.numel]
     return _round_f64_to(out, dtype).reshape(q.shape)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# W4A16
+
+def w4a16_matmul(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ dequant(W)^T (+ bias): dequantize in fp32 (exact), matmul in float64, one cast to x.dtype.
+
+    `w` is a tilefish.quant.int4.Int4Weight; x is [..., k] (already permuted for act-order weights).
+    """
+    wf = w.dequantize(torch.float64)
+    y = x.to(torch.float64) @ wf.t()
+    if bias is not None:
+        y = y + bias.to(torch.float64)
+    return y.to(x.dtype)

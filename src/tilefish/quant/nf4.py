@@ -155,7 +155,7 @@ class NF4Weight:
         if have and len(have) < len(nested):
             missing = [k for k in nested if k not in have]
             raise ValueError(f"double-quant fields partially present: {', '.join(have)} set but "
-                             f"{', '.join(missing)} missing (double quant needs all of absmax_q, code2, absmax2, offset)")
+                             f"{', '.join(missing)} missing (double quant needs absmax_q, code2, absmax2, offset)")
         if have and self.absmax is not None:
             raise ValueError("both absmax (single level) and the double-quant fields (absmax_q, code2, absmax2, "
                              "offset) are set; set one of them")
@@ -186,7 +186,7 @@ def _check_tensor(name: str, t: Any, dtype: torch.dtype, shape: tuple[int, ...] 
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != dtype:
-        raise TypeError(f"{name} must be {str(dtype).removeprefix('torch.')}, got {str(t.dtype).removeprefix('torch.')}")
+        raise TypeError(f"{name} must be {_dtype_name(dtype)}, got {_dtype_name(t.dtype)}")
     if shape is not None and tuple(t.shape) != shape:
         raise ValueError(f"{name} must be 1-D of length {shape[0]} ({what}), got shape {tuple(t.shape)}")
     if not t.is_contiguous():
@@ -214,10 +214,11 @@ def _nearest(x: torch.Tensor, amax: torch.Tensor, midpoints: torch.Tensor) -> to
 def quantize(w: torch.Tensor, blocksize: int = 64, double_quant: bool = True) -> NF4Weight:
     """Quantize ``w`` (float16/bfloat16/float32, any shape) to NF4, on ``w.device``.
 
-    Same result as bitsandbytes' ``quantize_4bit(w, blocksize, compress_statistics=double_quant,
-    quant_type="nf4")`` up to the rounding of values within an ulp of a decision threshold (bitsandbytes' own
-    backends differ there too: its CPU backend divides instead of multiplying by the reciprocal for the last
-    partial block and for the nested absmax).
+    Same bytes as bitsandbytes' ``quantize_4bit(w, blocksize, compress_statistics=double_quant,
+    quant_type="nf4")`` (same absmax, offset, absmax2 and code2) except where bitsandbytes does not pick the
+    nearest entry: values within an ulp of a threshold (its CPU backend divides instead of multiplying by the
+    reciprocal for the last partial block), and its CPU 8-bit search for the nested absmax, which misses the
+    nearest map entry for a fraction of a percent of blocks. Here every code is the nearest one.
     """
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"w must be a torch.Tensor, got {type(w).__name__}")
@@ -268,6 +269,12 @@ def quantize(w: torch.Tensor, blocksize: int = 64, double_quant: bool = True) ->
 # Interop: bitsandbytes QuantState and Linear4bit state dicts
 # ---------------------------------------------------------------------------------------------------------------------
 
+def _describe(t: Any) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{_dtype_name(t.dtype)} tensor of shape {tuple(t.shape)}"
+    return type(t).__name__
+
+
 def _check_quant_type(qt: Any) -> None:
     if qt != "nf4":
         if qt == "fp4":
@@ -279,17 +286,13 @@ def _check_quant_map(t: Any, name: str) -> None:
     ok = (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.numel() == 16
           and torch.equal(t.detach().cpu().reshape(-1), _nf4_table_cpu()))
     if not ok:
-        got = (f"{str(t.dtype).removeprefix('torch.')} tensor of shape {tuple(t.shape)}"
-               if isinstance(t, torch.Tensor) else type(t).__name__)
-        raise ValueError(f"{name}: quant_map is not the NF4 table (expected float32[16] equal to NF4_TABLE, got {got}); "
-                         "only bitsandbytes' nf4 format is supported")
+        raise ValueError(f"{name}: quant_map is not the NF4 table (expected float32[16] equal to NF4_TABLE, "
+                         f"got {_describe(t)}); only bitsandbytes' nf4 format is supported")
 
 
 def _check_code2(t: Any, name: str) -> None:
     if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != 256:
-        got = (f"{str(t.dtype).removeprefix('torch.')} tensor of shape {tuple(t.shape)}"
-               if isinstance(t, torch.Tensor) else type(t).__name__)
-        raise ValueError(f"{name}: nested_quant_map must be a float32 tensor of length 256, got {got}")
+        raise ValueError(f"{name}: nested_quant_map must be a float32 tensor of length 256, got {_describe(t)}")
 
 
 def _raw_bytes(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -305,15 +308,16 @@ def _vector(t: Any) -> Any:
 
 
 def _fp32_scale(t: Any) -> Any:
-    # Older checkpoints may carry 16-bit absmax; widening to fp32 is exact.
+    # bitsandbytes' CPU path tolerates a 16-bit absmax (it calls .float()); widening to fp32 is exact.
     if isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16):
         return t.float()
     return t
 
 
 def _offset_tensor(offset: Any, device: torch.device) -> torch.Tensor:
-    if isinstance(offset, torch.Tensor):
-        return offset.detach().as_subclass(torch.Tensor).reshape(()).to(torch.float32)
+    if isinstance(offset, torch.Tensor):  # a 1-element tensor becomes 0-dim; anything else is left to validate()
+        t = offset.detach().as_subclass(torch.Tensor)
+        return t.reshape(()) if t.numel() == 1 else t
     return torch.tensor(float(offset), dtype=torch.float32, device=device)
 
 
@@ -341,8 +345,8 @@ def from_bnb(packed: torch.Tensor, quant_state: QuantState) -> NF4Weight:
         if qs.offset is None:
             raise ValueError("quant_state.offset is None but quant_state.state2 is set (double quant needs both)")
         q = NF4Weight(codes=codes, shape=torch.Size(qs.shape), dtype=qs.dtype, blocksize=qs.blocksize,
-                      absmax_q=_vector(qs.absmax), code2=_vector(state2.code), absmax2=_vector(_fp32_scale(state2.absmax)),
-                      offset=_offset_tensor(qs.offset, codes.device))
+                      absmax_q=_vector(qs.absmax), code2=_vector(state2.code),
+                      absmax2=_vector(_fp32_scale(state2.absmax)), offset=_offset_tensor(qs.offset, codes.device))
     else:
         q = NF4Weight(codes=codes, shape=torch.Size(qs.shape), dtype=qs.dtype, blocksize=qs.blocksize,
                       absmax=_vector(_fp32_scale(qs.absmax)))
