@@ -9,4 +9,14 @@ def _nf4(args):
                    double_quant=not args.single_quant, variants=args.variants, reps=args.reps)
 
 
-FAMILIES = {"nf4": _nf4}
+def _w4a16(args):
+    from . import w4a16
+
+    kn = [tuple(s) for s in args.shapes] if args.shapes else None
+    ms = [int(v) for v in args.m.split(",")] if args.m else None
+    groups = [int(v) for v in args.groups.split(",")] if args.groups else (128, -1)
+    dtypes = args.dtypes.split(",") if args.dtypes else ("fp16", "bf16")
+    return w4a16.run(shapes=kn, ms=ms, groups=groups, dtypes=dtypes, reps=args.reps)
+
+
+FAMILIES = {"nf4": _nf4, "w4a16": _w4a16}

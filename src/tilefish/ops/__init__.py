@@ -7,9 +7,10 @@ def kernel_specs(include_variants: bool = False):
 
     include_variants adds the benchmark-only design-space variants (tilefish bench --variants).
     """
-    from . import nf4
+    from . import nf4, w4a16
 
     specs = [("nf4", s) for s in nf4.dispatch_specs()]
+    specs += [("w4a16", s) for s in w4a16.dispatch_specs()]
     if include_variants:
         import torch
 

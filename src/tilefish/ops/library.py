@@ -53,3 +53,26 @@ def nf4_dequantize(q, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
         return nf4_dequantize_op(*fields, dtype)
     nf4_dequantize_out_op(*fields, out)
     return out
+
+
+def _w4a16_weight(packed, scales, zeros, perm, group_size, n, k):
+    from .w4a16 import W4A16Weight
+
+    return W4A16Weight(packed, scales, zeros, group_size, n, k, perm)
+
+
+@torch.library.custom_op("tilefish::w4a16_matmul", mutates_args=())
+def w4a16_matmul_op(x: Tensor, packed: Tensor, scales: Tensor, zeros: Optional[Tensor], perm: Optional[Tensor],
+                    bias: Optional[Tensor], group_size: int, n: int, k: int) -> Tensor:
+    from .w4a16 import matmul_impl
+
+    return matmul_impl(x, _w4a16_weight(packed, scales, zeros, perm, group_size, n, k), bias)
+
+
+@w4a16_matmul_op.register_fake
+def _(x, packed, scales, zeros, perm, bias, group_size, n, k):
+    return x.new_empty(*x.shape[:-1], n)
+
+
+def w4a16_matmul(x: Tensor, w, bias: Tensor | None = None) -> Tensor:
+    return w4a16_matmul_op(x, w.packed, w.scales, w.zeros, w.perm, bias, w.group_size, w.n, w.k)

@@ -49,3 +49,73 @@ __device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
 }
 
 }  // namespace tf
+
+namespace tf {
+
+// ---- cp.async (sm_80+): global -> shared without a register round trip, so loads for later
+// pipeline stages overlap the math on the current one.
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes, bypassing L1 (.cg: every byte is used once per block). When `valid` is false the
+// destination is zero-filled (src-size 0) and nothing is read: that is how rows past m are padded.
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src, bool valid = true) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(smem_addr(smem_dst)), "l"(gmem_src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Wait until at most N of this thread's committed groups are still in flight.
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
+}
+
+// ---- ldmatrix: four 8x8 b16 matrices from shared memory, one row address per lane (lanes
+// 8i..8i+7 give matrix i's rows); lane l receives row l/4, elements 2(l%4)..+1 of each matrix,
+// which is exactly the mma.m16n8k16 A-fragment layout when the four matrices are
+// (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15).
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* smem_row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(smem_row)));
+}
+
+// ---- mma.sync m16n8k16, fp32 accumulate. Fragments (g = lane/4, t = lane%4):
+//   A (16x16 row-major): a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..)
+//   B (16x8, k-major):   b0 (k 2t..2t+1, n g), b1 (k 2t+8..2t+9, n g)
+//   C (16x8):            c0,c1 (g, 2t..2t+1), c2,c3 (g+8, 2t..2t+1)
+template <typename T> struct Mma;
+template <> struct Mma<__half> {
+    static __device__ __forceinline__ void run(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+template <> struct Mma<__nv_bfloat16> {
+    static __device__ __forceinline__ void run(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+
+// ---- lop3: one instruction for (a & b) | c, the heart of int4 -> fp16/bf16 conversion: OR-ing a
+// nibble into the mantissa of a float whose exponent makes the mantissa's units equal to 1.
+template <int LUT> __device__ __forceinline__ u32 lop3(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm volatile("lop3.b32 %0, %1, %2, %3, %4;\n" : "=r"(r) : "r"(a), "r"(b), "r"(c), "n"(LUT));
+    return r;
+}
+constexpr int kLopAndOr = (0xf0 & 0xcc) | 0xaa;  // (a & b) | c
+
+// ---- acquire/release on global counters (cross-block reductions).
+__device__ __forceinline__ int atomic_add_acq_rel(int* p, int v) {
+    int old;
+    asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
+__device__ __forceinline__ void store_relaxed(int* p, int v) {
+    asm volatile("st.relaxed.gpu.global.s32 [%0], %1;\n" :: "l"(p), "r"(v) : "memory");
+}
+
+}  // namespace tf

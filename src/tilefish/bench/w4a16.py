@@ -1,0 +1,51 @@
+"""`tilefish bench w4a16`: the W4A16 GEMM against cuBLAS fp16/bf16 of the same shape, same process."""
+from __future__ import annotations
+
+import torch
+
+from .ceilings import copy_bandwidth_gbps
+from .report import Report, Row
+from .timing import host_overhead_us, time_cuda
+
+# (k, n) of Llama-3 8B and 70B linears
+DEFAULT_KN = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (8192, 8192),
+              (8192, 57344), (28672, 8192)]
+DEFAULT_M = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def run(shapes=None, ms=None, groups=(128, -1), dtypes=("fp16", "bf16"), reps: int = 50) -> Report:
+    from ..ops import w4a16 as ops
+
+    copy = copy_bandwidth_gbps()
+    report = Report("W4A16 GEMM vs cuBLAS (ratio = cuBLAS time / tilefish time)", {"copy GB/s": copy})
+    for dname in dtypes:
+        dtype = DTYPES[dname]
+        for k, n in shapes or DEFAULT_KN:
+            dense = torch.randn(n, k, device="cuda", dtype=dtype)
+            for group in groups:
+                p = ops.pack(__import__("tilefish.quant.int4", fromlist=["x"]).quantize_rtn(
+                    dense, group, True, scale_dtype=dtype, clip_search=False))
+                for m in ms or DEFAULT_M:
+                    x = torch.randn(m, k, device="cuda", dtype=dtype)
+                    t_ours = time_cuda(lambda: ops.matmul_impl(x, p), reps=reps).median_ms
+                    t_cublas = time_cuda(lambda: torch.nn.functional.linear(x, dense), reps=reps).median_ms
+                    wbytes = p.packed.numel() * 4 + p.scales.numel() * 2
+                    nbytes = wbytes + 2 * m * (k + n)
+                    gbps = nbytes / (t_ours * 1e-3) / 1e9
+                    tflops = 2 * m * n * k / (t_ours * 1e-3) / 1e12
+                    cfg = ops.choose_config(m, n, k, 132)
+                    report.add(Row("w4a16", f"{dname} k{k} n{n} g{group} m{m}", "tilefish", t_ours * 1e3, gbps,
+                                   "GB/s", 100 * gbps / copy, {"cuBLAS": t_cublas / t_ours},
+                                   {"tflops": tflops, "cublas_us": t_cublas * 1e3, "m": m, "k": k, "n": n,
+                                    "group": group, "dtype": dname, "config": cfg.label()}))
+                del p
+            del dense
+    small = ops.pack(__import__("tilefish.quant.int4", fromlist=["x"]).quantize_rtn(
+        torch.randn(128, 256, device="cuda"), 128, True, scale_dtype=torch.float16))
+    xs = torch.randn(1, 256, device="cuda", dtype=torch.float16)
+    from .. import w4a16
+
+    report.notes.append(f"host overhead per call (m=1, k=256, n=128, wrapper + launch): "
+                        f"{host_overhead_us(lambda: w4a16.matmul(xs, small)):.1f} us")
+    return report

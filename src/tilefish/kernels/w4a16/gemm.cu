@@ -1,0 +1,340 @@
+// W4A16 GEMM: y[m, n] = x[m, k] @ dequant(W)[n, k]^T (+ bias), x fp16/bf16, W 4-bit, fp32 accumulate.
+//
+// Tiling: a block of 256 threads (8 warps) owns a BM x BN output tile (BM = 16*MB rows, BN = 64*WN
+// columns) and walks k in tiles of 128. Its warps form a WN x WK grid: warp (wn, wk) owns the
+// 64-column strip wn and the k16 steps wk*KW .. wk*KW+KW-1 of every k tile (KW = 8 / WK), so
+// several warps split k and are summed in shared memory at the end (block-level reduction).
+//
+// Pipeline: STAGES-deep cp.async ring for the x tile, the packed weight tile, the group scales
+// and zero points. x is stored XOR-swizzled (16-byte chunk c of row r lands at c ^ (r & 7)), so
+// the ldmatrix.x4 that reads a 16x16 A fragment touches 8 different bank groups: conflict-free.
+//
+// Weights arrive pre-permuted (ops/w4a16.py, docs/w4a16.md): for each (k16 row, 64-column strip)
+// 512 contiguous bytes, 16 per lane, and the 4-byte word j of lane l holds exactly the B fragments
+// of n8 subtiles 2j and 2j+1 for that lane, nibbles ordered so that lop3 with an fp16/bf16
+// exponent pattern turns pairs of nibbles directly into the half2 registers mma expects. The zero
+// point is subtracted exactly in half precision; group scales multiply the fragment (one rounding,
+// like a dequantize-then-cast), per-channel scales multiply the fp32 accumulators in the epilogue.
+//
+// Split-k: when there are too few output tiles to fill the GPU, `slices` blocks share a tile's k
+// range. Each writes its fp32 partial tile to a workspace, then bumps the tile's counter with an
+// acq_rel atomic; the last one to arrive sums the partials in slice order (so the result is
+// bitwise deterministic whatever the arrival order) and resets the counter to zero, leaving the
+// workspace clean for the next launch. No block ever waits on another, so no launch can hang.
+#include "common/ptx.cuh"
+
+using namespace tf;
+
+constexpr int kThreads = 256;
+constexpr int kBK = 128;  // k per pipeline tile
+
+template <typename T> struct Dequant;
+
+// fp16: 0x6400 is 1024.0; OR-ing a nibble into bits 0-3 gives 1024 + q, into bits 4-7 1024 + 16q.
+template <> struct Dequant<__half> {
+    struct Zero { __half2 lo, hi; };  // 1024 + z and 64 + z, per column
+    static __device__ __forceinline__ Zero zero(float z) {
+        return {__float2half2_rn(1024.f + z), __float2half2_rn(64.f + z)};
+    }
+    static __device__ __forceinline__ __half2 as_h2(u32 v) { return *reinterpret_cast<__half2*>(&v); }
+    static __device__ __forceinline__ u32 as_u32(__half2 v) { return *reinterpret_cast<u32*>(&v); }
+    // Word -> 4 half2: (nib0,nib4) (nib1,nib5) (nib2,nib6) (nib3,nib7), minus the zero point.
+    static __device__ __forceinline__ void run(u32 q, const Zero& z0, const Zero& z1, u32 (&r)[4]) {
+        const u32 kLo = 0x000f000f, kHi = 0x00f000f0, kExp = 0x64006400;
+        const __half2 kSixteenth = __float2half2_rn(1.f / 16.f);
+        u32 lo0 = lop3<kLopAndOr>(q, kLo, kExp), hi0 = lop3<kLopAndOr>(q, kHi, kExp);
+        q >>= 8;
+        u32 lo1 = lop3<kLopAndOr>(q, kLo, kExp), hi1 = lop3<kLopAndOr>(q, kHi, kExp);
+        r[0] = as_u32(__hsub2(as_h2(lo0), z0.lo));
+        r[1] = as_u32(__hfma2(as_h2(hi0), kSixteenth, __hneg2(z0.hi)));
+        r[2] = as_u32(__hsub2(as_h2(lo1), z1.lo));
+        r[3] = as_u32(__hfma2(as_h2(hi1), kSixteenth, __hneg2(z1.hi)));
+    }
+};
+
+// bf16 has 7 mantissa bits: 16q does not fit, so every nibble is shifted down to bits 0-3 and
+// OR-ed into 0x4300 (128.0), giving 128 + q.
+template <> struct Dequant<__nv_bfloat16> {
+    struct Zero { __nv_bfloat162 lo; };
+    static __device__ __forceinline__ Zero zero(float z) { return {__float2bfloat162_rn(128.f + z)}; }
+    static __device__ __forceinline__ __nv_bfloat162 as_h2(u32 v) { return *reinterpret_cast<__nv_bfloat162*>(&v); }
+    static __device__ __forceinline__ u32 as_u32(__nv_bfloat162 v) { return *reinterpret_cast<u32*>(&v); }
+    static __device__ __forceinline__ void run(u32 q, const Zero& z0, const Zero& z1, u32 (&r)[4]) {
+        const u32 kLo = 0x000f000f, kExp = 0x43004300;
+        r[0] = as_u32(__hsub2(as_h2(lop3<kLopAndOr>(q, kLo, kExp)), z0.lo));
+        r[1] = as_u32(__hsub2(as_h2(lop3<kLopAndOr>(q >> 4, kLo, kExp)), z0.lo));
+        r[2] = as_u32(__hsub2(as_h2(lop3<kLopAndOr>(q >> 8, kLo, kExp)), z1.lo));
+        r[3] = as_u32(__hsub2(as_h2(lop3<kLopAndOr>(q >> 12, kLo, kExp)), z1.lo));
+    }
+};
+
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> struct Vec2;
+template <> struct Vec2<__half> {
+    using type = __half2;
+    static __device__ __forceinline__ type make(float a, float b) { return __floats2half2_rn(a, b); }
+    static __device__ __forceinline__ type dup(__half v) { return __half2half2(v); }
+    static __device__ __forceinline__ float2 to_float2(type v) { return __half22float2(v); }
+};
+template <> struct Vec2<__nv_bfloat16> {
+    using type = __nv_bfloat162;
+    static __device__ __forceinline__ type make(float a, float b) { return __floats2bfloat162_rn(a, b); }
+    static __device__ __forceinline__ type dup(__nv_bfloat16 v) { return __bfloat162bfloat162(v); }
+    static __device__ __forceinline__ float2 to_float2(type v) { return __bfloat1622float2(v); }
+};
+
+// Shared-memory bytes of one pipeline stage (the host computes the same numbers).
+template <int MB, int WN, int GROUP, bool ASYM>
+struct StageLayout {
+    static constexpr int BM = 16 * MB, BN = 64 * WN;
+    static constexpr int kA = BM * kBK * 2;
+    static constexpr int kB = kBK * BN / 2;
+    static constexpr int kScaleRows = GROUP ? kBK / GROUP : 0;
+    static constexpr int kZeroRows = ASYM ? (GROUP ? kBK / GROUP : 1) : 0;
+    static constexpr int kS = kScaleRows * BN * 2;
+    static constexpr int kZ = kZeroRows * BN * 2;
+    static constexpr int kBytes = kA + kB + kS + kZ;
+};
+
+template <typename T, int MB, int WN, int WK, int STAGES, int GROUP, bool ASYM>
+__global__ void __launch_bounds__(kThreads)
+w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __restrict__ scales,
+           const T* __restrict__ zeros, const T* __restrict__ bias, T* __restrict__ out,
+           float* __restrict__ workspace, int* __restrict__ counters, int m, int n, int k, int slices) {
+    static_assert(WN * WK == 8, "8 warps");
+    using L = StageLayout<MB, WN, GROUP, ASYM>;
+    using DQ = Dequant<T>;
+    using V2 = Vec2<T>;
+    constexpr int BM = L::BM, BN = L::BN, KW = 8 / WK;
+    constexpr int kAccPerThread = MB * 8 * 4;
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wn = warp % WN, wk = warp / WN;
+    const int g = lane >> 2, t = lane & 3;
+
+    const int n_tiles = n / BN;
+    const int tile = blockIdx.y * n_tiles + blockIdx.x;
+    const int n0 = blockIdx.x * BN, m0 = blockIdx.y * BM;
+    const int k_tiles = k / kBK;
+    const int slice = blockIdx.z;
+    const int kt_begin = (int)((long long)slice * k_tiles / slices);
+    const int kt_end = (int)((long long)(slice + 1) * k_tiles / slices);
+    const int strips = n / 64;
+
+    auto stage_ptr = [&](int s) { return smem + s * L::kBytes; };
+
+    auto load_stage = [&](int s, int kt) {
+        unsigned char* base = stage_ptr(s);
+        T* a_s = reinterpret_cast<T*>(base);
+        uint4* b_s = reinterpret_cast<uint4*>(base + L::kA);
+        const int k0 = kt * kBK;
+        // x tile: BM rows x 16 chunks of 16 B, swizzled; rows past m are zero-filled.
+#pragma unroll
+        for (int i = 0; i < (BM * 16 + kThreads - 1) / kThreads; ++i) {
+            int c = tid + i * kThreads;
+            if (BM * 16 % kThreads == 0 || c < BM * 16) {
+                int row = c >> 4, col = c & 15;
+                bool valid = m0 + row < m;
+                const T* src = x + (size_t)(valid ? m0 + row : 0) * k + k0 + col * 8;
+                cp_async16(a_s + row * kBK + ((col ^ (row & 7)) << 3), src, valid);
+            }
+        }
+        // weight tile: 8 k16 rows, each WN strips x 512 B contiguous in global memory.
+#pragma unroll
+        for (int i = 0; i < WN; ++i) {
+            int c = tid + i * kThreads;
+            int r = c / (WN * 32), rem = c % (WN * 32);
+            cp_async16(b_s + c, w + ((size_t)(kt * 8 + r) * strips + n0 / 64) * 32 + rem);
+        }
+        if constexpr (GROUP > 0) {
+            T* s_s = reinterpret_cast<T*>(base + L::kA + L::kB);
+            constexpr int chunks = L::kScaleRows * BN / 8;
+            if (tid < chunks) {
+                int row = tid / (BN / 8), col = tid % (BN / 8);
+                cp_async16(s_s + row * BN + col * 8, scales + (size_t)(k0 / GROUP + row) * n + n0 + col * 8);
+            }
+        }
+        if constexpr (ASYM) {
+            T* z_s = reinterpret_cast<T*>(base + L::kA + L::kB + L::kS);
+            constexpr int chunks = L::kZeroRows * BN / 8;
+            if (tid < chunks) {
+                int row = tid / (BN / 8), col = tid % (BN / 8);
+                int zrow = GROUP ? k0 / GROUP + row : 0;
+                cp_async16(z_s + row * BN + col * 8, zeros + (size_t)zrow * n + n0 + col * 8);
+            }
+        }
+    };
+
+    float acc[MB][8][4];
+#pragma unroll
+    for (int a = 0; a < MB; ++a)
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[a][j][c] = 0.f;
+
+    // Symmetric weights: the zero point is the constant 8.
+    typename DQ::Zero zsym = DQ::zero(8.f);
+
+    // Prologue: fill STAGES-1 stages.
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (kt_begin + s < kt_end) load_stage(s, kt_begin + s);
+        cp_async_commit();
+    }
+
+    for (int kt = kt_begin; kt < kt_end; ++kt) {
+        const int it = kt - kt_begin;
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // tile `it` is visible to all; everyone is done with tile it-1's stage
+        {
+            int nxt = kt + STAGES - 1;
+            if (nxt < kt_end) load_stage((it + STAGES - 1) % STAGES, nxt);
+            cp_async_commit();
+        }
+        unsigned char* base = stage_ptr(it % STAGES);
+        const T* a_s = reinterpret_cast<const T*>(base);
+        const uint4* b_s = reinterpret_cast<const uint4*>(base + L::kA);
+#pragma unroll
+        for (int kk = 0; kk < KW; ++kk) {
+            const int s16 = wk * KW + kk;  // k16 step within the tile
+            u32 af[MB][4];
+#pragma unroll
+            for (int a = 0; a < MB; ++a) {
+                int row = a * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                int chunk = 2 * s16 + (lane >> 4);
+                ldmatrix_x4(af[a], a_s + row * kBK + ((chunk ^ (row & 7)) << 3));
+            }
+            uint4 bw = b_s[(s16 * WN + wn) * 32 + lane];
+            u32 words[4] = {bw.x, bw.y, bw.z, bw.w};
+            // This lane's scale / zero of subtiles 0..7 (column 8*sub + g of the strip): 16 B each.
+            typename V2::type sc2[8];
+            typename DQ::Zero zs[8];
+            if constexpr (GROUP > 0) {
+                const int grp = (s16 * 16) / GROUP;
+                const T* s_s = reinterpret_cast<const T*>(base + L::kA + L::kB);
+                uint4 sv = *reinterpret_cast<const uint4*>(s_s + grp * BN + wn * 64 + g * 8);
+                const T* sp = reinterpret_cast<const T*>(&sv);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) sc2[j] = V2::dup(sp[j]);
+            }
+            if constexpr (ASYM) {
+                const int zrow = GROUP ? (s16 * 16) / GROUP : 0;
+                const T* z_s = reinterpret_cast<const T*>(base + L::kA + L::kB + L::kS);
+                uint4 zv = *reinterpret_cast<const uint4*>(z_s + zrow * BN + wn * 64 + g * 8);
+                const T* zp = reinterpret_cast<const T*>(&zv);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) zs[j] = DQ::zero(to_float(zp[j]));
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                u32 frag[4];
+                DQ::run(words[j], ASYM ? zs[2 * j] : zsym, ASYM ? zs[2 * j + 1] : zsym, frag);
+                if constexpr (GROUP > 0) {
+#pragma unroll
+                    for (int p = 0; p < 4; ++p) {
+                        typename V2::type v = *reinterpret_cast<typename V2::type*>(&frag[p]);
+                        v = __hmul2(v, sc2[2 * j + (p >> 1)]);
+                        frag[p] = *reinterpret_cast<u32*>(&v);
+                    }
+                }
+#pragma unroll
+                for (int a = 0; a < MB; ++a) {
+                    Mma<T>::run(acc[a][2 * j], af[a], frag[0], frag[1]);
+                    Mma<T>::run(acc[a][2 * j + 1], af[a], frag[2], frag[3]);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // Block-level k reduction: warps wk > 0 hand their partial sums to warp wk == 0 of the strip,
+    // which adds them in wk order. Layout [warp][value][lane] keeps the accesses conflict-free.
+    float* red = reinterpret_cast<float*>(smem);
+    if constexpr (WK > 1) {
+        if (wk > 0) {
+            float* dst = red + ((wk - 1) * WN + wn) * (kAccPerThread * 32);
+#pragma unroll
+            for (int a = 0; a < MB; ++a)
+#pragma unroll
+                for (int j = 0; j < 8; ++j)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) dst[((a * 8 + j) * 4 + c) * 32 + lane] = acc[a][j][c];
+        }
+        __syncthreads();
+        if (wk == 0) {
+#pragma unroll 1
+            for (int w2 = 1; w2 < WK; ++w2) {
+                const float* src = red + ((w2 - 1) * WN + wn) * (kAccPerThread * 32);
+#pragma unroll
+                for (int a = 0; a < MB; ++a)
+#pragma unroll
+                    for (int j = 0; j < 8; ++j)
+#pragma unroll
+                        for (int c = 0; c < 4; ++c) acc[a][j][c] += src[((a * 8 + j) * 4 + c) * 32 + lane];
+            }
+        }
+    }
+
+    // Split-k fixup across blocks (see the header comment).
+    if (slices > 1) {
+        __shared__ int s_is_last;
+        const size_t tile_base = ((size_t)tile * slices) * WN * (kAccPerThread * 32);
+        if (wk == 0) {
+            float* dst = workspace + tile_base + (size_t)slice * WN * (kAccPerThread * 32) + wn * (kAccPerThread * 32);
+#pragma unroll
+            for (int a = 0; a < MB; ++a)
+#pragma unroll
+                for (int j = 0; j < 8; ++j)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) __stcg(dst + ((a * 8 + j) * 4 + c) * 32 + lane, acc[a][j][c]);
+        }
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) s_is_last = atomic_add_acq_rel(counters + tile, 1) == slices - 1;
+        __syncthreads();
+        if (!s_is_last) return;
+        __threadfence();
+        if (wk == 0) {
+#pragma unroll 1
+            for (int s = 0; s < slices; ++s) {
+                const float* src = workspace + tile_base + (size_t)s * WN * (kAccPerThread * 32) + wn * (kAccPerThread * 32);
+#pragma unroll
+                for (int a = 0; a < MB; ++a)
+#pragma unroll
+                    for (int j = 0; j < 8; ++j)
+#pragma unroll
+                        for (int c = 0; c < 4; ++c) {
+                            float v = __ldcg(src + ((a * 8 + j) * 4 + c) * 32 + lane);
+                            acc[a][j][c] = s == 0 ? v : acc[a][j][c] + v;
+                        }
+            }
+        }
+        if (tid == 0) store_relaxed(counters + tile, 0);  // every slice has arrived: reset for the next launch
+    }
+
+    if (wk != 0) return;
+    // Epilogue: per-channel scale, bias, convert, store (rows past m are skipped).
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const int col = n0 + wn * 64 + j * 8 + 2 * t;
+        float2 sc = make_float2(1.f, 1.f), bi = make_float2(0.f, 0.f);
+        if constexpr (GROUP == 0) sc = V2::to_float2(*reinterpret_cast<const typename V2::type*>(scales + col));
+        if (bias != nullptr) bi = V2::to_float2(*reinterpret_cast<const typename V2::type*>(bias + col));
+#pragma unroll
+        for (int a = 0; a < MB; ++a) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = m0 + a * 16 + g + 8 * h;
+                if (row < m) {
+                    typename V2::type v = V2::make(acc[a][j][2 * h] * sc.x + bi.x, acc[a][j][2 * h + 1] * sc.y + bi.y);
+                    *reinterpret_cast<typename V2::type*>(out + (size_t)row * n + col) = v;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,263 @@
+"""W4A16 GEMM op: repack an Int4Weight into the kernel layout; validate -> pick a config -> launch.
+
+Kernel layout (docs/w4a16.md has the fragment maps):
+  packed  int32 [k/16, 2n]: for each k16 row and 64-column strip, 32 lanes x 4 words; word j of lane
+          l = 4g + t holds, in nibble p, q[n = 64 S + 16 j + 8 h + g, k = 16 r + 8 a + 2 t + b] with
+          p = 4 b + 2 h + a (the order in which lop3 peels nibble pairs into mma B fragments).
+  scales  [groups, n] in the x dtype; for grouped weights permuted inside each 64-column strip so a
+          lane's 8 scales (column 8 s + g, s = 0..7) are 16 contiguous bytes; per-channel scales stay
+          in natural order (they multiply the accumulators in the epilogue).
+  zeros   [groups, n] zero points as x-dtype values 0..15, permuted like grouped scales; None = 8.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ..quant.int4 import Int4Weight
+from ..runtime import KernelSpec, device_info, get_kernel, i32, launch
+
+SOURCE = "w4a16/gemm.cu"
+THREADS = 256
+BK = 128
+DTYPES = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
+
+
+@dataclass
+class W4A16Weight:
+    """A 4-bit weight in the kernel's layout, for y = x @ W^T with W [n, k]."""
+    packed: torch.Tensor            # int32 [k/16, 2n]
+    scales: torch.Tensor            # fp16/bf16 [groups, n] (see module docstring for the order)
+    zeros: torch.Tensor | None      # same dtype [groups, n] or None (symmetric)
+    group_size: int                 # -1 (per channel), 32, 64, 128
+    n: int
+    k: int
+    perm: torch.Tensor | None = None  # act-order: the kernel computes x[..., perm] @ W^T
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    def to(self, device) -> "W4A16Weight":
+        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return W4A16Weight(mv(self.packed), mv(self.scales), mv(self.zeros), self.group_size, self.n, self.k,
+                           mv(self.perm))
+
+
+# ---- layout ---------------------------------------------------------------------------------------------------
+
+def _strip_permute(t: torch.Tensor) -> torch.Tensor:
+    """[rows, n] -> within each 64-column strip, position 8 g + s holds column 8 s + g."""
+    rows, n = t.shape
+    return t.reshape(rows, n // 64, 8, 8).transpose(-1, -2).reshape(rows, n)
+
+
+def _strip_unpermute(t: torch.Tensor) -> torch.Tensor:
+    return _strip_permute(t)  # the permutation is a transpose of 8x8 blocks: its own inverse
+
+
+def check_shape(n: int, k: int, group_size: int) -> None:
+    if n % 64:
+        raise ValueError(f"W4A16 needs n (out_features) to be a multiple of 64; got n={n}")
+    if k % BK:
+        raise ValueError(f"W4A16 needs k (in_features) to be a multiple of {BK}; got k={k}")
+    if group_size not in (-1, 32, 64, 128):
+        raise ValueError(f"W4A16 group_size must be -1, 32, 64 or 128; got {group_size}")
+
+
+def pack(w: Int4Weight, perm: torch.Tensor | None = None) -> W4A16Weight:
+    """Int4Weight (q [n, k], scales/zeros [n, groups]) -> the kernel layout. Pure torch, any device."""
+    n, k = w.n, w.k
+    check_shape(n, k, w.group_size)
+    q = w.q.to(torch.int64)
+    # n = 64 S + 16 j + 8 h + g ; k = 16 r + 8 a + 2 t + b
+    v = q.view(n // 64, 4, 2, 8, k // 16, 2, 4, 2)          # S j h g r a t b
+    v = v.permute(4, 0, 3, 6, 1, 7, 2, 5)                     # r S g t j b h a
+    v = v.reshape(k // 16, n // 64, 32, 4, 8)
+    shifts = torch.arange(0, 32, 4, device=q.device, dtype=torch.int64)
+    words = (v << shifts).sum(-1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    packed = words.reshape(k // 16, 2 * n).contiguous()
+    scales = w.scales.t().contiguous()                       # [groups, n]
+    if w.group_size != -1:
+        scales = _strip_permute(scales).contiguous()
+    zeros = None
+    if w.zeros is not None:
+        zeros = _strip_permute(w.zeros.t().to(w.scales.dtype)).contiguous()
+    return W4A16Weight(packed, scales, zeros, w.group_size, n, k, perm)
+
+
+def unpack(p: W4A16Weight) -> Int4Weight:
+    """The inverse of pack (for tests and export)."""
+    n, k = p.n, p.k
+    words = p.packed.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(0, 32, 4, device=words.device, dtype=torch.int64)
+    v = (words.view(k // 16, n // 64, 32, 4, 1) >> shifts) & 0xF        # r S (g t) j p
+    v = v.view(k // 16, n // 64, 8, 4, 4, 2, 2, 2)                      # r S g t j b h a
+    v = v.permute(1, 4, 6, 2, 0, 7, 3, 5)                               # S j h g r a t b
+    q = v.reshape(n, k).to(torch.uint8)
+    scales = p.scales if p.group_size == -1 else _strip_unpermute(p.scales)
+    zeros = None if p.zeros is None else _strip_unpermute(p.zeros).to(torch.uint8).t().contiguous()
+    return Int4Weight(q.contiguous(), scales.t().contiguous(), zeros, p.group_size)
+
+
+# ---- kernel configurations ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GemmConfig:
+    mb: int = 1       # 16-row m blocks per tile (BM = 16 mb)
+    wn: int = 2       # warps along n (BN = 64 wn)
+    wk: int = 4       # warps along k (block-level k reduction)
+    stages: int = 4
+
+    @property
+    def bm(self) -> int:
+        return 16 * self.mb
+
+    @property
+    def bn(self) -> int:
+        return 64 * self.wn
+
+    def label(self) -> str:
+        return f"m{self.bm}n{self.bn}w{self.wn}x{self.wk}s{self.stages}"
+
+    def smem_bytes(self, group_size: int, asym: bool) -> int:
+        a = self.bm * BK * 2
+        b = BK * self.bn // 2
+        s = (BK // group_size) * self.bn * 2 if group_size > 0 else 0
+        z = ((BK // group_size) if group_size > 0 else 1) * self.bn * 2 if asym else 0
+        pipeline = self.stages * (a + b + s + z)
+        reduction = (self.wk - 1) * self.wn * 32 * (self.mb * 32) * 4
+        return max(pipeline, reduction)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_spec(dtype: torch.dtype, cfg: GemmConfig, group_size: int, asym: bool) -> KernelSpec:
+    group = 0 if group_size == -1 else group_size
+    name = (f"w4a16_gemm<{DTYPES[dtype]}, {cfg.mb}, {cfg.wn}, {cfg.wk}, {cfg.stages}, {group}, "
+            f"{'true' if asym else 'false'}>")
+    return KernelSpec(SOURCE, name, hot=True)
+
+
+CONFIGS = [GemmConfig(1, 2, 4), GemmConfig(2, 2, 4), GemmConfig(1, 4, 2), GemmConfig(2, 4, 2),
+           GemmConfig(1, 1, 8), GemmConfig(2, 1, 8)]
+
+
+def choose_config(m: int, n: int, k: int, sm_count: int) -> GemmConfig:
+    """Heuristic (docs/w4a16.md): one 16-row block for m <= 16, else 32-row tiles; the widest n tile
+    (128, else 64 columns) that divides n."""
+    mb = 1 if m <= 16 else 2
+    wn = 2 if n % 128 == 0 else 1
+    return GemmConfig(mb, wn, 8 // wn)
+
+
+def choose_slices(tiles: int, k_tiles: int, sm_count: int) -> int:
+    """Split k until the grid covers the SMs about once (at least 2 k tiles per slice)."""
+    if tiles >= sm_count:
+        return 1
+    return max(1, min(k_tiles // 2, round(sm_count / tiles)))
+
+
+def dispatch_specs() -> list[KernelSpec]:
+    out = []
+    for dt in DTYPES:
+        for cfg in {choose_config(m, n, 4096, 132) for m in (1, 32) for n in (64, 128)}:
+            for g in (-1, 32, 64, 128):
+                for asym in (False, True):
+                    out.append(kernel_spec(dt, cfg, g, asym))
+    return out
+
+
+# ---- workspace: per (device, stream) so concurrent streams never share counters ------------------------------
+
+_workspaces: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, floats: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    ws = _workspaces.get(key)
+    if ws is None or ws[0].numel() < floats or ws[1].numel() < tiles:
+        old_f = 0 if ws is None else ws[0].numel()
+        old_t = 0 if ws is None else ws[1].numel()
+        ws = (torch.empty(max(floats, old_f, 1 << 20), dtype=torch.float32, device=device),
+              torch.zeros(max(tiles, old_t, 4096), dtype=torch.int32, device=device))
+        _workspaces[key] = ws
+    return ws
+
+
+# ---- the op ---------------------------------------------------------------------------------------------------
+
+def _validate(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(w, W4A16Weight):
+        raise TypeError(f"w must be a W4A16Weight (tilefish.w4a16.quantize / from_gptq / from_awq), got {type(w).__name__}")
+    if x.dtype not in DTYPES:
+        raise TypeError(f"x must be float16 or bfloat16, got {x.dtype}")
+    if w.scales.dtype != x.dtype:
+        raise TypeError(f"x is {x.dtype} but the weight's scales are {w.scales.dtype}; convert one of them "
+                        "(W4A16Weight.scales.to(...))")
+    if x.shape[-1] != w.k:
+        raise ValueError(f"x has k={x.shape[-1]} (last dim) but the weight has in_features k={w.k}")
+    check_shape(w.n, w.k, w.group_size)
+    if w.packed.dtype != torch.int32 or tuple(w.packed.shape) != (w.k // 16, 2 * w.n):
+        raise ValueError(f"packed must be int32 [k/16, 2n] = {(w.k // 16, 2 * w.n)}, got {w.packed.dtype} "
+                         f"{tuple(w.packed.shape)}")
+    groups = 1 if w.group_size == -1 else w.k // w.group_size
+    if tuple(w.scales.shape) != (groups, w.n):
+        raise ValueError(f"scales must be [groups, n] = {(groups, w.n)}, got {tuple(w.scales.shape)}")
+    if w.zeros is not None and (w.zeros.dtype != x.dtype or tuple(w.zeros.shape) != (groups, w.n)):
+        raise ValueError(f"zeros must be {x.dtype} [groups, n] = {(groups, w.n)}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.dtype != x.dtype or tuple(bias.shape) != (w.n,):
+            raise ValueError(f"bias must be a {x.dtype} tensor of shape ({w.n},)")
+    tensors = {"x": x, "packed": w.packed, "scales": w.scales, "zeros": w.zeros, "bias": bias, "perm": w.perm}
+    devs = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devs.values())) > 1:
+        raise ValueError("all tensors must be on one device; got " + ", ".join(f"{a} on {d}" for a, d in devs.items()))
+
+
+def matmul_impl(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = None,
+                cfg: GemmConfig | None = None, slices: int | None = None) -> torch.Tensor:
+    _validate(x, w, bias)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, w.k)
+    if w.perm is not None:
+        x2 = x2.index_select(1, w.perm)
+    if x.device.type == "cpu":
+        from ..reference import w4a16_matmul
+
+        return w4a16_matmul(x2, unpack(w), bias).reshape(*lead, w.n)
+    if x.device.type != "cuda":
+        raise ValueError(f"W4A16 runs on CUDA or CPU tensors, not {x.device}")
+    x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, w.n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.reshape(*lead, w.n)
+    for name, t in (("x", x2), ("packed", w.packed), ("scales", w.scales), ("zeros", w.zeros)):
+        if t is not None and (t.data_ptr() % 16 or not t.is_contiguous()):
+            raise ValueError(f"{name} must be contiguous and 16-byte aligned for the CUDA kernel")
+    sms = device_info(x.device.index).sm_count
+    cfg = cfg or choose_config(m, w.n, w.k, sms)
+    if w.n % cfg.bn:
+        raise ValueError(f"config {cfg.label()} needs n % {cfg.bn} == 0 (n={w.n})")
+    asym = w.zeros is not None
+    n_tiles, m_tiles, k_tiles = w.n // cfg.bn, -(-m // cfg.bm), w.k // BK
+    tiles = n_tiles * m_tiles
+    slices = slices or choose_slices(tiles, k_tiles, sms)
+    slices = max(1, min(slices, k_tiles))
+    ws, counters = _workspace(x.device, tiles * slices * cfg.bm * cfg.bn if slices > 1 else 0, tiles)
+    kern = get_kernel(kernel_spec(x.dtype, cfg, w.group_size, asym), x.device)
+    launch(kern, (n_tiles, m_tiles, slices), THREADS,
+           x2.data_ptr(), w.packed.data_ptr(), w.scales.data_ptr(),
+           w.zeros.data_ptr() if asym else 0, bias.data_ptr() if bias is not None else 0,
+           out.data_ptr(), ws.data_ptr(), counters.data_ptr(), i32(m), i32(w.n), i32(w.k), i32(slices),
+           smem=cfg.smem_bytes(w.group_size, asym))
+    return out.reshape(*lead, w.n)

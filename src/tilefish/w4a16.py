@@ -1,0 +1,59 @@
+"""tilefish.w4a16: FP16/BF16 activations x INT4 weights (GPTQ-style groups) on tensor cores.
+
+    w = tilefish.w4a16.quantize(linear.weight, group_size=128)     # or from_gptq(...) / from_awq(...)
+    y = tilefish.w4a16.matmul(x, w, bias)                          # x [..., k] fp16/bf16 -> [..., n]
+"""
+from __future__ import annotations
+
+import torch
+
+from .ops.w4a16 import W4A16Weight, pack, unpack
+from .quant import int4 as _int4
+
+__all__ = ["W4A16Weight", "quantize", "matmul", "from_gptq", "from_awq", "pack", "unpack"]
+
+
+def quantize(w: torch.Tensor, group_size: int = 128, symmetric: bool = True, *,
+             dtype: torch.dtype | None = None, clip_search: bool = True) -> W4A16Weight:
+    """Round-to-nearest int4 of a weight [n, k] (an nn.Linear's), scales minimising each group's error.
+
+    dtype: the activation dtype the weight will be used with (fp16 or bf16); default w.dtype
+    (fp16 for an fp32 weight).
+    """
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        raise TypeError("w must be a 2-D tensor [out_features, in_features]")
+    scale_dtype = dtype or (w.dtype if w.dtype in (torch.float16, torch.bfloat16) else torch.float16)
+    q = _int4.quantize_rtn(w, group_size=group_size, symmetric=symmetric, clip_search=clip_search,
+                           scale_dtype=scale_dtype)
+    return pack(q)
+
+
+def from_gptq(qweight, qzeros, scales, g_idx=None, *, zero_convention: str = "v1",
+              group_size: int | None = None, dtype: torch.dtype | None = None) -> W4A16Weight:
+    """A GPTQ QuantLinear's tensors (qweight [k/8, n], qzeros [k/G, n/8], scales [k/G, n], g_idx [k]).
+
+    zero_convention: "v1" (stored zero = true zero - 1, classic AutoGPTQ) or "v2" (stored = true zero).
+    Act-order g_idx is handled by permuting k (the op gathers x's columns)."""
+    w, perm = _int4.from_gptq(qweight, qzeros, scales, g_idx, zero_convention=zero_convention, group_size=group_size)
+    if dtype is not None:
+        w = w.to(scale_dtype=dtype)
+    return pack(w, perm)
+
+
+def from_awq(qweight, qzeros, scales, *, group_size: int, dtype: torch.dtype | None = None) -> W4A16Weight:
+    """An AWQ WQLinear_GEMM's tensors (qweight [k, n/8] packed in the order 0,2,4,6,1,3,5,7, qzeros, scales)."""
+    w = _int4.from_awq(qweight, qzeros, scales, group_size=group_size)
+    if dtype is not None:
+        w = w.to(scale_dtype=dtype)
+    return pack(w)
+
+
+def matmul(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ dequant(w)^T (+ bias). x [..., k] fp16/bf16 (CUDA: the tensor-core kernel; CPU: reference)."""
+    if torch.compiler.is_compiling():
+        from .ops import library
+
+        return library.w4a16_matmul(x, w, bias)
+    from .ops.w4a16 import matmul_impl
+
+    return matmul_impl(x, w, bias)

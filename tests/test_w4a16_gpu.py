@@ -1,0 +1,166 @@
+"""W4A16 tensor-core GEMM against the float64 reference: shapes, m, dtypes, groups, zero points, bias."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilefish
+from tilefish import w4a16
+from tilefish.ops import w4a16 as ops
+from tilefish.quant.int4 import quantize_rtn
+from tilefish.reference import w4a16_matmul as ref_matmul
+
+from conftest import TOLERANCE, rel_err
+
+pytestmark = pytest.mark.gpu
+
+MS = [1, 2, 3, 7, 15, 16, 17, 31, 33, 64, 100, 128, 257, 1024]
+SMALL_KN = [(128, 64), (256, 192), (384, 128), (1024, 320)]
+LLAMA_KN = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (8192, 8192),
+            (8192, 57344), (28672, 8192)]
+
+
+def _case(k, n, group, sym, dtype):
+    w = torch.randn(n, k, device="cuda", dtype=torch.float32) * (0.5 + torch.rand(()).item())
+    q = quantize_rtn(w, group, sym, scale_dtype=dtype, clip_search=False)
+    return q, ops.pack(q)
+
+
+def _check(x, q, p, bias=None, **kw):
+    ref = ref_matmul(x.reshape(-1, q.k), q, bias).reshape(*x.shape[:-1], q.n)
+    out = ops.matmul_impl(x, p, bias, **kw)
+    assert out.shape == ref.shape and out.dtype == x.dtype
+    err = rel_err(out, ref)
+    assert err < TOLERANCE[x.dtype], err
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [-1, 32, 64, 128])
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("k,n", SMALL_KN)
+def test_small_shapes_all_m(k, n, sym, group, dtype):
+    q, p = _case(k, n, group, sym, dtype)
+    for m in MS:
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        bias = torch.randn(n, device="cuda", dtype=dtype) if m % 2 else None
+        _check(x, q, p, bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("k,n", LLAMA_KN)
+def test_llama_shapes(k, n, dtype):
+    for group, sym in ((128, True), (-1, True), (128, False)):
+        q, p = _case(k, n, group, sym, dtype)
+        for m in (1, 16, 33, 257):
+            _check(torch.randn(m, k, device="cuda", dtype=dtype), q, p)
+
+
+def test_every_config_and_forced_split_k():
+    q, p = _case(1024, 256, 128, False, torch.float16)
+    x = torch.randn(37, 1024, device="cuda", dtype=torch.float16)
+    for cfg in ops.CONFIGS:
+        for slices in (1, 2, 3, 8):
+            _check(x, q, p, cfg=cfg, slices=slices)
+
+
+def test_leading_dims_and_bias():
+    q, p = _case(256, 128, 64, True, torch.bfloat16)
+    x = torch.randn(2, 3, 5, 256, device="cuda", dtype=torch.bfloat16)
+    _check(x, q, p, torch.randn(128, device="cuda", dtype=torch.bfloat16))
+
+
+def test_deterministic_and_many_launches_with_changing_shapes():
+    """Bitwise-identical repeats; split-k counters never get stuck across shape changes."""
+    cases = [_case(k, n, 128, True, torch.float16) for k, n in ((4096, 256), (1024, 128), (8192, 64))]
+    firsts = {}
+    for it in range(30):
+        for i, (q, p) in enumerate(cases):
+            m = (1, 16, 24)[(it + i) % 3]
+            torch.manual_seed(i * 100 + m)
+            x = torch.randn(m, q.k, device="cuda", dtype=torch.float16)
+            out = ops.matmul_impl(x, p)
+            if (i, m) in firsts:
+                assert torch.equal(out, firsts[(i, m)])
+            else:
+                firsts[(i, m)] = out
+                assert rel_err(out, ref_matmul(x, q)) < TOLERANCE[torch.float16]
+
+
+def test_two_streams_at_once():
+    q, p = _case(4096, 128, 128, True, torch.float16)
+    xs = [torch.randn(8, 4096, device="cuda", dtype=torch.float16) for _ in range(2)]
+    refs = [ops.matmul_impl(x, p) for x in xs]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outs = [None, None]
+    for _ in range(20):
+        for i, s in enumerate(streams):
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                outs[i] = ops.matmul_impl(xs[i], p)
+        torch.cuda.synchronize()
+        for o, r in zip(outs, refs):
+            assert torch.equal(o, r)
+
+
+def test_cuda_graph():
+    q, p = _case(2048, 256, 128, False, torch.bfloat16)
+    x = torch.randn(4, 2048, device="cuda", dtype=torch.bfloat16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        w4a16.matmul(x, p)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            out = w4a16.matmul(x, p)
+    torch.cuda.current_stream().wait_stream(s)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, ref_matmul(x, q)) < TOLERANCE[torch.bfloat16]
+
+
+def test_torch_compile_fullgraph():
+    q, p = _case(512, 128, 128, True, torch.float16)
+    f = torch.compile(lambda x: w4a16.matmul(x, p) * 2, fullgraph=True)
+    x = torch.randn(5, 512, device="cuda", dtype=torch.float16)
+    assert rel_err(f(x), ref_matmul(x, q).float() * 2) < TOLERANCE[torch.float16]
+
+
+def test_linear_layer_and_gptq_act_order():
+    lin = torch.nn.Linear(512, 256, bias=True).cuda().half()
+    layer = tilefish.nn.W4A16Linear.from_linear(lin, group_size=128)
+    x = torch.randn(3, 7, 512, device="cuda", dtype=torch.float16)
+    y = layer(x)
+    assert rel_err(y, lin(x)) < 0.15  # 4-bit quantization error, not kernel error
+    from tilefish.quant import int4
+    q = quantize_rtn(torch.randn(256, 512, device="cuda"), 128, False, scale_dtype=torch.float16)
+    perm = torch.randperm(512, device="cuda")
+    ckpt = int4.to_gptq(q, "v1", perm=perm)
+    g = tilefish.nn.W4A16Linear.from_gptq(ckpt["qweight"], ckpt["qzeros"], ckpt["scales"], ckpt["g_idx"])
+    x2 = torch.randn(9, 512, device="cuda", dtype=torch.float16)
+    inv = torch.argsort(perm)
+    # checkpoint semantics: W_ckpt[:, perm] == q.dequantize(), so x @ W_ckpt^T == x[:, perm] @ q^T
+    assert rel_err(g(x2), ref_matmul(x2[:, perm], q)) < TOLERANCE[torch.float16]
+    del inv
+
+
+def test_bad_inputs():
+    q, p = _case(256, 128, 128, True, torch.float16)
+    x = torch.randn(4, 256, device="cuda", dtype=torch.float16)
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        w4a16.matmul(x.float(), p)
+    with pytest.raises(TypeError, match="scales"):
+        w4a16.matmul(x.bfloat16(), p)
+    with pytest.raises(ValueError, match="k=255"):
+        w4a16.matmul(x[:, :255], p)
+    with pytest.raises(ValueError, match="device"):
+        w4a16.matmul(x.cpu(), p)
+    with pytest.raises(ValueError, match="bias"):
+        w4a16.matmul(x, p, torch.zeros(127, device="cuda", dtype=torch.float16))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        w4a16.quantize(torch.randn(100, 256, device="cuda"), 128)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        w4a16.quantize(torch.randn(128, 200, device="cuda"), -1)
+    with pytest.raises(TypeError):
+        w4a16.matmul(x, q)

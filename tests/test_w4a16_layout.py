@@ -1,0 +1,77 @@
+"""W4A16 kernel layout on the CPU: the packed words hold exactly the nibbles the kernel's fragment map expects."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tilefish import w4a16
+from tilefish.ops import w4a16 as ops
+from tilefish.quant.int4 import Int4Weight, quantize_rtn
+
+
+def test_fragment_map_nibble_by_nibble():
+    n, k = 128, 256
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    p = ops.pack(Int4Weight(q, torch.ones(n, 1, dtype=torch.float16), None, -1))
+    words = p.packed.view(k // 16, n // 64, 32, 4).to(torch.int64) & 0xFFFFFFFF
+    for r in range(k // 16):
+        for S in range(n // 64):
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                for j in range(4):
+                    w = int(words[r, S, lane, j])
+                    for nib in range(8):
+                        b, h, a = nib >> 2, (nib >> 1) & 1, nib & 1
+                        col, kk = 64 * S + 16 * j + 8 * h + g, 16 * r + 8 * a + 2 * t + b
+                        assert (w >> (4 * nib)) & 0xF == int(q[col, kk])
+
+
+@pytest.mark.parametrize("group", [-1, 32, 64, 128])
+@pytest.mark.parametrize("sym", [True, False])
+def test_pack_unpack_round_trip(group, sym):
+    q = quantize_rtn(torch.randn(192, 384), group, sym)
+    u = ops.unpack(ops.pack(q))
+    assert torch.equal(u.q, q.q) and torch.equal(u.scales, q.scales)
+    assert (q.zeros is None and u.zeros is None) or torch.equal(u.zeros, q.zeros)
+
+
+def test_grouped_scale_permutation():
+    q = quantize_rtn(torch.randn(128, 256), 128, True)
+    p = ops.pack(q)
+    # lane g of strip S reads 8 consecutive scales: subtiles s = 0..7 -> column 64 S + 8 s + g
+    for S in range(2):
+        for g in range(8):
+            for s in range(8):
+                assert p.scales[0, 64 * S + 8 * g + s] == q.scales[64 * S + 8 * s + g, 0]
+
+
+def test_cpu_matmul_runs_reference_and_shapes():
+    w = w4a16.quantize(torch.randn(64, 128), group_size=-1)
+    y = w4a16.matmul(torch.randn(2, 5, 128, dtype=torch.float16), w)
+    assert y.shape == (2, 5, 64) and y.dtype == torch.float16
+
+
+def test_bad_shapes_rejected():
+    with pytest.raises(ValueError, match="multiple of 64"):
+        w4a16.quantize(torch.randn(96, 128), 128)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        w4a16.quantize(torch.randn(64, 192), 64)
+
+
+def test_layer_state_dict_round_trip():
+    from tilefish.nn import W4A16Linear
+
+    lin = torch.nn.Linear(256, 128)
+    a = W4A16Linear.from_linear(lin, group_size=64, symmetric=False)
+    b = W4A16Linear(256, 128, group_size=64, symmetric=False, dtype=torch.float16)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(3, 256, dtype=torch.float16)
+    assert torch.equal(a(x), b(x))
+
+
+def test_opcheck():
+    p = w4a16.quantize(torch.randn(64, 128), group_size=64, symmetric=False)
+    from tilefish.ops import library
+
+    x = torch.randn(3, 128, dtype=torch.float16)
+    torch.library.opcheck(library.w4a16_matmul_op, (x, p.packed, p.scales, p.zeros, p.perm, None, p.group_size, p.n, p.k))
