@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched job on the lent H200: install, GPU tests, benchmarks; results under $OUT.
 # Usage (device tool, repo root, carry .whl): bash scripts/h200_run.sh [pytest-args...]
-# Env: BENCH="nf4 ..." families to bench (default nf4); VARIANTS=1 also sweeps the nf4 design space.
+# Env: BENCH="nf4 ..." families to bench (default nf4; empty: none); VARIANTS=1 also sweeps the nf4 design space.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TILEFISH_CACHE_DIR=/tmp/tfcache
@@ -14,7 +14,7 @@ tilefish info 2>&1 | tee "$OUT/info.txt"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   python3 -m pytest -m gpu -q -x -p no:cacheprovider "$@" 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -25
 fi
-for fam in ${BENCH:-nf4}; do
+for fam in ${BENCH-nf4}; do
   tilefish bench "$fam" --json "$OUT/$fam.json" --plot "$OUT/$fam.png" 2>&1 | tee "$OUT/bench_$fam.txt"
 done
 if [ "${VARIANTS:-0}" = 1 ]; then

@@ -14,6 +14,37 @@ DEFAULT_M = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+def sweep(shapes=None, ms=None, dtype: str = "fp16", group: int = 128, reps: int = 20) -> Report:
+    """Every (config, slices) for each case: the data the dispatch heuristic is fitted to."""
+    from ..ops import w4a16 as ops
+    from ..quant.int4 import quantize_rtn
+
+    dt = DTYPES[dtype]
+    report = Report(f"W4A16 config sweep ({dtype}, group {group})")
+    for k, n in shapes or DEFAULT_KN[:4]:
+        dense = torch.randn(n, k, device="cuda", dtype=dt)
+        p = ops.pack(quantize_rtn(dense, group, True, scale_dtype=dt, clip_search=False))
+        for m in ms or [1, 16, 32, 64, 128]:
+            x = torch.randn(m, k, device="cuda", dtype=dt)
+            t_cublas = time_cuda(lambda: torch.nn.functional.linear(x, dense), reps=reps).median_ms
+            rows = []
+            for cfg in ops.CONFIGS:
+                if n % cfg.bn:
+                    continue
+                for slices in (1, 2, 3, 4, 6, 8, 12, 16):
+                    if slices > k // 128:
+                        continue
+                    t = time_cuda(lambda: ops.matmul_impl(x, p, cfg=cfg, slices=slices), reps=reps).median_ms
+                    rows.append((t, cfg, slices))
+            rows.sort(key=lambda r: r[0])
+            auto = time_cuda(lambda: ops.matmul_impl(x, p), reps=reps).median_ms
+            for t, cfg, slices in rows[:3]:
+                report.add(Row("w4a16", f"k{k} n{n} m{m}", f"{cfg.label()} x{slices}", t * 1e3, 0.0, "-", None,
+                               {"cuBLAS": t_cublas / t}))
+            report.add(Row("w4a16", f"k{k} n{n} m{m}", "auto", auto * 1e3, 0.0, "-", None, {"cuBLAS": t_cublas / auto}))
+    return report
+
+
 def run(shapes=None, ms=None, groups=(128, -1), dtypes=("fp16", "bf16"), reps: int = 50) -> Report:
     from ..ops import w4a16 as ops
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..quant.int4 import Int4Weight
-from ..runtime import KernelSpec, device_info, get_kernel, i32, launch
+from ..runtime import KernelSpec, current_stream_handle, device_info, get_kernel, i32, launch
 
 SOURCE = "w4a16/gemm.cu"
 THREADS = 256
@@ -145,29 +145,44 @@ def kernel_spec(dtype: torch.dtype, cfg: GemmConfig, group_size: int, asym: bool
     return KernelSpec(SOURCE, name, hot=True)
 
 
-CONFIGS = [GemmConfig(1, 2, 4), GemmConfig(2, 2, 4), GemmConfig(1, 4, 2), GemmConfig(2, 4, 2),
-           GemmConfig(1, 1, 8), GemmConfig(2, 1, 8)]
+CONFIGS = [GemmConfig(1, 1, 8), GemmConfig(1, 2, 4), GemmConfig(1, 4, 2),
+           GemmConfig(2, 1, 8), GemmConfig(2, 2, 4), GemmConfig(2, 4, 2),
+           GemmConfig(1, 1, 8, 8), GemmConfig(1, 2, 4, 8), GemmConfig(2, 1, 8, 6), GemmConfig(2, 2, 4, 6)]
 
 
+@functools.lru_cache(maxsize=4096)
 def choose_config(m: int, n: int, k: int, sm_count: int) -> GemmConfig:
-    """Heuristic (docs/w4a16.md): one 16-row block for m <= 16, else 32-row tiles; the widest n tile
-    (128, else 64 columns) that divides n."""
+    """Heuristic (docs/w4a16.md): 16-row tiles up to m = 16, else 32-row tiles; the widest n tile
+    (256, 128 columns) that still gives at least one output tile per SM, else 64 columns and
+    split k; deeper pipelines for the weight-streaming 16-row tiles."""
     mb = 1 if m <= 16 else 2
-    wn = 2 if n % 128 == 0 else 1
-    return GemmConfig(mb, wn, 8 // wn)
+    m_tiles = -(-m // (16 * mb))
+    wn = 1
+    for cand in (4, 2):
+        if n % (64 * cand) == 0 and (n // (64 * cand)) * m_tiles >= sm_count:
+            wn = cand
+            break
+    stages = 8 if mb == 1 and wn <= 2 else (6 if wn <= 2 else 4)
+    return GemmConfig(mb, wn, 8 // wn, stages)
+
+
+MIN_K_TILES_PER_SLICE = 8
 
 
 def choose_slices(tiles: int, k_tiles: int, sm_count: int) -> int:
-    """Split k until the grid covers the SMs about once (at least 2 k tiles per slice)."""
-    if tiles >= sm_count:
+    """Split k only when the output tiles leave SMs idle: enough slices for one block per SM,
+    each keeping >= 8 k tiles (the fixup costs about two memory latencies)."""
+    if 4 * tiles >= 3 * sm_count:
         return 1
-    return max(1, min(k_tiles // 2, round(sm_count / tiles)))
+    return max(1, min(k_tiles // MIN_K_TILES_PER_SLICE, -(-sm_count // tiles)))
 
 
 def dispatch_specs() -> list[KernelSpec]:
     out = []
+    cfgs = {choose_config(m, n, 4096, sms) for m in (1, 16, 17, 32, 64, 128, 4096)
+            for n in (64, 128, 256, 4096, 8192, 14336, 28672, 57344) for sms in (108, 132)}
     for dt in DTYPES:
-        for cfg in {choose_config(m, n, 4096, 132) for m in (1, 32) for n in (64, 128)}:
+        for cfg in sorted(cfgs, key=lambda c: c.label()):
             for g in (-1, 32, 64, 128):
                 for asym in (False, True):
                     out.append(kernel_spec(dt, cfg, g, asym))
@@ -180,7 +195,7 @@ _workspaces: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _workspace(device: torch.device, floats: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    key = (device.index, current_stream_handle(device.index))
     ws = _workspaces.get(key)
     if ws is None or ws[0].numel() < floats or ws[1].numel() < tiles:
         old_f = 0 if ws is None else ws[0].numel()
@@ -255,7 +270,7 @@ def matmul_impl(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = Non
     slices = max(1, min(slices, k_tiles))
     ws, counters = _workspace(x.device, tiles * slices * cfg.bm * cfg.bn if slices > 1 else 0, tiles)
     kern = get_kernel(kernel_spec(x.dtype, cfg, w.group_size, asym), x.device)
-    launch(kern, (n_tiles, m_tiles, slices), THREADS,
+    launch(kern, (m_tiles, n_tiles, slices), THREADS,
            x2.data_ptr(), w.packed.data_ptr(), w.scales.data_ptr(),
            w.zeros.data_ptr() if asym else 0, bias.data_ptr() if bias is not None else 0,
            out.data_ptr(), ws.data_ptr(), counters.data_ptr(), i32(m), i32(w.n), i32(w.k), i32(slices),

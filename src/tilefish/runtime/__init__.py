@@ -1,10 +1,10 @@
 """The only part of tilefish that talks to cuda.core / NVRTC / the CUDA driver."""
 from .device import DeviceInfo, device_info, arch_of
 from .compiler import KernelSpec, CompileError, CompiledKernel, compile_kernel, cache_dir
-from .launch import get_kernel, launch, i32, i64, u32, f32
+from .launch import current_stream_handle, get_kernel, launch, i32, i64, u32, f32
 
 __all__ = [
     "DeviceInfo", "device_info", "arch_of",
     "KernelSpec", "CompileError", "CompiledKernel", "compile_kernel", "cache_dir",
-    "get_kernel", "launch", "i32", "i64", "u32", "f32",
+    "current_stream_handle", "get_kernel", "launch", "i32", "i64", "u32", "f32",
 ]

@@ -38,7 +38,7 @@ class LoadedKernel:
 
     def __init__(self, spec: KernelSpec, compiled: CompiledKernel, kernel, module, device: int):
         self.spec, self.compiled, self.kernel, self._module, self.device = spec, compiled, kernel, module, device
-        self._dyn_smem_limit = _DEFAULT_DYN_SMEM
+        self._dyn_smem_limit = 0  # raised to what a launch needs (cuFuncSetAttribute) on first use
 
     def ensure_dynamic_smem(self, nbytes: int) -> None:
         """Raise the kernel's dynamic shared-memory limit once, when a launch asks above 48 KB."""
@@ -95,8 +95,18 @@ def get_kernel(spec: KernelSpec, device: torch.device | int | None = None) -> Lo
         return k
 
 
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_stream_handle(device_index: int) -> int:
+    """cudaStream_t of torch's current stream (the raw getter skips ~10 us of Python wrappers)."""
+    if _raw_stream is not None:
+        return _raw_stream(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
 def _stream_for(device_index: int):
-    handle = torch.cuda.current_stream(device_index).cuda_stream
+    handle = current_stream_handle(device_index)
     s = _streams.get(handle)
     if s is None:
         from cuda.core import Stream
@@ -112,7 +122,7 @@ def launch(kernel: LoadedKernel, grid, block, *args, smem: int = 0) -> None:
     Pointer arguments are plain ints (tensor.data_ptr()); other scalars must be typed
     (i32 / u32 / f32), because a bare Python int is passed as a 64-bit value.
     """
-    if smem > _DEFAULT_DYN_SMEM:
+    if smem + kernel.compiled.resources.static_smem > _DEFAULT_DYN_SMEM:  # the 48 KB default covers both
         kernel.ensure_dynamic_smem(smem)
     key = (grid, block, smem)
     cfg = _configs.get(key)

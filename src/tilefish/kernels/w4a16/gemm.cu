@@ -115,9 +115,11 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
     const int wn = warp % WN, wk = warp / WN;
     const int g = lane >> 2, t = lane & 3;
 
-    const int n_tiles = n / BN;
-    const int tile = blockIdx.y * n_tiles + blockIdx.x;
-    const int n0 = blockIdx.x * BN, m0 = blockIdx.y * BM;
+    // m tiles vary fastest, so the blocks that share a weight tile run at the same time and the
+    // weights come from DRAM once (then L2) however many 16-row blocks m has.
+    const int m_tiles = gridDim.x;
+    const int tile = blockIdx.y * m_tiles + blockIdx.x;
+    const int n0 = blockIdx.y * BN, m0 = blockIdx.x * BM;
     const int k_tiles = k / kBK;
     const int slice = blockIdx.z;
     const int kt_begin = (int)((long long)slice * k_tiles / slices);
@@ -280,18 +282,24 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
         }
     }
 
-    // Split-k fixup across blocks (see the header comment).
+    // Split-k fixup across blocks (see the header comment). The workspace holds, per tile, one
+    // row-major BM x BN fp32 partial per slice (rows past m are never written nor read).
     if (slices > 1) {
         __shared__ int s_is_last;
-        const size_t tile_base = ((size_t)tile * slices) * WN * (kAccPerThread * 32);
+        float* tile_ws = workspace + (size_t)tile * slices * (BM * BN);
         if (wk == 0) {
-            float* dst = workspace + tile_base + (size_t)slice * WN * (kAccPerThread * 32) + wn * (kAccPerThread * 32);
+            float* dst = tile_ws + (size_t)slice * (BM * BN);
 #pragma unroll
             for (int a = 0; a < MB; ++a)
 #pragma unroll
                 for (int j = 0; j < 8; ++j)
 #pragma unroll
-                    for (int c = 0; c < 4; ++c) __stcg(dst + ((a * 8 + j) * 4 + c) * 32 + lane, acc[a][j][c]);
+                    for (int h = 0; h < 2; ++h) {
+                        const int row = a * 16 + g + 8 * h;
+                        if (m0 + row < m)
+                            __stcg(reinterpret_cast<float2*>(dst + row * BN + wn * 64 + j * 8 + 2 * t),
+                                   make_float2(acc[a][j][2 * h], acc[a][j][2 * h + 1]));
+                    }
         }
         __threadfence();
         __syncthreads();
@@ -299,22 +307,29 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
         __syncthreads();
         if (!s_is_last) return;
         __threadfence();
-        if (wk == 0) {
-#pragma unroll 1
-            for (int s = 0; s < slices; ++s) {
-                const float* src = workspace + tile_base + (size_t)s * WN * (kAccPerThread * 32) + wn * (kAccPerThread * 32);
-#pragma unroll
-                for (int a = 0; a < MB; ++a)
-#pragma unroll
-                    for (int j = 0; j < 8; ++j)
-#pragma unroll
-                        for (int c = 0; c < 4; ++c) {
-                            float v = __ldcg(src + ((a * 8 + j) * 4 + c) * 32 + lane);
-                            acc[a][j][c] = s == 0 ? v : acc[a][j][c] + v;
-                        }
+        // The last block reduces with all 256 threads: each owns column pairs of valid rows and
+        // sums the slices in slice order (deterministic); the loads of different slices are
+        // independent, so they are in flight together.
+        const int rows = min(BM, m - m0);
+        for (int e = tid; e < rows * (BN / 2); e += kThreads) {
+            const int row = e / (BN / 2), col = 2 * (e % (BN / 2));
+            const float* src = tile_ws + row * BN + col;
+            float2 sum = __ldcg(reinterpret_cast<const float2*>(src));
+#pragma unroll 4
+            for (int s = 1; s < slices; ++s) {
+                float2 v = __ldcg(reinterpret_cast<const float2*>(src + (size_t)s * (BM * BN)));
+                sum.x += v.x;
+                sum.y += v.y;
             }
+            const int gcol = n0 + col;
+            float2 sc = make_float2(1.f, 1.f), bi = make_float2(0.f, 0.f);
+            if constexpr (GROUP == 0) sc = V2::to_float2(*reinterpret_cast<const typename V2::type*>(scales + gcol));
+            if (bias != nullptr) bi = V2::to_float2(*reinterpret_cast<const typename V2::type*>(bias + gcol));
+            *reinterpret_cast<typename V2::type*>(out + (size_t)(m0 + row) * n + gcol) =
+                V2::make(sum.x * sc.x + bi.x, sum.y * sc.y + bi.y);
         }
         if (tid == 0) store_relaxed(counters + tile, 0);  // every slice has arrived: reset for the next launch
+        return;
     }
 
     if (wk != 0) return;

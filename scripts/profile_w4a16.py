@@ -1,0 +1,41 @@
+"""Host-time breakdown of one small W4A16 call, and kernels for ncu to look at (run on a GPU machine)."""
+import cProfile
+import pstats
+import sys
+import time
+
+import torch
+
+from tilefish import w4a16
+from tilefish.ops import w4a16 as ops
+from tilefish.quant.int4 import quantize_rtn
+
+if "--ncu" in sys.argv:  # a few launches of the cases worth looking at under ncu
+    for k, n in ((4096, 4096), (28672, 8192)):
+        p = ops.pack(quantize_rtn(torch.randn(n, k, device="cuda"), 128, True, scale_dtype=torch.float16, clip_search=False))
+        x = torch.randn(1, k, device="cuda", dtype=torch.float16)
+        for _ in range(3):
+            ops.matmul_impl(x, p)
+    torch.cuda.synchronize()
+    sys.exit(0)
+
+p = ops.pack(quantize_rtn(torch.randn(128, 256, device="cuda"), 128, True, scale_dtype=torch.float16))
+x = torch.randn(1, 256, device="cuda", dtype=torch.float16)
+for _ in range(100):
+    w4a16.matmul(x, p)
+torch.cuda.synchronize()
+for name, fn in [("public matmul", lambda: w4a16.matmul(x, p)),
+                 ("validate", lambda: ops._validate(x, p, None)),
+                 ("torch.nn.functional.linear", lambda: torch.nn.functional.linear(x, x.new_empty(128, 256)))]:
+    t0 = time.perf_counter()
+    for _ in range(3000):
+        fn()
+    torch.cuda.synchronize()
+    print(f"{name:32s} {(time.perf_counter() - t0) / 3000 * 1e6:7.1f} us/call")
+pr = cProfile.Profile()
+pr.enable()
+for _ in range(3000):
+    w4a16.matmul(x, p)
+pr.disable()
+torch.cuda.synchronize()
+pstats.Stats(pr).sort_stats("tottime").print_stats(18)
