@@ -152,29 +152,27 @@ CONFIGS = [GemmConfig(1, 1, 8), GemmConfig(1, 2, 4), GemmConfig(1, 4, 2),
 
 @functools.lru_cache(maxsize=4096)
 def choose_config(m: int, n: int, k: int, sm_count: int) -> GemmConfig:
-    """Heuristic (docs/w4a16.md): 16-row tiles up to m = 16, else 32-row tiles; the widest n tile
-    (256, 128 columns) that still gives at least one output tile per SM, else 64 columns and
-    split k; deeper pipelines for the weight-streaming 16-row tiles."""
+    """Heuristic fitted to the H200 sweep (`tilefish bench w4a16 --variants`, docs/w4a16.md):
+    16-row tiles up to m = 16, else 32-row tiles; 256-column tiles for m <= 32 (split k fills
+    the SMs) and for larger m while they still give half a tile per SM, else 128 (or 64 when n
+    needs it); 4 pipeline stages."""
     mb = 1 if m <= 16 else 2
     m_tiles = -(-m // (16 * mb))
-    wn = 1
-    for cand in (4, 2):
-        if n % (64 * cand) == 0 and (n // (64 * cand)) * m_tiles >= sm_count:
-            wn = cand
-            break
-    stages = 8 if mb == 1 and wn <= 2 else (6 if wn <= 2 else 4)
-    return GemmConfig(mb, wn, 8 // wn, stages)
+    if n % 256 == 0 and (m <= 32 or (n // 256) * m_tiles * 2 >= sm_count):
+        wn = 4
+    elif n % 128 == 0:
+        wn = 2
+    else:
+        wn = 1
+    return GemmConfig(mb, wn, 8 // wn, 4)
 
 
-MIN_K_TILES_PER_SLICE = 8
+MIN_K_TILES_PER_SLICE = 4
 
 
 def choose_slices(tiles: int, k_tiles: int, sm_count: int) -> int:
-    """Split k only when the output tiles leave SMs idle: enough slices for one block per SM,
-    each keeping >= 8 k tiles (the fixup costs about two memory latencies)."""
-    if 4 * tiles >= 3 * sm_count:
-        return 1
-    return max(1, min(k_tiles // MIN_K_TILES_PER_SLICE, -(-sm_count // tiles)))
+    """Split k so that tiles x slices is about one block per SM (>= 4 k tiles per slice)."""
+    return max(1, min(k_tiles // MIN_K_TILES_PER_SLICE, round(sm_count / tiles)))
 
 
 def dispatch_specs() -> list[KernelSpec]:
