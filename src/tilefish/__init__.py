@@ -10,9 +10,13 @@ _LAZY = ("nf4", "w4a16", "nn", "reference", "runtime", "ops", "quant", "bench")
 
 
 def __getattr__(name):  # submodules load on first use: `import tilefish` stays light
+    if name == "sgemm":
+        from .ops.sgemm import sgemm
+
+        return sgemm
     if name in _LAZY:
         return _importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'tilefish' has no attribute {name!r}")
 
 
-__all__ = ["__version__", "nf4", "w4a16", "nn"]
+__all__ = ["__version__", "nf4", "w4a16", "nn", "sgemm"]

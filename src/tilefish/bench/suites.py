@@ -21,4 +21,10 @@ def _w4a16(args):
     return w4a16.run(shapes=kn, ms=ms, groups=groups, dtypes=dtypes, reps=args.reps)
 
 
-FAMILIES = {"nf4": _nf4, "w4a16": _w4a16}
+def _sgemm(args):
+    from . import sgemm
+
+    return sgemm.run(args)
+
+
+FAMILIES = {"nf4": _nf4, "w4a16": _w4a16, "sgemm": _sgemm}

@@ -235,7 +235,7 @@ TUNED: dict[str, SgemmConfig] = {
     "06_vectorized": _cfg("06_vectorized", 128, 128, 8, 8, 8),
     "07_bank_conflict_free": _cfg("07_bank_conflict_free", 128, 128, 8, 8, 8),
     "08_warptile": _cfg("08_warptile", 128, 128, 8, 64, 32, 2, 4, 4),
-    "09_pipelined": _cfg("09_pipelined", 128, 128, 8, 64, 32, 2, 4, 4, 3, 2),
+    "09_pipelined": _cfg("09_pipelined", 128, 128, 8, 64, 32, 2, 4, 4, 4, 2),
 }
 # Used instead of TUNED[step] when TUNED's tile gives fewer blocks than SMs (small M x N).
 TUNED_SMALL: dict[str, SgemmConfig] = {
