@@ -55,7 +55,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
-template <bool B> struct BoolTag { static constexpr bool value = B; };  // (no <type_traits> under NVRTC)
 
 }  // namespace sgemm_pipe
 
@@ -118,9 +117,10 @@ sgemm_pipelined(const float* __restrict__ A, const float* __restrict__ B, float*
     const bool interior = m0 + BM <= M && n0 + BN <= N;
 
     // Issue the copies of chunk `kc` (k0 = kc*BK) into ring slot `slot`.  GUARD: bounds-check
-    // every copy (zero-fill outside A / B); otherwise plain full-size copies.
-    auto issue = [&](auto guard, int k0, int slot) {
-        constexpr bool GUARD = decltype(guard)::value;
+    // every copy (zero-fill outside A / B); otherwise plain full-size copies. GUARD is a plain
+    // bool (NVRTC 13.0 rejects generic lambdas in device code); both call sites pass a
+    // constant, so the inlined copies specialize just the same.
+    auto issue = [&](const bool GUARD, int k0, int slot) {
         const unsigned ad = a_dst + (unsigned)(slot * A_STAGE) * 4u;
 #pragma unroll
         for (int i = 0; i < A_RITERS; ++i) {
@@ -128,7 +128,7 @@ sgemm_pipelined(const float* __restrict__ A, const float* __restrict__ B, float*
             for (int j = 0; j < BK / 8; ++j) {
                 const float* src = a_next + i * a_piece_stride + j * 8;
                 const unsigned dst = ad + (unsigned)(j * 8 * AS_LD + i * NWARPS * 4) * 4u;
-                if constexpr (GUARD) {
+                if (GUARD) {
                     const bool ok = ((a_rows_ok >> i) & 1u) && k0 + a_k + j * 8 < K;
                     cp_async_ca_4(dst, ok ? (const void*)src : (const void*)A, ok ? 4u : 0u);
                 } else {
@@ -141,7 +141,7 @@ sgemm_pipelined(const float* __restrict__ A, const float* __restrict__ B, float*
         for (int i = 0; i < B_CHUNKS; ++i) {
             const float* src = b_next + (size_t)i * B_ROW_STEP * N;
             const unsigned dst = bd + (unsigned)(i * B_ROW_STEP * BN) * 4u;
-            if constexpr (GUARD) {
+            if (GUARD) {
                 const bool ok = b_col_ok && k0 + b_r + i * B_ROW_STEP < K;
                 cp_async_cg_16(dst, ok ? (const void*)src : (const void*)B, ok ? 16u : 0u);
             } else {
@@ -153,8 +153,8 @@ sgemm_pipelined(const float* __restrict__ A, const float* __restrict__ B, float*
     };
     auto load_chunk = [&](int kc, int slot) {
         const int k0 = kc * BK;
-        if (interior && k0 + BK <= K) issue(BoolTag<false>{}, k0, slot);
-        else issue(BoolTag<true>{}, k0, slot);
+        if (interior && k0 + BK <= K) issue(false, k0, slot);
+        else issue(true, k0, slot);
     };
 
     float acc[WMITER * TM][WNITER * TN];
