@@ -59,29 +59,41 @@ def cmd_info(args) -> int:
     return 0
 
 
-def cmd_compile(args) -> int:
-    from .ops import kernel_specs
+def _compile_one(job):
     from .runtime import CompileError, compile_kernel
 
+    spec, arch = job
+    try:
+        return compile_kernel(spec, arch).resources, None
+    except CompileError as e:
+        return None, e.log
+
+
+def cmd_compile(args) -> int:
+    from .ops import kernel_specs
+
     archs = args.arch or ["sm_80", "sm_90"]
+    jobs = [(fam, spec, arch) for arch in archs for fam, spec in kernel_specs(include_variants=args.all)
+            if spec.supports(arch)]
+    if args.jobs > 1:  # NVRTC is single-threaded: compile in parallel processes (results land in the disk cache)
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(args.jobs) as pool:
+            results = list(pool.map(_compile_one, [(s, a) for _, s, a in jobs], chunksize=4))
+    else:
+        results = [_compile_one((s, a)) for _, s, a in jobs]
     failures = 0
     print(f"{'arch':7s} {'family':7s} {'kernel':74s} {'regs':>5s} {'smem':>7s} {'stack':>6s} {'spill':>9s}")
-    for arch in archs:
-        for fam, spec in kernel_specs(include_variants=args.all):
-            if not spec.supports(arch):
-                continue
-            try:
-                ck = compile_kernel(spec, arch)
-            except CompileError as e:
-                failures += 1
-                print(f"{arch:7s} {fam:7s} {spec.name:74s} COMPILE ERROR\n{e.log}", file=sys.stderr)
-                continue
-            r = ck.resources
-            bad = spec.hot and r.spills
-            failures += bad
-            print(f"{spec.target(arch):7s} {fam:7s} {spec.name[:74]:74s} {r.registers:5d} {r.static_smem:7d} "
-                  f"{r.stack_bytes:6d} {r.spill_stores:4d}/{r.spill_loads:<4d}{'  SPILLS IN HOT KERNEL' if bad else ''}")
-    print(f"{failures} failure(s)")
+    for (fam, spec, arch), (r, log) in zip(jobs, results):
+        if r is None:
+            failures += 1
+            print(f"{arch:7s} {fam:7s} {spec.name:74s} COMPILE ERROR\n{log}", file=sys.stderr)
+            continue
+        bad = spec.hot and r.spills
+        failures += bad
+        print(f"{spec.target(arch):7s} {fam:7s} {spec.name[:74]:74s} {r.registers:5d} {r.static_smem:7d} "
+              f"{r.stack_bytes:6d} {r.spill_stores:4d}/{r.spill_loads:<4d}{'  SPILLS IN HOT KERNEL' if bad else ''}")
+    print(f"{len(jobs)} kernel(s), {failures} failure(s)")
     return 1 if failures else 0
 
 
@@ -130,6 +142,8 @@ def cmd_table(args) -> int:
 
     for path in args.paths:
         rep = Report.from_json(path)
+        if args.plot:
+            rep.plot(args.plot)
         env = getattr(rep, "environment", {})
         print(f"**{rep.title}** — {env.get('gpu', '?')}, commit {env.get('commit', '?')[:12]}, "
               f"{env.get('date', '?')[:10]}; ceilings: "
@@ -164,6 +178,7 @@ def main(argv=None) -> int:
     c.add_argument("--arch", action="append", choices=["sm_80", "sm_86", "sm_89", "sm_90"],
                    help="target (repeatable); default sm_80 and sm_90")
     c.add_argument("--all", action="store_true", help="also the benchmark-only design-space variants")
+    c.add_argument("--jobs", "-j", type=int, default=1, help="parallel compile processes")
     c.set_defaults(fn=cmd_compile)
     b = sub.add_parser("bench", help="benchmark against peers and ceilings (needs a GPU)")
     b.add_argument("family", nargs="?", choices=["nf4", "w4a16", "sgemm"], help="one family; default: all, with a summary")
@@ -183,6 +198,7 @@ def main(argv=None) -> int:
     b.set_defaults(fn=cmd_bench)
     t = sub.add_parser("table", help="print a benchmark JSON (bench/results/...) as a markdown table")
     t.add_argument("paths", nargs="+")
+    t.add_argument("--plot", help="also draw the (last) JSON as a PNG here")
     t.set_defaults(fn=cmd_table)
     sub.add_parser("demo", help="a short worked example").set_defaults(fn=cmd_demo)
     args = p.parse_args(argv)

@@ -131,7 +131,7 @@ class Report:
 
         cases = list(dict.fromkeys(r.case for r in self.rows))
         impls = list(dict.fromkeys(r.impl for r in self.rows))
-        fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(cases) * max(1, len(impls)) ** 0.5), 4.5))
+        fig, ax = plt.subplots(figsize=(min(14, 3 + 1.3 * len(cases)), 4.5))
         width = 0.8 / max(1, len(impls))
         for j, impl in enumerate(impls):
             xs, ys = [], []
@@ -149,8 +149,8 @@ class Report:
             if unit.split("/")[0] in name:
                 ax.axhline(val, ls="--", c="gray", lw=1)
                 ax.text(len(cases) - 0.5, val, name, va="bottom", ha="right", fontsize=8, color="gray")
-        ax.set_title(self.title)
-        ax.legend(fontsize=8)
+        ax.set_title(self.title, fontsize=10)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         fig.tight_layout()
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)
