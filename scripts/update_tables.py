@@ -1,6 +1,6 @@
 """Regenerate every measured table in README.md and docs/*.md from bench/results JSON.
 
-A table lives between `<!-- table: PATH [rows=IMPL,...] -->` and `<!-- end table -->`; everything
+A table lives between `<!-- table: PATH [rows="IMPL,..."] -->` and `<!-- end table -->`; everything
 between the markers is replaced by the markdown that `tilefish table PATH` prints. Tables are
 never typed by hand.
 """
@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from tilefish.bench.report import Report  # noqa: E402
 
-MARK = re.compile(r"(<!-- table: (\S+)(?: rows=(\S+))? -->\n)(.*?)(<!-- end table -->)", re.S)
+MARK = re.compile(r'(<!-- table: (\S+)(?: rows="([^"]+)")? -->\n)(.*?)(<!-- end table -->)', re.S)
 
 
 def render(path: str, rows: str | None) -> str:
