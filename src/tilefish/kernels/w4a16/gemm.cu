@@ -200,21 +200,12 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
         unsigned char* base = stage_ptr(it % STAGES);
         const T* a_s = reinterpret_cast<const T*>(base);
         const uint4* b_s = reinterpret_cast<const uint4*>(base + L::kA);
-#pragma unroll
-        for (int kk = 0; kk < KW; ++kk) {
-            const int s16 = wk * KW + kk;  // k16 step within the tile
-            u32 af[MB][4];
-#pragma unroll
-            for (int a = 0; a < MB; ++a) {
-                int row = a * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-                int chunk = 2 * s16 + (lane >> 4);
-                ldmatrix_x4(af[a], a_s + row * kBK + ((chunk ^ (row & 7)) << 3));
-            }
-            uint4 bw = b_s[(s16 * WN + wn) * 32 + lane];
-            u32 words[4] = {bw.x, bw.y, bw.z, bw.w};
-            // This lane's scale / zero of subtiles 0..7 (column 8*sub + g of the strip): 16 B each.
-            typename V2::type sc2[8];
-            typename DQ::Zero zs[8];
+        // This lane's scales / zero points of subtiles 0..7 (column 8*sub + g of the strip), 16 B
+        // each. With one group per k tile (group >= 128, or per-channel zeros) they are loaded once
+        // per tile; smaller groups reload them per k16 step.
+        typename V2::type sc2[8];
+        typename DQ::Zero zs[8];
+        auto load_scales = [&](int s16) {
             if constexpr (GROUP > 0) {
                 const int grp = (s16 * 16) / GROUP;
                 const T* s_s = reinterpret_cast<const T*>(base + L::kA + L::kB);
@@ -231,6 +222,22 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
 #pragma unroll
                 for (int j = 0; j < 8; ++j) zs[j] = DQ::zero(to_float(zp[j]));
             }
+        };
+        constexpr bool kOneGroupPerTile = GROUP == 0 || GROUP >= kBK;
+        if constexpr (kOneGroupPerTile) load_scales(0);
+#pragma unroll
+        for (int kk = 0; kk < KW; ++kk) {
+            const int s16 = wk * KW + kk;  // k16 step within the tile
+            u32 af[MB][4];
+#pragma unroll
+            for (int a = 0; a < MB; ++a) {
+                int row = a * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                int chunk = 2 * s16 + (lane >> 4);
+                ldmatrix_x4(af[a], a_s + row * kBK + ((chunk ^ (row & 7)) << 3));
+            }
+            uint4 bw = b_s[(s16 * WN + wn) * 32 + lane];
+            u32 words[4] = {bw.x, bw.y, bw.z, bw.w};
+            if constexpr (!kOneGroupPerTile) load_scales(s16);
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 u32 frag[4];
