@@ -13,13 +13,13 @@ def test_fragment_map_nibble_by_nibble():
     n, k = 128, 256
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     p = ops.pack(Int4Weight(q, torch.ones(n, 1, dtype=torch.float16), None, -1))
-    words = p.packed.view(k // 16, n // 64, 32, 4).to(torch.int64) & 0xFFFFFFFF
+    words = p.packed.view(n // 64, k // 16, 32, 4).to(torch.int64) & 0xFFFFFFFF  # strip-major
     for r in range(k // 16):
         for S in range(n // 64):
             for lane in range(32):
                 g, t = lane // 4, lane % 4
                 for j in range(4):
-                    w = int(words[r, S, lane, j])
+                    w = int(words[S, r, lane, j])
                     for nib in range(8):
                         b, h, a = nib >> 2, (nib >> 1) & 1, nib & 1
                         col, kk = 64 * S + 16 * j + 8 * h + g, 16 * r + 8 * a + 2 * t + b

@@ -19,7 +19,7 @@ class W4A16Linear(nn.Module):
         check_shape(out_features, in_features, group_size)
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
         groups = 1 if group_size == -1 else in_features // group_size
-        self.register_buffer("packed", torch.zeros(in_features // 16, 2 * out_features, dtype=torch.int32, device=device))
+        self.register_buffer("packed", torch.zeros(out_features // 64, 8 * in_features, dtype=torch.int32, device=device))
         self.register_buffer("scales", torch.ones(groups, out_features, dtype=dtype, device=device))
         self.register_buffer("zeros", None if symmetric else torch.full((groups, out_features), 8, dtype=dtype, device=device))
         self.register_buffer("perm", None)

@@ -1,9 +1,10 @@
 """W4A16 GEMM op: repack an Int4Weight into the kernel layout; validate -> pick a config -> launch.
 
 Kernel layout (docs/w4a16.md has the fragment maps):
-  packed  int32 [k/16, 2n]: for each k16 row and 64-column strip, 32 lanes x 4 words; word j of lane
-          l = 4g + t holds, in nibble p, q[n = 64 S + 16 j + 8 h + g, k = 16 r + 8 a + 2 t + b] with
-          p = 4 b + 2 h + a (the order in which lop3 peels nibble pairs into mma B fragments).
+  packed  int32 [n/64, 8k], strip-major: for each 64-column strip S, its k16 rows r in order, each
+          32 lanes x 4 words; word j of lane l = 4g + t holds, in nibble p,
+          q[n = 64 S + 16 j + 8 h + g, k = 16 r + 8 a + 2 t + b] with p = 4 b + 2 h + a (the order in
+          which lop3 peels nibble pairs into mma B fragments).
   scales  [groups, n] in the x dtype; for grouped weights permuted inside each 64-column strip so a
           lane's 8 scales (column 8 s + g, s = 0..7) are 16 contiguous bytes; per-channel scales stay
           in natural order (they multiply the accumulators in the epilogue).
@@ -28,7 +29,7 @@ DTYPES = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 @dataclass
 class W4A16Weight:
     """A 4-bit weight in the kernel's layout, for y = x @ W^T with W [n, k]."""
-    packed: torch.Tensor            # int32 [k/16, 2n]
+    packed: torch.Tensor            # int32 [n/64, 8k] (strip-major, see the module docstring)
     scales: torch.Tensor            # fp16/bf16 [groups, n] (see module docstring for the order)
     zeros: torch.Tensor | None      # same dtype [groups, n] or None (symmetric)
     group_size: int                 # -1 (per channel), 32, 64, 128
@@ -78,12 +79,12 @@ def pack(w: Int4Weight, perm: torch.Tensor | None = None) -> W4A16Weight:
     q = w.q.to(torch.int64)
     # n = 64 S + 16 j + 8 h + g ; k = 16 r + 8 a + 2 t + b
     v = q.view(n // 64, 4, 2, 8, k // 16, 2, 4, 2)          # S j h g r a t b
-    v = v.permute(4, 0, 3, 6, 1, 7, 2, 5)                     # r S g t j b h a
-    v = v.reshape(k // 16, n // 64, 32, 4, 8)
+    v = v.permute(0, 4, 3, 6, 1, 7, 2, 5)                     # S r g t j b h a
+    v = v.reshape(n // 64, k // 16, 32, 4, 8)
     shifts = torch.arange(0, 32, 4, device=q.device, dtype=torch.int64)
     words = (v << shifts).sum(-1)
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    packed = words.reshape(k // 16, 2 * n).contiguous()
+    packed = words.reshape(n // 64, 8 * k).contiguous()
     scales = w.scales.t().contiguous()                       # [groups, n]
     if w.group_size != -1:
         scales = _strip_permute(scales).contiguous()
@@ -98,9 +99,9 @@ def unpack(p: W4A16Weight) -> Int4Weight:
     n, k = p.n, p.k
     words = p.packed.to(torch.int64) & 0xFFFFFFFF
     shifts = torch.arange(0, 32, 4, device=words.device, dtype=torch.int64)
-    v = (words.view(k // 16, n // 64, 32, 4, 1) >> shifts) & 0xF        # r S (g t) j p
-    v = v.view(k // 16, n // 64, 8, 4, 4, 2, 2, 2)                      # r S g t j b h a
-    v = v.permute(1, 4, 6, 2, 0, 7, 3, 5)                               # S j h g r a t b
+    v = (words.view(n // 64, k // 16, 32, 4, 1) >> shifts) & 0xF        # S r (g t) j p
+    v = v.view(n // 64, k // 16, 8, 4, 4, 2, 2, 2)                      # S r g t j b h a
+    v = v.permute(0, 4, 6, 2, 1, 7, 3, 5)                               # S j h g r a t b
     q = v.reshape(n, k).to(torch.uint8)
     scales = p.scales if p.group_size == -1 else _strip_unpermute(p.scales)
     zeros = None if p.zeros is None else _strip_unpermute(p.zeros).to(torch.uint8).t().contiguous()
@@ -147,7 +148,8 @@ def kernel_spec(dtype: torch.dtype, cfg: GemmConfig, group_size: int, asym: bool
 
 CONFIGS = [GemmConfig(1, 1, 8), GemmConfig(1, 2, 4), GemmConfig(1, 4, 2),
            GemmConfig(2, 1, 8), GemmConfig(2, 2, 4), GemmConfig(2, 4, 2),
-           GemmConfig(1, 1, 8, 8), GemmConfig(1, 2, 4, 8), GemmConfig(2, 1, 8, 6), GemmConfig(2, 2, 4, 6)]
+           GemmConfig(1, 1, 8, 8), GemmConfig(1, 2, 4, 8), GemmConfig(2, 1, 8, 6), GemmConfig(2, 2, 4, 6),
+           GemmConfig(1, 4, 2, 6), GemmConfig(1, 4, 2, 8)]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -219,8 +221,8 @@ def _validate(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None) -> Non
     if x.shape[-1] != w.k:
         raise ValueError(f"x has k={x.shape[-1]} (last dim) but the weight has in_features k={w.k}")
     check_shape(w.n, w.k, w.group_size)
-    if w.packed.dtype != torch.int32 or tuple(w.packed.shape) != (w.k // 16, 2 * w.n):
-        raise ValueError(f"packed must be int32 [k/16, 2n] = {(w.k // 16, 2 * w.n)}, got {w.packed.dtype} "
+    if w.packed.dtype != torch.int32 or tuple(w.packed.shape) != (w.n // 64, 8 * w.k):
+        raise ValueError(f"packed must be int32 [n/64, 8k] = {(w.n // 64, 8 * w.k)}, got {w.packed.dtype} "
                          f"{tuple(w.packed.shape)}")
     groups = 1 if w.group_size == -1 else w.k // w.group_size
     if tuple(w.scales.shape) != (groups, w.n):

@@ -9,7 +9,8 @@
 // and zero points. x is stored XOR-swizzled (16-byte chunk c of row r lands at c ^ (r & 7)), so
 // the ldmatrix.x4 that reads a 16x16 A fragment touches 8 different bank groups: conflict-free.
 //
-// Weights arrive pre-permuted (ops/w4a16.py, docs/w4a16.md): for each (k16 row, 64-column strip)
+// Weights arrive pre-permuted (ops/w4a16.py, docs/w4a16.md), strip-major: each 64-column strip's
+// whole k run is contiguous, so a block streams WN sequential runs. For each (strip, k16 row),
 // 512 contiguous bytes, 16 per lane, and the 4-byte word j of lane l holds exactly the B fragments
 // of n8 subtiles 2j and 2j+1 for that lane, nibbles ordered so that lop3 with an fp16/bf16
 // exponent pattern turns pairs of nibbles directly into the half2 registers mma expects. The zero
@@ -124,9 +125,26 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
     const int slice = blockIdx.z;
     const int kt_begin = (int)((long long)slice * k_tiles / slices);
     const int kt_end = (int)((long long)(slice + 1) * k_tiles / slices);
-    const int strips = n / 64;
+    // Strip-major weights: strip S's k16 row r is at w[(S * k/16 + r) * 32 + lane].
+    const size_t strip_stride = (size_t)(k / 16) * 32;
+    const uint4* w_strip = w + (size_t)(n0 / 64) * strip_stride + warp * 32 + lane;
 
     auto stage_ptr = [&](int s) { return smem + s * L::kBytes; };
+
+    // Per-thread x-copy addresses, computed once: source row pointers (row 0 for rows past m,
+    // which are zero-filled, never read) and swizzled shared-memory offsets.
+    constexpr int kACopies = (BM * 16 + kThreads - 1) / kThreads;
+    const T* a_src[kACopies];
+    int a_dst[kACopies];
+    unsigned a_valid = 0;
+#pragma unroll
+    for (int i = 0; i < kACopies; ++i) {
+        const int c = tid + i * kThreads, row = c >> 4, col = c & 15;
+        const bool valid = c < BM * 16 && m0 + row < m;
+        a_src[i] = x + (size_t)(valid ? m0 + row : 0) * k + col * 8;
+        a_dst[i] = row * kBK + ((col ^ (row & 7)) << 3);
+        a_valid |= (valid ? 1u : 0u) << i;
+    }
 
     auto load_stage = [&](int s, int kt) {
         unsigned char* base = stage_ptr(s);
@@ -135,22 +153,14 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
         const int k0 = kt * kBK;
         // x tile: BM rows x 16 chunks of 16 B, swizzled; rows past m are zero-filled.
 #pragma unroll
-        for (int i = 0; i < (BM * 16 + kThreads - 1) / kThreads; ++i) {
-            int c = tid + i * kThreads;
-            if (BM * 16 % kThreads == 0 || c < BM * 16) {
-                int row = c >> 4, col = c & 15;
-                bool valid = m0 + row < m;
-                const T* src = x + (size_t)(valid ? m0 + row : 0) * k + k0 + col * 8;
-                cp_async16(a_s + row * kBK + ((col ^ (row & 7)) << 3), src, valid);
-            }
-        }
-        // weight tile: 8 k16 rows, each WN strips x 512 B contiguous in global memory.
+        for (int i = 0; i < kACopies; ++i)
+            if (BM * 16 % kThreads == 0 || tid + i * kThreads < BM * 16)
+                cp_async16(a_s + a_dst[i], a_src[i] + k0, (a_valid >> i) & 1);
+        // weight tile: strip i of the block's WN strips is 8 k16 rows x 512 B = 4 KB contiguous in
+        // global memory (strip-major layout); warp `warp` copies row `warp` of every strip.
 #pragma unroll
-        for (int i = 0; i < WN; ++i) {
-            int c = tid + i * kThreads;
-            int r = c / (WN * 32), rem = c % (WN * 32);
-            cp_async16(b_s + c, w + ((size_t)(kt * 8 + r) * strips + n0 / 64) * 32 + rem);
-        }
+        for (int i = 0; i < WN; ++i)
+            cp_async16(b_s + (warp * WN + i) * 32 + lane, w_strip + (size_t)i * strip_stride + (size_t)kt * 256);
         if constexpr (GROUP > 0) {
             T* s_s = reinterpret_cast<T*>(base + L::kA + L::kB);
             constexpr int chunks = L::kScaleRows * BN / 8;
