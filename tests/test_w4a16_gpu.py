@@ -58,10 +58,25 @@ def test_llama_shapes(k, n, dtype):
 
 def test_every_config_and_forced_split_k():
     q, p = _case(1024, 256, 128, False, torch.float16)
-    x = torch.randn(37, 1024, device="cuda", dtype=torch.float16)
-    for cfg in ops.CONFIGS:
-        for slices in (1, 2, 3, 8):
-            _check(x, q, p, cfg=cfg, slices=slices)
+    for m in (37, 5):
+        x = torch.randn(m, 1024, device="cuda", dtype=torch.float16)
+        for cfg in ops.CONFIGS:
+            if cfg.swap and m > 8:
+                with pytest.raises(ValueError, match="m <= 8"):
+                    ops.matmul_impl(x, p, cfg=cfg)
+                continue
+            for slices in (1, 2, 3, 8):
+                _check(x, q, p, cfg=cfg, slices=slices)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group,sym", [(-1, False), (32, True), (128, False)])
+def test_swapped_operands_small_m(group, sym, dtype):
+    q, p = _case(2048, 512, group, sym, dtype)
+    for m in range(1, 9):
+        for cfg in (c for c in ops.CONFIGS if c.swap):
+            x = torch.randn(m, 2048, device="cuda", dtype=dtype)
+            _check(x, q, p, torch.randn(512, device="cuda", dtype=dtype), cfg=cfg, slices=1 + m % 3)
 
 
 def test_leading_dims_and_bias():

@@ -28,14 +28,20 @@ def _flush_buffer(device: int) -> torch.Tensor:
         from ..runtime import device_info
 
         l2 = device_info(device).l2_bytes or 64 << 20
-        buf = torch.empty(max(4 * l2, 256 << 20), dtype=torch.uint8, device=f"cuda:{device}")
+        buf = torch.ones(max(4 * l2, 256 << 20), dtype=torch.uint8, device=f"cuda:{device}")
         _flush_buffers[device] = buf
     return buf
 
 
 def flush_l2(device: int | None = None) -> None:
-    """Overwrite a buffer several times the L2 size, so no operand of the next run is cached."""
-    _flush_buffer(torch.cuda.current_device() if device is None else device).bitwise_not_()
+    """Read a buffer several times the L2 size, so no operand of the next run is cached.
+
+    A read, not a write: a written flush buffer leaves ~L2-size of dirty lines whose write-back
+    to DRAM then happens during the timed kernel (about 15 us of DRAM time on an H200, a large
+    error for a 50 us kernel). Reading evicts earlier dirty lines here, before the clock starts,
+    and leaves only clean lines behind."""
+    buf = _flush_buffer(torch.cuda.current_device() if device is None else device)
+    torch.sum(buf.view(torch.int32), dtype=torch.int32)
 
 
 def time_cuda(fn, *, reps: int = 50, warmup: int = 5, flush: bool = True, min_reps: int = 10,

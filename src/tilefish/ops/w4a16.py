@@ -116,6 +116,7 @@ class GemmConfig:
     wn: int = 2       # warps along n (BN = 64 wn)
     wk: int = 4       # warps along k (block-level k reduction)
     stages: int = 4
+    swap: bool = False  # m <= 8: weights as the MMA A operand, x^T as B (one MMA per weight word)
 
     @property
     def bm(self) -> int:
@@ -126,7 +127,7 @@ class GemmConfig:
         return 64 * self.wn
 
     def label(self) -> str:
-        return f"m{self.bm}n{self.bn}w{self.wn}x{self.wk}s{self.stages}"
+        return f"m{self.bm}n{self.bn}w{self.wn}x{self.wk}s{self.stages}{'-swap' if self.swap else ''}"
 
     def smem_bytes(self, group_size: int, asym: bool) -> int:
         a = self.bm * BK * 2
@@ -134,7 +135,7 @@ class GemmConfig:
         s = (BK // group_size) * self.bn * 2 if group_size > 0 else 0
         z = ((BK // group_size) if group_size > 0 else 1) * self.bn * 2 if asym else 0
         pipeline = self.stages * (a + b + s + z)
-        reduction = (self.wk - 1) * self.wn * 32 * (self.mb * 32) * 4
+        reduction = (self.wk - 1) * self.wn * 32 * (self.mb * (16 if self.swap else 32)) * 4
         return max(pipeline, reduction)
 
 
@@ -142,44 +143,45 @@ class GemmConfig:
 def kernel_spec(dtype: torch.dtype, cfg: GemmConfig, group_size: int, asym: bool) -> KernelSpec:
     group = 0 if group_size == -1 else group_size
     name = (f"w4a16_gemm<{DTYPES[dtype]}, {cfg.mb}, {cfg.wn}, {cfg.wk}, {cfg.stages}, {group}, "
-            f"{'true' if asym else 'false'}>")
+            f"{'true' if asym else 'false'}, {'true' if cfg.swap else 'false'}>")
     return KernelSpec(SOURCE, name, hot=True)
 
 
 CONFIGS = [GemmConfig(1, 1, 8), GemmConfig(1, 2, 4), GemmConfig(1, 4, 2),
            GemmConfig(2, 1, 8), GemmConfig(2, 2, 4), GemmConfig(2, 4, 2),
            GemmConfig(1, 1, 8, 8), GemmConfig(1, 2, 4, 8), GemmConfig(2, 1, 8, 6), GemmConfig(2, 2, 4, 6),
-           GemmConfig(1, 4, 2, 6), GemmConfig(1, 4, 2, 8)]
+           GemmConfig(1, 4, 2, 6), GemmConfig(1, 4, 2, 8),
+           GemmConfig(1, 1, 8, 4, True), GemmConfig(1, 2, 4, 4, True), GemmConfig(1, 4, 2, 4, True)]
 
 
 @functools.lru_cache(maxsize=4096)
 def choose_config(m: int, n: int, k: int, sm_count: int) -> GemmConfig:
-    """Heuristic fitted to the H200 sweep (`tilefish bench w4a16 --variants`, docs/w4a16.md):
-    16-row tiles up to m = 16, else 32-row tiles; 256-column tiles for m <= 32 (split k fills
-    the SMs) and for larger m while they still give half a tile per SM, else 128 (or 64 when n
-    needs it); 4 pipeline stages."""
+    """Heuristic fitted to the H200 sweeps (`tilefish bench w4a16 --variants`, docs/w4a16.md):
+    16-row tiles up to m = 16, else 32-row tiles; 256-column tiles once n alone gives a tile per SM
+    (or, for larger m, half a tile per SM), else 128 (64 when n needs it); 4 pipeline stages."""
     mb = 1 if m <= 16 else 2
+    swap = m <= 8
     m_tiles = -(-m // (16 * mb))
-    if n % 256 == 0 and (m <= 32 or (n // 256) * m_tiles * 2 >= sm_count):
+    if n % 256 == 0 and ((n // 256) >= sm_count or (m > 32 and (n // 256) * m_tiles * 2 >= sm_count)):
         wn = 4
     elif n % 128 == 0:
         wn = 2
     else:
         wn = 1
-    return GemmConfig(mb, wn, 8 // wn, 4)
+    return GemmConfig(mb, wn, 8 // wn, 4, swap)
 
 
 MIN_K_TILES_PER_SLICE = 4
 
 
 def choose_slices(tiles: int, k_tiles: int, sm_count: int) -> int:
-    """Split k so that tiles x slices is about one block per SM (>= 4 k tiles per slice)."""
-    return max(1, min(k_tiles // MIN_K_TILES_PER_SLICE, round(sm_count / tiles)))
+    """Split k so that tiles x slices is about two blocks per SM (>= 4 k tiles per slice)."""
+    return max(1, min(k_tiles // MIN_K_TILES_PER_SLICE, round(2 * sm_count / tiles)))
 
 
 def dispatch_specs() -> list[KernelSpec]:
     out = []
-    cfgs = {choose_config(m, n, 4096, sms) for m in (1, 16, 17, 32, 64, 128, 4096)
+    cfgs = {choose_config(m, n, 4096, sms) for m in (1, 8, 16, 17, 32, 64, 128, 4096)
             for n in (64, 128, 256, 4096, 8192, 14336, 28672, 57344) for sms in (108, 132)}
     for dt in DTYPES:
         for cfg in sorted(cfgs, key=lambda c: c.label()):
@@ -263,6 +265,8 @@ def matmul_impl(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = Non
     cfg = cfg or choose_config(m, w.n, w.k, sms)
     if w.n % cfg.bn:
         raise ValueError(f"config {cfg.label()} needs n % {cfg.bn} == 0 (n={w.n})")
+    if cfg.swap and m > 8:
+        raise ValueError(f"config {cfg.label()} (swapped operands) handles m <= 8, got m={m}")
     asym = w.zeros is not None
     n_tiles, m_tiles, k_tiles = w.n // cfg.bn, -(-m // cfg.bm), w.k // BK
     tiles = n_tiles * m_tiles

@@ -79,6 +79,14 @@ __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* smem_row) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(smem_row)));
 }
 
+// Two 8x8 b16 matrices (lanes 0-7 and 8-15 give the row addresses; lanes 16-31 are ignored but
+// must hold valid shared addresses): the B fragment of mma.m16n8k16 when the 8x8 matrices are
+// (n 0-7, k 0-7) and (n 0-7, k 8-15) of a k-contiguous ("col") B.
+__device__ __forceinline__ void ldmatrix_x2(u32 (&r)[2], const void* smem_row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(smem_row)));
+}
+
 // ---- mma.sync m16n8k16, fp32 accumulate. Fragments (g = lane/4, t = lane%4):
 //   A (16x16 row-major): a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..)
 //   B (16x8, k-major):   b0 (k 2t..2t+1, n g), b1 (k 2t+8..2t+9, n g)

@@ -17,6 +17,11 @@
 // point is subtracted exactly in half precision; group scales multiply the fragment (one rounding,
 // like a dequantize-then-cast), per-channel scales multiply the fp32 accumulators in the epilogue.
 //
+// Swap (m <= 8): the dequantized weights become the A operand (16 output columns x 16 k) and x^T
+// the B operand (16 k x 8 rows): the A fragment is the same dequantized word with registers 1 and
+// 2 exchanged, so the layout is unchanged, while each 32-bit word feeds one MMA instead of two and
+// each warp holds half the accumulators.
+//
 // Split-k: when there are too few output tiles to fill the GPU, `slices` blocks share a tile's k
 // range. Each writes its fp32 partial tile to a workspace, then bumps the tile's counter with an
 // acq_rel atomic; the last one to arrive sums the partials in slice order (so the result is
@@ -78,12 +83,14 @@ template <> struct Vec2<__half> {
     static __device__ __forceinline__ type make(float a, float b) { return __floats2half2_rn(a, b); }
     static __device__ __forceinline__ type dup(__half v) { return __half2half2(v); }
     static __device__ __forceinline__ float2 to_float2(type v) { return __half22float2(v); }
+    static __device__ __forceinline__ __half one(float v) { return __float2half_rn(v); }
 };
 template <> struct Vec2<__nv_bfloat16> {
     using type = __nv_bfloat162;
     static __device__ __forceinline__ type make(float a, float b) { return __floats2bfloat162_rn(a, b); }
     static __device__ __forceinline__ type dup(__nv_bfloat16 v) { return __bfloat162bfloat162(v); }
     static __device__ __forceinline__ float2 to_float2(type v) { return __bfloat1622float2(v); }
+    static __device__ __forceinline__ __nv_bfloat16 one(float v) { return __float2bfloat16_rn(v); }
 };
 
 // Shared-memory bytes of one pipeline stage (the host computes the same numbers).
@@ -99,22 +106,29 @@ struct StageLayout {
     static constexpr int kBytes = kA + kB + kS + kZ;
 };
 
-template <typename T, int MB, int WN, int WK, int STAGES, int GROUP, bool ASYM>
-__global__ void __launch_bounds__(kThreads)
+// 16-row tiles get an explicit 128-register budget (2 blocks per SM): without it ptxas 13.0
+// squeezed one sm_80 variant to 64 registers and spilled; 32-row tiles need up to 255.
+template <typename T, int MB, int WN, int WK, int STAGES, int GROUP, bool ASYM, bool SWAP = false>
+__global__ void __launch_bounds__(kThreads, MB == 1 ? 2 : 1)
 w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __restrict__ scales,
            const T* __restrict__ zeros, const T* __restrict__ bias, T* __restrict__ out,
            float* __restrict__ workspace, int* __restrict__ counters, int m, int n, int k, int slices) {
     static_assert(WN * WK == 8, "8 warps");
+    static_assert(!SWAP || MB == 1, "swap handles up to 8 rows: one 16-row block");
+    constexpr int NJ = SWAP ? 4 : 8;  // accumulator tiles per 16-row block: 16x8 each
     using L = StageLayout<MB, WN, GROUP, ASYM>;
     using DQ = Dequant<T>;
     using V2 = Vec2<T>;
     constexpr int BM = L::BM, BN = L::BN, KW = 8 / WK;
-    constexpr int kAccPerThread = MB * 8 * 4;
+    constexpr int kAccPerThread = MB * NJ * 4;
 
     extern __shared__ __align__(16) unsigned char smem[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wn = warp % WN, wk = warp / WN;
     const int g = lane >> 2, t = lane & 3;
+    // Output coordinates (row within the block tile, column within the strip) of acc[a][j][c].
+    auto acc_row = [&](int a, int j, int c) { return SWAP ? 2 * t + (c & 1) : a * 16 + g + 8 * (c >> 1); };
+    auto acc_col = [&](int j, int c) { return SWAP ? 16 * j + g + 8 * (c >> 1) : j * 8 + 2 * t + (c & 1); };
 
     // m tiles vary fastest, so the blocks that share a weight tile run at the same time and the
     // weights come from DRAM once (then L2) however many 16-row blocks m has.
@@ -180,11 +194,11 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
         }
     };
 
-    float acc[MB][8][4];
+    float acc[MB][NJ][4];
 #pragma unroll
     for (int a = 0; a < MB; ++a)
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
+        for (int j = 0; j < NJ; ++j)
 #pragma unroll
             for (int c = 0; c < 4; ++c) acc[a][j][c] = 0.f;
 
@@ -239,11 +253,17 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
         for (int kk = 0; kk < KW; ++kk) {
             const int s16 = wk * KW + kk;  // k16 step within the tile
             u32 af[MB][4];
+            u32 xb[2];  // SWAP: x^T as the B operand (rows 0-7 of the tile)
+            if constexpr (SWAP) {
+                int row = lane & 7, chunk = 2 * s16 + ((lane >> 3) & 1);
+                ldmatrix_x2(xb, a_s + row * kBK + ((chunk ^ (row & 7)) << 3));
+            } else {
 #pragma unroll
-            for (int a = 0; a < MB; ++a) {
-                int row = a * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-                int chunk = 2 * s16 + (lane >> 4);
-                ldmatrix_x4(af[a], a_s + row * kBK + ((chunk ^ (row & 7)) << 3));
+                for (int a = 0; a < MB; ++a) {
+                    int row = a * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                    int chunk = 2 * s16 + (lane >> 4);
+                    ldmatrix_x4(af[a], a_s + row * kBK + ((chunk ^ (row & 7)) << 3));
+                }
             }
             uint4 bw = b_s[(s16 * WN + wn) * 32 + lane];
             u32 words[4] = {bw.x, bw.y, bw.z, bw.w};
@@ -260,10 +280,15 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
                         frag[p] = *reinterpret_cast<u32*>(&v);
                     }
                 }
+                if constexpr (SWAP) {
+                    const u32 wa[4] = {frag[0], frag[2], frag[1], frag[3]};  // rows g, g+8 x k lo, hi
+                    Mma<T>::run(acc[0][j], wa, xb[0], xb[1]);
+                } else {
 #pragma unroll
-                for (int a = 0; a < MB; ++a) {
-                    Mma<T>::run(acc[a][2 * j], af[a], frag[0], frag[1]);
-                    Mma<T>::run(acc[a][2 * j + 1], af[a], frag[2], frag[3]);
+                    for (int a = 0; a < MB; ++a) {
+                        Mma<T>::run(acc[a][2 * j], af[a], frag[0], frag[1]);
+                        Mma<T>::run(acc[a][2 * j + 1], af[a], frag[2], frag[3]);
+                    }
                 }
             }
         }
@@ -280,9 +305,9 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
 #pragma unroll
             for (int a = 0; a < MB; ++a)
 #pragma unroll
-                for (int j = 0; j < 8; ++j)
+                for (int j = 0; j < NJ; ++j)
 #pragma unroll
-                    for (int c = 0; c < 4; ++c) dst[((a * 8 + j) * 4 + c) * 32 + lane] = acc[a][j][c];
+                    for (int c = 0; c < 4; ++c) dst[((a * NJ + j) * 4 + c) * 32 + lane] = acc[a][j][c];
         }
         __syncthreads();
         if (wk == 0) {
@@ -292,9 +317,9 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
 #pragma unroll
                 for (int a = 0; a < MB; ++a)
 #pragma unroll
-                    for (int j = 0; j < 8; ++j)
+                    for (int j = 0; j < NJ; ++j)
 #pragma unroll
-                        for (int c = 0; c < 4; ++c) acc[a][j][c] += src[((a * 8 + j) * 4 + c) * 32 + lane];
+                        for (int c = 0; c < 4; ++c) acc[a][j][c] += src[((a * NJ + j) * 4 + c) * 32 + lane];
             }
         }
     }
@@ -309,13 +334,11 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
 #pragma unroll
             for (int a = 0; a < MB; ++a)
 #pragma unroll
-                for (int j = 0; j < 8; ++j)
+                for (int j = 0; j < NJ; ++j)
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const int row = a * 16 + g + 8 * h;
-                        if (m0 + row < m)
-                            __stcg(reinterpret_cast<float2*>(dst + row * BN + wn * 64 + j * 8 + 2 * t),
-                                   make_float2(acc[a][j][2 * h], acc[a][j][2 * h + 1]));
+                    for (int c = 0; c < 4; ++c) {
+                        const int row = acc_row(a, j, c);
+                        if (m0 + row < m) __stcg(dst + row * BN + wn * 64 + acc_col(j, c), acc[a][j][c]);
                     }
         }
         __threadfence();
@@ -351,6 +374,19 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
 
     if (wk != 0) return;
     // Epilogue: per-channel scale, bias, convert, store (rows past m are skipped).
+    if constexpr (SWAP) {
+#pragma unroll
+        for (int j = 0; j < NJ; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int row = m0 + acc_row(0, j, c), col = n0 + wn * 64 + acc_col(j, c);
+                if (row >= m) continue;
+                float v = acc[0][j][c];
+                if constexpr (GROUP == 0) v *= to_float(scales[col]);
+                if (bias != nullptr) v += to_float(bias[col]);
+                out[(size_t)row * n + col] = V2::one(v);
+            }
+    } else {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
         const int col = n0 + wn * 64 + j * 8 + 2 * t;
@@ -368,5 +404,6 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
                 }
             }
         }
+    }
     }
 }
