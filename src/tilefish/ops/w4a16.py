@@ -117,6 +117,7 @@ class GemmConfig:
     wk: int = 4       # warps along k (block-level k reduction)
     stages: int = 4
     swap: bool = False  # m <= 8: weights as the MMA A operand, x^T as B (one MMA per weight word)
+    breg: bool = False  # weights straight to a register ring (no shared-memory stage for them)
 
     @property
     def bm(self) -> int:
@@ -127,11 +128,12 @@ class GemmConfig:
         return 64 * self.wn
 
     def label(self) -> str:
-        return f"m{self.bm}n{self.bn}w{self.wn}x{self.wk}s{self.stages}{'-swap' if self.swap else ''}"
+        return (f"m{self.bm}n{self.bn}w{self.wn}x{self.wk}s{self.stages}{'-swap' if self.swap else ''}"
+                f"{'-reg' if self.breg else ''}")
 
     def smem_bytes(self, group_size: int, asym: bool) -> int:
         a = self.bm * BK * 2
-        b = BK * self.bn // 2
+        b = 0 if self.breg else BK * self.bn // 2
         s = (BK // group_size) * self.bn * 2 if group_size > 0 else 0
         z = ((BK // group_size) if group_size > 0 else 1) * self.bn * 2 if asym else 0
         pipeline = self.stages * (a + b + s + z)
@@ -143,7 +145,7 @@ class GemmConfig:
 def kernel_spec(dtype: torch.dtype, cfg: GemmConfig, group_size: int, asym: bool) -> KernelSpec:
     group = 0 if group_size == -1 else group_size
     name = (f"w4a16_gemm<{DTYPES[dtype]}, {cfg.mb}, {cfg.wn}, {cfg.wk}, {cfg.stages}, {group}, "
-            f"{'true' if asym else 'false'}, {'true' if cfg.swap else 'false'}>")
+            f"{'true' if asym else 'false'}, {'true' if cfg.swap else 'false'}, {'true' if cfg.breg else 'false'}>")
     return KernelSpec(SOURCE, name, hot=True)
 
 
@@ -151,7 +153,9 @@ CONFIGS = [GemmConfig(1, 1, 8), GemmConfig(1, 2, 4), GemmConfig(1, 4, 2),
            GemmConfig(2, 1, 8), GemmConfig(2, 2, 4), GemmConfig(2, 4, 2),
            GemmConfig(1, 1, 8, 8), GemmConfig(1, 2, 4, 8), GemmConfig(2, 1, 8, 6), GemmConfig(2, 2, 4, 6),
            GemmConfig(1, 4, 2, 6), GemmConfig(1, 4, 2, 8),
-           GemmConfig(1, 1, 8, 4, True), GemmConfig(1, 2, 4, 4, True), GemmConfig(1, 4, 2, 4, True)]
+           GemmConfig(1, 1, 8, 4, True), GemmConfig(1, 2, 4, 4, True), GemmConfig(1, 4, 2, 4, True),
+           GemmConfig(1, 1, 8, 4, True, True), GemmConfig(1, 2, 4, 4, True, True), GemmConfig(1, 4, 2, 3, True, True),
+           GemmConfig(1, 2, 4, 4, False, True), GemmConfig(1, 2, 4, 6, True, True)]
 
 
 @functools.lru_cache(maxsize=4096)

@@ -127,3 +127,24 @@ __device__ __forceinline__ void store_relaxed(int* p, int v) {
 }
 
 }  // namespace tf
+
+namespace tf {
+
+// ---- ldmatrix .trans: the same 8x8 b16 matrices, transposed on the way into registers. Why:
+// a B operand stored k-major in shared memory (row-major B [K, N]: a "row" is one k, 8 n
+// contiguous) is the transpose of what mma's "col" B fragment wants (b0 = k 2t..2t+1 at n g).
+// With .trans, lane l receives elements (row 2(l%4), 2(l%4)+1; col l/4) of each matrix, so
+// matrices (k 0-7, n 0-7) and (k 8-15, n 0-7), addressed by lanes 0-7 and 8-15 (one k row each),
+// arrive as exactly b0, b1 of mma.m16n8k16 -- no register shuffles, no transposed copy of B.
+__device__ __forceinline__ void ldmatrix_x2_trans(u32 (&r)[2], const void* smem_row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(smem_row)));
+}
+// Four transposed matrices: (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15)
+// give b0, b1 of two adjacent n8 tiles in one instruction (half the ldmatrix issues of x2).
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* smem_row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(smem_row)));
+}
+
+}  // namespace tf

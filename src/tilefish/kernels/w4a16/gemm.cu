@@ -94,11 +94,11 @@ template <> struct Vec2<__nv_bfloat16> {
 };
 
 // Shared-memory bytes of one pipeline stage (the host computes the same numbers).
-template <int MB, int WN, int GROUP, bool ASYM>
+template <int MB, int WN, int GROUP, bool ASYM, bool BREG>
 struct StageLayout {
     static constexpr int BM = 16 * MB, BN = 64 * WN;
     static constexpr int kA = BM * kBK * 2;
-    static constexpr int kB = kBK * BN / 2;
+    static constexpr int kB = BREG ? 0 : kBK * BN / 2;  // BREG: weights bypass shared memory
     static constexpr int kScaleRows = GROUP ? kBK / GROUP : 0;
     static constexpr int kZeroRows = ASYM ? (GROUP ? kBK / GROUP : 1) : 0;
     static constexpr int kS = kScaleRows * BN * 2;
@@ -108,7 +108,7 @@ struct StageLayout {
 
 // 16-row tiles get an explicit 128-register budget (2 blocks per SM): without it ptxas 13.0
 // squeezed one sm_80 variant to 64 registers and spilled; 32-row tiles need up to 255.
-template <typename T, int MB, int WN, int WK, int STAGES, int GROUP, bool ASYM, bool SWAP = false>
+template <typename T, int MB, int WN, int WK, int STAGES, int GROUP, bool ASYM, bool SWAP = false, bool BREG = false>
 __global__ void __launch_bounds__(kThreads, MB == 1 ? 2 : 1)
 w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __restrict__ scales,
            const T* __restrict__ zeros, const T* __restrict__ bias, T* __restrict__ out,
@@ -116,7 +116,7 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
     static_assert(WN * WK == 8, "8 warps");
     static_assert(!SWAP || MB == 1, "swap handles up to 8 rows: one 16-row block");
     constexpr int NJ = SWAP ? 4 : 8;  // accumulator tiles per 16-row block: 16x8 each
-    using L = StageLayout<MB, WN, GROUP, ASYM>;
+    using L = StageLayout<MB, WN, GROUP, ASYM, BREG>;
     using DQ = Dequant<T>;
     using V2 = Vec2<T>;
     constexpr int BM = L::BM, BN = L::BN, KW = 8 / WK;
@@ -172,9 +172,11 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
                 cp_async16(a_s + a_dst[i], a_src[i] + k0, (a_valid >> i) & 1);
         // weight tile: strip i of the block's WN strips is 8 k16 rows x 512 B = 4 KB contiguous in
         // global memory (strip-major layout); warp `warp` copies row `warp` of every strip.
+        if constexpr (!BREG) {
 #pragma unroll
-        for (int i = 0; i < WN; ++i)
-            cp_async16(b_s + (warp * WN + i) * 32 + lane, w_strip + (size_t)i * strip_stride + (size_t)kt * 256);
+            for (int i = 0; i < WN; ++i)
+                cp_async16(b_s + (warp * WN + i) * 32 + lane, w_strip + (size_t)i * strip_stride + (size_t)kt * 256);
+        }
         if constexpr (GROUP > 0) {
             T* s_s = reinterpret_cast<T*>(base + L::kA + L::kB);
             constexpr int chunks = L::kScaleRows * BN / 8;
@@ -205,23 +207,48 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
     // Symmetric weights: the zero point is the constant 8.
     typename DQ::Zero zsym = DQ::zero(8.f);
 
+    // BREG: each warp loads its own weight words (its strip, its k16 steps) straight into a
+    // register ring of STAGES slots, issued at the same distance ahead as the cp.async stages.
+    uint4 breg[BREG ? STAGES : 1][KW];
+    const uint4* w_warp = w + ((size_t)(n0 / 64 + wn) * (k / 16) + wk * KW) * 32 + lane;
+    (void)w_warp;
+    (void)breg;
+
     // Prologue: fill STAGES-1 stages.
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (kt_begin + s < kt_end) load_stage(s, kt_begin + s);
+        if (kt_begin + s < kt_end) {
+            load_stage(s, kt_begin + s);
+            if constexpr (BREG) {
+#pragma unroll
+                for (int kk = 0; kk < KW; ++kk) breg[s][kk] = ld_nc_v4(w_warp + (size_t)(kt_begin + s) * 256 + kk * 32);
+            }
+        }
         cp_async_commit();
     }
 
-    for (int kt = kt_begin; kt < kt_end; ++kt) {
-        const int it = kt - kt_begin;
+    // The k loop is unrolled by STAGES so the ring slot `u` is a compile-time index (register
+    // arrays must never be indexed at run time).
+    for (int kt0 = kt_begin; kt0 < kt_end; kt0 += STAGES) {
+#pragma unroll
+    for (int u = 0; u < STAGES; ++u) {
+        const int kt = kt0 + u;
+        if (kt >= kt_end) break;
         cp_async_wait<STAGES - 2>();
-        __syncthreads();  // tile `it` is visible to all; everyone is done with tile it-1's stage
+        __syncthreads();  // tile kt is visible to all; everyone is done with tile kt-1's stage
         {
-            int nxt = kt + STAGES - 1;
-            if (nxt < kt_end) load_stage((it + STAGES - 1) % STAGES, nxt);
+            const int nxt = kt + STAGES - 1;
+            const int nslot = (u + STAGES - 1) % STAGES;  // a constant once the loop is unrolled
+            if (nxt < kt_end) {
+                load_stage(nslot, nxt);
+                if constexpr (BREG) {
+#pragma unroll
+                    for (int kk = 0; kk < KW; ++kk) breg[nslot][kk] = ld_nc_v4(w_warp + (size_t)nxt * 256 + kk * 32);
+                }
+            }
             cp_async_commit();
         }
-        unsigned char* base = stage_ptr(it % STAGES);
+        unsigned char* base = stage_ptr(u);
         const T* a_s = reinterpret_cast<const T*>(base);
         const uint4* b_s = reinterpret_cast<const uint4*>(base + L::kA);
         // This lane's scales / zero points of subtiles 0..7 (column 8*sub + g of the strip), 16 B
@@ -265,7 +292,9 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
                     ldmatrix_x4(af[a], a_s + row * kBK + ((chunk ^ (row & 7)) << 3));
                 }
             }
-            uint4 bw = b_s[(s16 * WN + wn) * 32 + lane];
+            uint4 bw;
+            if constexpr (BREG) bw = breg[u][kk];
+            else bw = b_s[(s16 * WN + wn) * 32 + lane];
             u32 words[4] = {bw.x, bw.y, bw.z, bw.w};
             if constexpr (!kOneGroupPerTile) load_scales(s16);
 #pragma unroll
@@ -292,6 +321,7 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
                 }
             }
         }
+    }
     }
     cp_async_wait<0>();
     __syncthreads();

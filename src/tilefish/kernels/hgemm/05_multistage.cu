@@ -1,0 +1,216 @@
+// HGEMM step 5: cp.async multistage pipeline + register double buffering of fragments.
+// C = A @ B, A [M, K] row-major, B [K, N] row-major (B_NK = false) or B [N, K] row-major
+// (B_NK = true, nn.Linear weights), T = __half or __nv_bfloat16, fp32 accumulation, C in T.
+//
+// Tiling (template parameters, dispatch defaults in ops/hgemm.py): a block of (BM/WM) x (BN/WN)
+// warps owns a BM x BN tile of C (e.g. 128 x 128, warps 2 x 4 of 64 x 32) and walks K in
+// BK-deep chunks (32 or 64) through a ring of STAGES (2..4) shared-memory buffers, dynamic
+// shared memory, STAGES * (BM + BN) * BK * 2 bytes, XOR-swizzled as in step 4.
+//
+// What changed vs step 4:
+//   * cp.async.cg (16 bytes, L2 only) copies global -> shared directly: no registers hold data
+//     in flight and no LDG -> STS dependency stalls the warp. Out-of-range chunks use the
+//     zero-fill form (src-size 0). Per-chunk pointers and predicates are computed once per block.
+//   * Pipeline: the prologue issues stages 0..STAGES-2 (one commit group each). Iteration kt
+//     waits for stage kt (cp.async.wait_group STAGES-2); one __syncthreads publishes it to the
+//     block and proves every warp finished stage kt-1, whose buffer is refilled at once with
+//     stage kt+STAGES-1 -- so STAGES-1 chunks of copy are always in flight under the mmas, and
+//     there is one barrier per chunk instead of two. STAGES = 2 is classic double buffering.
+//   * Fragments are double-buffered in registers: the ldmatrix of k step kk+1 is issued before
+//     the mmas of k step kk, so shared-memory latency hides behind tensor-core work in a warp.
+//   * B fragments come two n8 tiles per ldmatrix.x4(.trans) (half the ldmatrix issues of x2).
+//
+// Limits: the grid walks tiles in launch order (all N tiles of one M row, then the next), so
+// consecutive blocks share A but each sweeps all of B: at large N, B falls out of L2 between
+// uses (step 6). The register double buffer does not cross k-tile boundaries. The epilogue
+// stores fragments straight from registers (16 bytes per row quad; no smem-staged 16-byte
+// stores). mma.sync on Hopper issues at well under the wgmma rate (~65 % of peak at best).
+// Edges: any M, N (predicated); K % 8 == 0 and, for B [K, N], N % 8 == 0; 16-byte aligned rows.
+#include "common/ptx.cuh"
+
+namespace hg {
+using tf::u32;
+
+template <typename T> struct Conv;
+template <> struct Conv<__half> {
+    static __device__ __forceinline__ u32 pack(float a, float b) { return tf::pack_f16x2(a, b); }
+    static __device__ __forceinline__ __half one(float a) { return __float2half_rn(a); }
+};
+template <> struct Conv<__nv_bfloat16> {
+    static __device__ __forceinline__ u32 pack(float a, float b) { return tf::pack_bf16x2(a, b); }
+    static __device__ __forceinline__ __nv_bfloat16 one(float a) { return __float2bfloat16_rn(a); }
+};
+
+// Store one m16n8 accumulator fragment (c0,c1 at row g, cols 2t..2t+1; c2,c3 at row g+8) to C
+// at (row0, col0), predicated on M and N. An even N keeps every pair 4-byte aligned (one 32-bit
+// store); an odd N stores element by element.
+template <typename T>
+__device__ __forceinline__ void store_frag(T* C, int M, int N, int row0, int col0, const float (&c)[4]) {
+    const int lane = threadIdx.x & 31;
+    const int col = col0 + 2 * (lane & 3);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = row0 + (lane >> 2) + 8 * h;
+        if (row >= M) continue;
+        T* p = C + (size_t)row * N + col;
+        if ((N & 1) == 0) {
+            if (col < N) *reinterpret_cast<u32*>(p) = Conv<T>::pack(c[2 * h], c[2 * h + 1]);
+        } else {
+            if (col < N) p[0] = Conv<T>::one(c[2 * h]);
+            if (col + 1 < N) p[1] = Conv<T>::one(c[2 * h + 1]);
+        }
+    }
+}
+
+// XOR-swizzled tiles, as step 4: dense pitch COLS, 16-byte chunk index XOR-ed with row bits so
+// the 8 rows of every ldmatrix matrix (and every cp.async store phase) hit 8 distinct bank groups.
+template <int COLS> __device__ __forceinline__ int soff(int r, int c) {
+    constexpr int CPR = COLS / 8;
+    constexpr int RPL = CPR >= 8 ? 1 : 8 / CPR;  // rows per 128-byte bank line
+    constexpr int SW = CPR >= 8 ? 8 : CPR;       // swizzle span in chunks
+    static_assert((CPR & (CPR - 1)) == 0, "power-of-two chunks per row");
+    return r * COLS + ((((c >> 3) ^ ((r / RPL) % SW))) << 3) + (c & 7);
+}
+
+// One operand's share of a pipeline stage for this thread: ITERS 16-byte chunks of a ROWS x COLS
+// tile of a row-major matrix. The per-chunk global pointer, the M/N-edge predicate and the smem
+// offset are computed once per block; each stage only adds the k offset and tests the K edge.
+//   KROWS = true:  the tile's rows run along K (B [K, N]): stage kt starts kt*BK rows further.
+//   KROWS = false: the tile's columns run along K (A, B [N, K]): kt*BK columns further.
+template <typename T, int ROWS, int COLS, int NT, bool KROWS>
+struct TileCopy {
+    static constexpr int CPR = COLS / 8;
+    static constexpr int ITERS = ROWS * CPR / NT;
+    static_assert((ROWS * CPR) % NT == 0, "tile must split evenly into 16-byte chunks per thread");
+    const T* src[ITERS];
+    int soffs[ITERS];
+    int kpos[ITERS];   // the chunk's k coordinate within a stage
+    bool ok[ITERS];    // inside M (A), N (B)
+
+    // g: matrix base; ldg: row pitch; row0/col0: the block's first row/col; row_end/col_end:
+    // the bound of the non-K dimension (the K bound is tested per stage in copy()).
+    __device__ __forceinline__ TileCopy(const T* g, int ldg, int row0, int row_end, int col0, int col_end, int tid) {
+#pragma unroll
+        for (int i = 0; i < ITERS; ++i) {
+            const int idx = tid + i * NT;
+            const int r = idx / CPR, c = (idx % CPR) * 8;
+            const int gr = row0 + r, gc = col0 + c;
+            ok[i] = KROWS ? gc < col_end : gr < row_end;
+            kpos[i] = KROWS ? r : c;
+            src[i] = ok[i] ? g + (size_t)gr * ldg + gc : g;
+            soffs[i] = soff<COLS>(r, c);
+        }
+    }
+    // Issue the cp.async copies of k-stage kt into the smem tile s (zero-fill outside the matrix:
+    // src-size 0 reads nothing, and the source pointer is then the matrix base, never out of bounds).
+    __device__ __forceinline__ void copy(T* s, const T* g, int ldg, int kt, int K) const {
+        const int k0 = kt * (KROWS ? ROWS : COLS);
+#pragma unroll
+        for (int i = 0; i < ITERS; ++i) {
+            const bool v = ok[i] && k0 + kpos[i] < K;
+            const T* p = KROWS ? src[i] + (size_t)k0 * ldg : src[i] + k0;
+            tf::cp_async16(&s[soffs[i]], v ? p : g, v);
+        }
+    }
+};
+
+}  // namespace hg
+
+template <typename T, bool B_NK, int BM, int BN, int BK, int WM, int WN, int STAGES>
+__global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, 1)
+hgemm_multistage(const T* __restrict__ A, const T* __restrict__ B, T* __restrict__ C, int M, int N, int K) {
+    using namespace hg;
+    constexpr int WARPS_N = BN / WN;
+    constexpr int NT = (BM / WM) * WARPS_N * 32;
+    constexpr int MI = WM / 16, NI = WN / 8;      // mma tiles per warp
+    constexpr int KSTEPS = BK / 16;
+    constexpr int A_STAGE = BM * BK, B_STAGE = BN * BK;  // elements per stage
+    static_assert(STAGES >= 2, "at least double buffering");
+    static_assert(BM % WM == 0 && BN % WN == 0, "warp tile must divide the block tile");
+    static_assert(WM % 16 == 0 && WN % 16 == 0 && BK % 16 == 0, "m16 x n16 (two n8 per ldmatrix.x4) x k16");
+    static_assert(NT <= 1024, "at most 1024 threads");
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T* sA = reinterpret_cast<T*>(smem_raw);
+    T* sB = sA + STAGES * A_STAGE;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = (warp / WARPS_N) * WM, wn = (warp % WARPS_N) * WN;
+    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;  // launch order: N tiles fastest
+    const int KT = (K + BK - 1) / BK;  // once per block
+
+    const TileCopy<T, BM, BK, NT, false> ca(A, K, m0, M, 0, K, tid);
+    typedef TileCopy<T, (B_NK ? BN : BK), (B_NK ? BK : BN), NT, !B_NK> BCopy;
+    const BCopy cb = B_NK ? BCopy(B, K, n0, N, 0, K, tid) : BCopy(B, N, 0, K, n0, N, tid);
+    const int ldb = B_NK ? K : N;
+
+    // Prologue: stages 0 .. STAGES-2 in flight, one commit group each (empty groups past KT
+    // keep the group count uniform, so wait_group<STAGES-2> always means "stage kt landed").
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < KT) {
+            ca.copy(sA + s * A_STAGE, A, K, s, K);
+            cb.copy(sB + s * B_STAGE, B, ldb, s, K);
+        }
+        tf::cp_async_commit();
+    }
+
+    float acc[MI][NI][4];
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+#pragma unroll
+        for (int j = 0; j < NI; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+
+    u32 af[2][MI][4], bf[2][NI][2];  // register double buffer: k step kk+1 loads under kk's mmas
+    int rs = 0, ws = STAGES - 1;     // read / write stage of the ring (no modulo in the loop)
+    for (int kt = 0; kt < KT; ++kt) {
+        tf::cp_async_wait<STAGES - 2>();  // this thread's copies of stage kt have landed
+        __syncthreads();                  // ... everyone's have, and stage kt-1 is free to refill
+        if (kt + STAGES - 1 < KT) {
+            ca.copy(sA + ws * A_STAGE, A, K, kt + STAGES - 1, K);
+            cb.copy(sB + ws * B_STAGE, B, ldb, kt + STAGES - 1, K);
+        }
+        tf::cp_async_commit();
+        ws = ws + 1 == STAGES ? 0 : ws + 1;
+
+        const T* a_s = sA + rs * A_STAGE;
+        const T* b_s = sB + rs * B_STAGE;
+#pragma unroll
+        for (int kk = 0; kk <= KSTEPS; ++kk) {
+            if (kk < KSTEPS) {  // fragments of k step kk into buffer kk & 1
+                const int buf = kk & 1;
+#pragma unroll
+                for (int i = 0; i < MI; ++i)  // lanes 0-15: rows at k, lanes 16-31: rows at k+8
+                    tf::ldmatrix_x4(af[buf][i], &a_s[soff<BK>(wm + i * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8)]);
+#pragma unroll
+                for (int j = 0; j < NI; j += 2) {  // one x4 = b0,b1 of two adjacent n8 tiles
+                    u32 r[4];
+                    if constexpr (B_NK)  // matrices: (n0-7,k0-7) (n0-7,k8-15) (n8-15,k0-7) (n8-15,k8-15)
+                        tf::ldmatrix_x4(r, &b_s[soff<BK>(wn + j * 8 + (lane & 7) + (lane >> 4) * 8,
+                                                         kk * 16 + ((lane >> 3) & 1) * 8)]);
+                    else                 // k rows; .trans: (k0-7,n0-7) (k8-15,n0-7) (k0-7,n8-15) (k8-15,n8-15)
+                        tf::ldmatrix_x4_trans(r, &b_s[soff<BN>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                               wn + j * 8 + (lane >> 4) * 8)]);
+                    bf[buf][j][0] = r[0]; bf[buf][j][1] = r[1];
+                    bf[buf][j + 1][0] = r[2]; bf[buf][j + 1][1] = r[3];
+                }
+            }
+            if (kk > 0) {  // mmas of k step kk-1
+                const int buf = (kk - 1) & 1;
+#pragma unroll
+                for (int i = 0; i < MI; ++i)
+#pragma unroll
+                    for (int j = 0; j < NI; ++j)
+                        tf::Mma<T>::run(acc[i][j], af[buf][i], bf[buf][j][0], bf[buf][j][1]);
+            }
+        }
+        rs = rs + 1 == STAGES ? 0 : rs + 1;
+    }
+    tf::cp_async_wait<0>();  // only empty groups can remain; drain before the block retires
+
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+#pragma unroll
+        for (int j = 0; j < NI; ++j) store_frag<T>(C, M, N, m0 + wm + i * 16, n0 + wn + j * 8, acc[i][j]);
+}
