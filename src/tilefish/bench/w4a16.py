@@ -29,7 +29,7 @@ def sweep(shapes=None, ms=None, dtype: str = "fp16", group: int = 128, reps: int
             t_cublas = time_cuda(lambda: torch.nn.functional.linear(x, dense), reps=reps).median_ms
             rows = []
             for cfg in ops.CONFIGS:
-                if n % cfg.bn:
+                if n % cfg.bn or (cfg.swap and m > 8):
                     continue
                 for slices in (1, 2, 3, 4, 6, 8, 12, 16):
                     if slices > k // 128:

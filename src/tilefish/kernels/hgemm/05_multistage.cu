@@ -73,43 +73,41 @@ template <int COLS> __device__ __forceinline__ int soff(int r, int c) {
 }
 
 // One operand's share of a pipeline stage for this thread: ITERS 16-byte chunks of a ROWS x COLS
-// tile of a row-major matrix. The per-chunk global pointer, the M/N-edge predicate and the smem
-// offset are computed once per block; each stage only adds the k offset and tests the K edge.
-//   KROWS = true:  the tile's rows run along K (B [K, N]): stage kt starts kt*BK rows further.
-//   KROWS = false: the tile's columns run along K (A, B [N, K]): kt*BK columns further.
+// tile of a row-major matrix. NT is a multiple of the chunks per row, so a thread's chunks all sit
+// in one column c, on rows r0, r0 + RSTEP, ...: one base pointer and one row stride describe them
+// all (few registers: the 64 x 64 warp tiles need every one for accumulators and fragments).
+//   KROWS = true:  the tile's rows run along K (B [K, N]): stage kt starts kt*ROWS rows further.
+//   KROWS = false: the tile's columns run along K (A, B [N, K]): kt*COLS columns further.
 template <typename T, int ROWS, int COLS, int NT, bool KROWS>
 struct TileCopy {
     static constexpr int CPR = COLS / 8;
     static constexpr int ITERS = ROWS * CPR / NT;
-    static_assert((ROWS * CPR) % NT == 0, "tile must split evenly into 16-byte chunks per thread");
-    const T* src[ITERS];
-    int soffs[ITERS];
-    int kpos[ITERS];   // the chunk's k coordinate within a stage
-    bool ok[ITERS];    // inside M (A), N (B)
+    static constexpr int RSTEP = NT / CPR;
+    static_assert((ROWS * CPR) % NT == 0 && NT % CPR == 0, "tile must split evenly into 16-byte chunks per thread");
+    const T* base;     // chunk 0 of this thread at k stage 0 (only dereferenced when in range)
+    size_t stride;     // RSTEP rows, in elements
+    int r0, c;         // the thread's first tile row and its column
+    int bound;         // KROWS: 1 if the column is inside N, else 0; !KROWS: rows left inside M/N
 
     // g: matrix base; ldg: row pitch; row0/col0: the block's first row/col; row_end/col_end:
     // the bound of the non-K dimension (the K bound is tested per stage in copy()).
     __device__ __forceinline__ TileCopy(const T* g, int ldg, int row0, int row_end, int col0, int col_end, int tid) {
-#pragma unroll
-        for (int i = 0; i < ITERS; ++i) {
-            const int idx = tid + i * NT;
-            const int r = idx / CPR, c = (idx % CPR) * 8;
-            const int gr = row0 + r, gc = col0 + c;
-            ok[i] = KROWS ? gc < col_end : gr < row_end;
-            kpos[i] = KROWS ? r : c;
-            src[i] = ok[i] ? g + (size_t)gr * ldg + gc : g;
-            soffs[i] = soff<COLS>(r, c);
-        }
+        r0 = tid / CPR;
+        c = (tid % CPR) * 8;
+        base = g + (size_t)(row0 + r0) * ldg + col0 + c;
+        stride = (size_t)RSTEP * ldg;
+        bound = KROWS ? (col0 + c < col_end ? 1 : 0) : row_end - row0 - r0;
     }
     // Issue the cp.async copies of k-stage kt into the smem tile s (zero-fill outside the matrix:
     // src-size 0 reads nothing, and the source pointer is then the matrix base, never out of bounds).
     __device__ __forceinline__ void copy(T* s, const T* g, int ldg, int kt, int K) const {
         const int k0 = kt * (KROWS ? ROWS : COLS);
+        const T* p = KROWS ? base + (size_t)k0 * ldg : base + k0;
 #pragma unroll
         for (int i = 0; i < ITERS; ++i) {
-            const bool v = ok[i] && k0 + kpos[i] < K;
-            const T* p = KROWS ? src[i] + (size_t)k0 * ldg : src[i] + k0;
-            tf::cp_async16(&s[soffs[i]], v ? p : g, v);
+            const int r = r0 + i * RSTEP;
+            const bool v = KROWS ? (bound != 0 && k0 + r < K) : (i * RSTEP < bound && k0 + c < K);
+            tf::cp_async16(&s[soff<COLS>(r, c)], v ? p + i * stride : g, v);
         }
     }
 };
