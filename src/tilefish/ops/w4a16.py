@@ -160,19 +160,30 @@ CONFIGS = [GemmConfig(1, 1, 8), GemmConfig(1, 2, 4), GemmConfig(1, 4, 2),
 
 @functools.lru_cache(maxsize=4096)
 def choose_config(m: int, n: int, k: int, sm_count: int) -> GemmConfig:
-    """Heuristic fitted to the H200 sweeps (`tilefish bench w4a16 --variants`, docs/w4a16.md):
-    16-row tiles up to m = 16, else 32-row tiles; 256-column tiles once n alone gives a tile per SM
-    (or, for larger m, half a tile per SM), else 128 (64 when n needs it); 4 pipeline stages."""
-    mb = 1 if m <= 16 else 2
-    swap = m <= 8
-    m_tiles = -(-m // (16 * mb))
-    if n % 256 == 0 and ((n // 256) >= sm_count or (m > 32 and (n // 256) * m_tiles * 2 >= sm_count)):
+    """Heuristic fitted to the H200 sweeps (`tilefish bench w4a16 --variants`, docs/w4a16.md).
+
+    m <= 8: swapped operands + weights in a register ring, 256-column tiles with 3 stages (128
+    columns with 6 stages when n needs it); m <= 16: 16-row tiles, register ring, 128 columns;
+    larger m: 32-row tiles through shared memory, 256 columns while they give half a tile per SM.
+    """
+    if m <= 8:
+        if n % 256 == 0:
+            return GemmConfig(1, 4, 2, 3, swap=True, breg=True)
+        if n % 128 == 0:
+            return GemmConfig(1, 2, 4, 6, swap=True, breg=True)
+        return GemmConfig(1, 1, 8, 4, swap=True, breg=True)
+    if m <= 16:
+        if n % 128 == 0:
+            return GemmConfig(1, 2, 4, 4, breg=True)
+        return GemmConfig(1, 1, 8, 4)
+    m_tiles = -(-m // 32)
+    if n % 256 == 0 and (m > 32 and (n // 256) * m_tiles * 2 >= sm_count):
         wn = 4
     elif n % 128 == 0:
         wn = 2
     else:
         wn = 1
-    return GemmConfig(mb, wn, 8 // wn, 4, swap)
+    return GemmConfig(2, wn, 8 // wn, 4)
 
 
 MIN_K_TILES_PER_SLICE = 4
@@ -185,7 +196,7 @@ def choose_slices(tiles: int, k_tiles: int, sm_count: int) -> int:
 
 def dispatch_specs() -> list[KernelSpec]:
     out = []
-    cfgs = {choose_config(m, n, 4096, sms) for m in (1, 8, 16, 17, 32, 64, 128, 4096)
+    cfgs = {choose_config(m, n, 4096, sms) for m in (1, 8, 9, 16, 17, 32, 33, 64, 128, 4096)
             for n in (64, 128, 256, 4096, 8192, 14336, 28672, 57344) for sms in (108, 132)}
     for dt in DTYPES:
         for cfg in sorted(cfgs, key=lambda c: c.label()):
