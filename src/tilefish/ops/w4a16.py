@@ -177,7 +177,7 @@ def choose_config(m: int, n: int, k: int, sm_count: int) -> GemmConfig:
             return GemmConfig(1, 2, 4, 4, breg=True)
         return GemmConfig(1, 1, 8, 4)
     m_tiles = -(-m // 32)
-    if n % 256 == 0 and (m > 32 and (n // 256) * m_tiles * 2 >= sm_count):
+    if n % 256 == 0 and (n // 256) * m_tiles * 2 >= sm_count:
         wn = 4
     elif n % 128 == 0:
         wn = 2
