@@ -14,9 +14,13 @@ def __getattr__(name):  # submodules load on first use: `import tilefish` stays 
         from .ops.sgemm import sgemm
 
         return sgemm
+    if name == "hgemm":
+        from .ops.hgemm import hgemm
+
+        return hgemm
     if name in _LAZY:
         return _importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'tilefish' has no attribute {name!r}")
 
 
-__all__ = ["__version__", "nf4", "w4a16", "nn", "sgemm"]
+__all__ = ["__version__", "nf4", "w4a16", "nn", "sgemm", "hgemm"]

@@ -181,13 +181,14 @@ def main(argv=None) -> int:
     c.add_argument("--jobs", "-j", type=int, default=1, help="parallel compile processes")
     c.set_defaults(fn=cmd_compile)
     b = sub.add_parser("bench", help="benchmark against peers and ceilings (needs a GPU)")
-    b.add_argument("family", nargs="?", choices=["nf4", "w4a16", "sgemm"], help="one family; default: all, with a summary")
+    b.add_argument("family", nargs="?", choices=["nf4", "w4a16", "sgemm", "hgemm"], help="one family; default: all, with a summary")
     b.add_argument("--shapes", help="comma-separated list: nf4 RxC (4096x4096,...), w4a16 KxN (4096x6144,...), "
                    "sgemm S (S^3) or MxNxK")
     b.add_argument("--m", help="w4a16: comma-separated batch sizes (default 1,2,4,...,4096)")
     b.add_argument("--groups", help="w4a16: comma-separated group sizes (default 128,-1)")
     b.add_argument("--dtypes", help="w4a16: comma-separated fp16,bf16 (default both)")
-    b.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    b.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
+                   help="nf4 output dtype / hgemm operand dtype (default bf16)")
     b.add_argument("--blocksize", type=int, default=64)
     b.add_argument("--single-quant", action="store_true", help="NF4 without double quantization")
     b.add_argument("--variants", action="store_true",

@@ -27,4 +27,10 @@ def _sgemm(args):
     return sgemm.run(args)
 
 
-FAMILIES = {"nf4": _nf4, "w4a16": _w4a16, "sgemm": _sgemm}
+def _hgemm(args):
+    from . import hgemm
+
+    return hgemm.run(args)
+
+
+FAMILIES = {"nf4": _nf4, "w4a16": _w4a16, "sgemm": _sgemm, "hgemm": _hgemm}

@@ -12,15 +12,18 @@ def kernel_specs(include_variants: bool = False):
     nf4 = importlib.import_module(".nf4", __name__)
     w4a16 = importlib.import_module(".w4a16", __name__)
     sgemm = importlib.import_module(".sgemm", __name__)
+    hgemm = importlib.import_module(".hgemm", __name__)
 
     specs = [("nf4", s) for s in nf4.dispatch_specs()]
     specs += [("w4a16", s) for s in w4a16.dispatch_specs()]
     specs += [("sgemm", s) for s in sgemm.dispatch_specs()]
+    specs += [("hgemm", s) for s in hgemm.dispatch_specs()]
     if include_variants:
         import torch
 
         specs += [("nf4", nf4.kernel_spec(torch.bfloat16, True, c)) for c in nf4.variant_configs()]
         specs += [("sgemm", s) for s in sgemm.variant_specs()]
+        specs += [("hgemm", s) for s in hgemm.variant_specs()]
     seen, out = set(), []
     for fam, s in specs:
         if s not in seen:

@@ -1,0 +1,143 @@
+"""`tilefish bench hgemm`: every HGEMM ladder step against cuBLAS (torch.matmul), same dtype, same process.
+
+Default: the six steps at 4096^3, then a 512 .. 16384 cube sweep of kernel="auto" and cuBLAS, then
+LLM projection shapes M in {1, 16, 128, 1024, 4096} x (K, N) in {(4096, 14336), (8192, 28672)}
+(b as an [N, K] nn.Linear weight) for "auto" vs cuBLAS.
+args.shapes: a list of shapes, (S,) for S^3 or (M, N, K); the ladder runs at each of them (and the
+sweeps are skipped).  args.dtype: "fp16" (default) or "bf16" (anything else -> fp16).
+args.variants: also time every configuration of the steps 05-06 tuning space at the first shape.
+Rates are TFLOP/s (2*M*N*K / time); "% ceil" is the percentage of cuBLAS at the same shape and
+dtype; "x cuBLAS" is cuBLAS time / tilefish time.
+"""
+from __future__ import annotations
+
+import torch
+
+from .report import Report, Row
+from .timing import host_overhead_us, time_cuda
+
+DEFAULT_SHAPE = (4096, 4096, 4096)
+SWEEP = (512, 1024, 2048, 4096, 8192, 16384)
+LLM_MS = (1, 16, 128, 1024, 4096)
+LLM_KN = ((4096, 14336), (8192, 28672))
+SLOW_STEPS = ("01_mma_naive",)
+PEAK_NOTE = ("H200 SXM dense fp16/bf16 tensor peak (spec) ~989 TFLOP/s (wgmma); mma.sync reaches "
+             "~65 % of it at best; cuBLAS (wgmma) measured in this process is the ceiling")
+
+
+def _dtype(args) -> torch.dtype:
+    return torch.bfloat16 if str(getattr(args, "dtype", "fp16") or "fp16").lower() in ("bf16", "bfloat16") \
+        else torch.float16
+
+
+def _shape3(s) -> tuple[int, int, int]:
+    s = tuple(int(x) for x in s)
+    if len(s) == 1:
+        return (s[0],) * 3
+    if len(s) != 3:
+        raise ValueError(f"an HGEMM shape is S (for S^3) or MxNxK, got {'x'.join(map(str, s))}")
+    return s  # type: ignore[return-value]
+
+
+def _case(shape, nk: bool = False) -> str:
+    m, n, k = shape
+    s = f"{m}^3" if m == n == k else f"{m}x{n}x{k}"
+    return s + (" (b [N,K])" if nk else "")
+
+
+def _tflops(shape, ms: float) -> float:
+    m, n, k = shape
+    return 2.0 * m * n * k / (ms * 1e-3) / 1e12
+
+
+def _operands(shape, dtype, nk: bool = False):
+    m, n, k = shape
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    b = torch.randn(n, k, device="cuda", dtype=dtype) if nk else torch.randn(k, n, device="cuda", dtype=dtype)
+    return a, b
+
+
+def _cublas(a, b, out, nk: bool):
+    return torch.matmul(a, b.t() if nk else b, out=out)
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    den = ref.double().norm().item() or 1.0
+    return (x.double() - ref.double()).norm().item() / den
+
+
+def _compare(report, ops, label, shape, dtype, nk, kernels, reps, tol):
+    """cuBLAS row + one row per kernel at one shape; returns nothing (rows go into report)."""
+    a, b = _operands(shape, dtype, nk)
+    ref = torch.empty(shape[0], shape[1], device="cuda", dtype=dtype)
+    tc = time_cuda(lambda: _cublas(a, b, ref, nk), reps=reps)
+    _cublas(a, b, ref, nk)
+    cub = _tflops(shape, tc.median_ms)
+    case = f"{label}{_case(shape, nk)}"
+    report.add(Row("hgemm", case, "cuBLAS", tc.median_us, cub, "TFLOP/s", 100.0, {}))
+    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+    for kern in kernels:
+        slow = kern in SLOW_STEPS
+        fn = lambda: ops.hgemm(a, b, kernel=kern, b_transposed=nk)  # noqa: E731
+        out = fn()
+        torch.cuda.synchronize()
+        err = _rel(out, ref)
+        t = time_cuda(fn, reps=reps, warmup=1 if slow else 5, min_reps=3 if slow else 10)
+        cfg = kern if isinstance(kern, ops.HgemmConfig) else ops.select(shape[0], shape[1], kern, sms)
+        name = f"tilefish[{cfg.step} {cfg.short()}]" if isinstance(kern, ops.HgemmConfig) else f"tilefish {kern}"
+        tf = _tflops(shape, t.median_ms)
+        row = report.add(Row("hgemm", case, name, t.median_us, tf, "TFLOP/s", 100.0 * tf / cub,
+                             {"cuBLAS": tc.median_ms / t.median_ms},
+                             {"config": cfg.label(), "rel_err_vs_cublas": err}))
+        if err > tol:
+            report.notes.append(f"WARNING: {row.impl} at {row.case} differs from cuBLAS: rel err {err:.3g}")
+    del a, b, ref
+    torch.cuda.empty_cache()
+    return cub
+
+
+def run(args) -> Report:
+    import importlib
+
+    ops = importlib.import_module("tilefish.ops.hgemm")  # the module (the package may re-export the function)
+
+    dtype = _dtype(args)
+    dname = "bf16" if dtype == torch.bfloat16 else "fp16"
+    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    reps = getattr(args, "reps", 50) or 50
+    given = getattr(args, "shapes", None)
+    shapes = [_shape3(s) for s in given] if given else [DEFAULT_SHAPE]
+    variants = bool(getattr(args, "variants", False))
+
+    report = Report(f"HGEMM {dname} C = A @ B (fp32 accumulation, mma.sync): ladder steps vs cuBLAS")
+    report.notes.append(PEAK_NOTE)
+    report.notes.append(f"% ceil = % of cuBLAS {dname} (torch.matmul) at the same shape, measured in this process")
+    for shape in shapes:
+        cub = _compare(report, ops, "", shape, dtype, False, list(ops.KERNELS) + ["auto"], reps, tol)
+        if shape == DEFAULT_SHAPE or len(shapes) == 1:
+            report.ceilings[f"cuBLAS {dname} TFLOP/s @{_case(shape)}"] = cub
+
+    if not given:
+        for s in SWEEP:
+            _compare(report, ops, "sweep ", (s, s, s), dtype, False, ["auto"], reps, tol)
+        for k, n in LLM_KN:
+            for m in LLM_MS:
+                _compare(report, ops, "llm ", (m, n, k), dtype, True, ["auto"], reps, tol)
+
+    if variants:
+        shape = shapes[0]
+        cfgs = ops.variant_configs()
+        _compare(report, ops, "variants ", shape, dtype, False, cfgs, min(reps, 20), tol)
+        best = max((r for r in report.rows if r.case.startswith("variants") and r.impl.startswith("tilefish[")),
+                   key=lambda r: r.metric, default=None)
+        if best is not None:
+            report.notes.append(f"best variant at {_case(shape)}: {best.extra['config']} ({best.metric:.1f} TFLOP/s)")
+
+    # Host overhead per call: a tiny problem, so the GPU keeps up and the host is what is timed.
+    sa, sb = torch.randn(64, 64, device="cuda", dtype=dtype), torch.randn(64, 64, device="cuda", dtype=dtype)
+    sc = torch.empty(64, 64, device="cuda", dtype=dtype)
+    us = host_overhead_us(lambda: ops.hgemm(sa, sb))
+    us_cub = host_overhead_us(lambda: torch.matmul(sa, sb, out=sc))
+    report.notes.append(f"host overhead per call (64^3, wrapper + launch): tilefish {us:.1f} us, "
+                        f"torch.matmul {us_cub:.1f} us")
+    return report
