@@ -206,15 +206,16 @@ def _cfg(step: str, *values: int) -> HgemmConfig:
     return cfg
 
 
-# Chosen configuration per step. PLACEHOLDERS: the classic 128 x 128 x 32 / 8-warp tiling; the
-# lead fills steps 05-06 from an H200 run of the variant space (`tilefish bench hgemm --variants`).
+# Chosen configuration per step: steps 05-06 from the H200 variant sweep at 4096^3 fp16
+# (bench/results/h200/hgemm_variants.json: 128x128x64, 64x64 warps, 3 stages, 50% of cuBLAS);
+# steps 02-04 keep the classic 128 x 128 x 32 / 8-warp tiling of the teaching ladder.
 TUNED: dict[str, HgemmConfig] = {
     "01_mma_naive": _cfg("01_mma_naive"),
     "02_block_ldmatrix": _cfg("02_block_ldmatrix", 128, 128, 32, 64, 32),
     "03_padded": _cfg("03_padded", 128, 128, 32, 64, 32),
     "04_swizzled": _cfg("04_swizzled", 128, 128, 32, 64, 32),
-    "05_multistage": _cfg("05_multistage", 128, 128, 32, 64, 32, 4),
-    "06_rasterized": _cfg("06_rasterized", 128, 256, 32, 64, 64, 3, 8),
+    "05_multistage": _cfg("05_multistage", 128, 128, 64, 64, 64, 3),
+    "06_rasterized": _cfg("06_rasterized", 128, 128, 64, 64, 64, 3, 8),
 }
 # Used instead of TUNED[step] when TUNED's tile gives fewer blocks than SMs (small M x N, decode).
 TUNED_SMALL: dict[str, HgemmConfig] = {
