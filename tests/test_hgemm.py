@@ -200,8 +200,10 @@ def test_configs_are_consistent():
         assert cfg.smem_bytes <= 163 * 1024, cfg.label()  # fits A100 as well as H100/H200
     assert ops.select(4096, 4096, "auto", 132).step == ops.AUTO_STEP
     assert ops.select(16, 4096, "auto", 132) == ops.TUNED_SMALL[ops.AUTO_STEP]
-    assert ops.TUNED["06_rasterized"].grid(1000, 1000) == 8 * 4  # 1-D grouped grid, 128 x 256 tiles
-    assert ops.TUNED["05_multistage"].grid(1000, 1000) == (8, 8)
+    # step 06: a 1-D grouped grid with one block per output tile; step 05: a 2-D grid of tiles
+    p6, p5 = ops.TUNED["06_rasterized"].params, ops.TUNED["05_multistage"].params
+    assert ops.TUNED["06_rasterized"].grid(1000, 1000) == -(-1000 // p6["BM"]) * -(-1000 // p6["BN"])
+    assert ops.TUNED["05_multistage"].grid(1000, 1000) == (-(-1000 // p5["BN"]), -(-1000 // p5["BM"]))
     specs = ops.dispatch_specs()
     assert len(specs) == len(set(specs))
     hot = {s.name.split("<")[0]: s.hot for s in specs}
