@@ -85,6 +85,15 @@ def test_leading_dims_and_bias():
     _check(x, q, p, torch.randn(128, device="cuda", dtype=torch.bfloat16))
 
 
+def test_strided_inputs():
+    """Non-contiguous x and bias views give the same result as their contiguous copies."""
+    q, p = _case(256, 128, 128, True, torch.float16)
+    x = torch.randn(6, 512, device="cuda", dtype=torch.float16)[:, ::2]
+    bias = torch.randn(256, device="cuda", dtype=torch.float16)[::2]
+    out = _check(x, q, p, bias)
+    assert torch.equal(out, ops.matmul_impl(x.contiguous(), p, bias.contiguous()))
+
+
 def test_deterministic_and_many_launches_with_changing_shapes():
     """Bitwise-identical repeats; split-k counters never get stuck across shape changes."""
     cases = [_case(k, n, 128, True, torch.float16) for k, n in ((4096, 256), (1024, 128), (8192, 64))]

@@ -269,6 +269,8 @@ def matmul_impl(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = Non
     if x.device.type != "cuda":
         raise ValueError(f"W4A16 runs on CUDA or CPU tensors, not {x.device}")
     x2 = x2.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()  # the kernel reads bias[col] by pointer: a strided view gets an explicit copy
     m = x2.shape[0]
     out = torch.empty(m, w.n, dtype=x.dtype, device=x.device)
     if m == 0:
