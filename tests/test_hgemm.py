@@ -1,6 +1,7 @@
-"""HGEMM ladder (fp16/bf16, mma.sync): every step against an fp32 reference on the GPU, both dtypes
-and both B layouts, odd shapes, NaN-poisoned outputs; CPU path, validation, compile-all (sm_80,
-sm_90, no spills in hot steps) and a SASS check (LDSM in step 04) on the CPU."""
+"""HGEMM ladder (fp16/bf16; mma.sync steps 01-06, wgmma + TMA step 07 on sm_90): every step against
+an fp32 reference on the GPU, both dtypes and both B layouts, odd shapes, NaN-poisoned outputs; CPU
+path, validation, compile-all (sm_80, sm_90, no spills in hot steps) and SASS checks on the CPU
+(LDSM in step 04, HGMMA / UTMALDG / setmaxnreg in step 07)."""
 from __future__ import annotations
 
 import importlib
@@ -44,12 +45,27 @@ def _check(out, ref, dtype):
     assert err < TOLERANCE[dtype], f"relative error {err:.3g} >= {TOLERANCE[dtype]}"
 
 
+def _cc() -> int:
+    p = torch.cuda.get_device_properties(0)
+    return p.major * 10 + p.minor
+
+
+def _sms() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def _skip_unless_runs(kernel) -> None:
+    step = kernel.step if isinstance(kernel, HgemmConfig) else kernel
+    if step in ops.STEPS and ops.STEPS[step].hopper and _cc() != 90:
+        pytest.skip(f"{step} runs on sm_90 only")
+
+
 def _run_poisoned(a, b, kernel, b_transposed):
     """Launch with a NaN-poisoned output buffer (the same cfg/launch path hgemm takes)."""
     m, k = a.shape
     n = b.shape[0] if b_transposed else b.shape[1]
     c = poison(torch.empty(m, n, dtype=a.dtype, device=a.device))
-    cfg = ops.select(m, n, kernel, torch.cuda.get_device_properties(a.device).multi_processor_count)
+    cfg = ops.select(m, n, kernel, _sms(), _cc())
     ops.launch_config(cfg, a, b, c, b_transposed)
     return c
 
@@ -62,6 +78,7 @@ class TestGPU:
     @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
     @pytest.mark.parametrize("step", KERNELS + ("auto",))
     def test_every_step(self, step, dtype, b_transposed):
+        _skip_unless_runs(step)
         shapes = SHAPES + (NK_SHAPES if b_transposed else [])
         for m, n, k in shapes:
             a = _rand(m, k, dtype=dtype)
@@ -81,18 +98,47 @@ class TestGPU:
         for bt in (False, True):
             b = _rand(n, k, dtype=dtype, seed=1) if bt else _rand(k, n, dtype=dtype, seed=1)
             ref = _ref(a, b, bt)
-            for cfg in ops.variant_configs():
+            for cfg in ops.variant_configs(sm90=_cc() == 90):
                 c = _run_poisoned(a, b, cfg, bt)
                 _check(c, ref, dtype)
+
+    @pytest.mark.parametrize("b_transposed", [False, True], ids=["kn", "nk"])
+    @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+    def test_wgmma_persistent_and_ring_wrap(self, dtype, b_transposed):
+        """Step 07 with more tiles than SMs (each block loops over several tiles, the stage ring
+        wraps across tiles), a K tail that is not a multiple of 64, and every tile shape."""
+        _skip_unless_runs("07_wgmma_tma")
+        m, n, k = 2100, 2312, 1000  # 17 x 10 tiles of 128 x 256 > 132 SMs; 16 k stages, last partial
+        a = _rand(m, k, dtype=dtype)
+        b = _rand(n, k, dtype=dtype, seed=1) if b_transposed else _rand(k, n, dtype=dtype, seed=1)
+        ref = _ref(a, b, b_transposed)
+        for cfg in [ops.TUNED["07_wgmma_tma"], ops.TUNED_SMALL["07_wgmma_tma"],
+                    HgemmConfig.of("07_wgmma_tma", BM=64, BN=64, STAGES=2, GROUP_M=3, CLUSTER=1),
+                    HgemmConfig.of("07_wgmma_tma", BM=128, BN=128, STAGES=3, GROUP_M=5, CLUSTER=2),
+                    HgemmConfig.of("07_wgmma_tma", BM=64, BN=256, STAGES=5, GROUP_M=8, CLUSTER=2)]:
+            _check(_run_poisoned(a, b, cfg, b_transposed), ref, dtype)
+        # K smaller than one stage, and a single k stage
+        for k in (8, 64):
+            a = _rand(300, k, dtype=dtype)
+            b = _rand(n, k, dtype=dtype, seed=2) if b_transposed else _rand(k, n, dtype=dtype, seed=2)
+            _check(_run_poisoned(a, b, "07_wgmma_tma", b_transposed), _ref(a, b, b_transposed), dtype)
+
+    def test_wgmma_many_launches_changing_shapes(self):
+        """Barrier phases and the persistent loop start fresh every launch: shapes change, results hold."""
+        _skip_unless_runs("07_wgmma_tma")
+        for i, (m, n, k) in enumerate([(128, 256, 64), (4096, 512, 72), (1, 8, 8), (777, 1000, 4104)] * 2):
+            a, b = _rand(m, k, seed=i), _rand(k, n, seed=i + 1)
+            _check(hgemm(a, b, kernel="07_wgmma_tma"), _ref(a, b), torch.float16)
 
     def test_tuned_small_and_large(self):
         a = _rand(64, 4096)
         b = _rand(4096, 256, seed=1)
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        assert ops.select(64, 256, "auto", sms) == ops.TUNED_SMALL[ops.AUTO_STEP]
+        sms, cc = _sms(), _cc()
+        auto = ops.auto_step(cc)
+        assert ops.select(64, 256, "auto", sms, cc) == ops.TUNED_SMALL[auto]
         _check(hgemm(a, b), _ref(a, b), torch.float16)
-        big = ops.select(4096, 4096, "auto", sms)
-        assert big == ops.TUNED[ops.AUTO_STEP]
+        big = ops.select(4096, 4096, "auto", sms, cc)
+        assert big == ops.TUNED[auto]
 
     def test_transposed_views_need_no_copy(self):
         w = _rand(136, 64, seed=3)         # nn.Linear weight [N, K]
@@ -167,6 +213,18 @@ def test_cpu_reference_path(dtype, b_transposed):
     assert hgemm(torch.randn(3, 5).half(), torch.randn(5, 7).half()).shape == (3, 7)
 
 
+def test_wgmma_step_refuses_other_gpus(monkeypatch):
+    """Step 07 by name on a non-Hopper GPU is a ValueError before any launch."""
+    from tilefish.runtime.device import DeviceInfo
+
+    fake = DeviceInfo(0, "A100", 8, 0, 108, 40 << 20, 163 << 10, 164 << 10, 80 << 30)
+    monkeypatch.setattr(ops, "device_info", lambda index=None: fake)
+    with pytest.raises(ValueError, match="sm_90"):
+        ops._check_arch(ops.TUNED["07_wgmma_tma"], torch.device("cuda", 0))
+    ops._check_arch(ops.TUNED["06_rasterized"], torch.device("cuda", 0))
+    assert ops.select(4096, 4096, "auto", fake.sm_count, fake.cc).step == "06_rasterized"
+
+
 def test_validation_errors_cpu():
     a, b = torch.randn(4, 8).half(), torch.randn(8, 16).half()
     with pytest.raises(TypeError, match="float16 or bfloat16"):
@@ -193,13 +251,29 @@ def test_validation_errors_cpu():
 
 def test_configs_are_consistent():
     assert KERNELS == ("01_mma_naive", "02_block_ldmatrix", "03_padded", "04_swizzled",
-                       "05_multistage", "06_rasterized")
+                       "05_multistage", "06_rasterized", "07_wgmma_tma")
     assert set(ops.TUNED) == set(KERNELS)
-    for cfg in list(ops.TUNED.values()) + list(ops.TUNED_SMALL.values()) + ops.variant_configs():
+    for cfg in list(ops.TUNED.values()) + list(ops.TUNED_SMALL.values()) + ops.variant_configs(sm90=True):
         assert cfg.problem() is None, cfg.label()
-        assert cfg.smem_bytes <= 163 * 1024, cfg.label()  # fits A100 as well as H100/H200
-    assert ops.select(4096, 4096, "auto", 132).step == ops.AUTO_STEP
-    assert ops.select(16, 4096, "auto", 132) == ops.TUNED_SMALL[ops.AUTO_STEP]
+        if not cfg.info.hopper:
+            assert cfg.smem_bytes <= 163 * 1024, cfg.label()  # fits A100 as well as H100/H200
+        else:
+            assert cfg.smem_bytes <= 227 * 1024, cfg.label()
+    assert ops.select(4096, 4096, "auto", 132, 80).step == ops.AUTO_STEP == "06_rasterized"
+    assert ops.select(16, 4096, "auto", 132, 80) == ops.TUNED_SMALL[ops.AUTO_STEP]
+    assert ops.select(4096, 4096, "auto", 132, 90) == ops.TUNED["07_wgmma_tma"]
+    assert ops.select(16, 4096, "auto", 132, 90) == ops.TUNED_SMALL["07_wgmma_tma"]
+    # step 07: a persistent grid, one producer + BM/64 consumer warpgroups
+    w = ops.TUNED["07_wgmma_tma"]
+    assert w.grid(4096, 4096, 132) == 132 and w.grid(128, 256, 132) == 1
+    assert w.threads == (w.BM // 64 + 1) * 128
+    assert w.grid(4096, 4096, 132) % w.CLUSTER == 0
+    assert HgemmConfig("07_wgmma_tma", (192, 256, 4, 8, 1)).problem() is not None
+    assert HgemmConfig("07_wgmma_tma", (128, 256, 5, 8, 1)).problem() == "dynamic smem > 227 KB"
+    assert HgemmConfig("07_wgmma_tma", (128, 64, 4, 8, 2)).problem() is not None
+    # a cluster of 2 takes two vertically adjacent tiles: an odd tile-row count still fills whole clusters
+    c2 = HgemmConfig.of("07_wgmma_tma", BM=128, BN=256, STAGES=4, GROUP_M=8, CLUSTER=2)
+    assert c2.grid(3 * 128, 256, 132) == 4 and c2.grid(128, 256, 132) == 2
     # step 06: a 1-D grouped grid with one block per output tile; step 05: a 2-D grid of tiles
     p6, p5 = ops.TUNED["06_rasterized"].params, ops.TUNED["05_multistage"].params
     assert ops.TUNED["06_rasterized"].grid(1000, 1000) == -(-1000 // p6["BM"]) * -(-1000 // p6["BN"])
@@ -208,7 +282,10 @@ def test_configs_are_consistent():
     assert len(specs) == len(set(specs))
     hot = {s.name.split("<")[0]: s.hot for s in specs}
     assert hot == {"hgemm_mma_naive": False, "hgemm_block_ldmatrix": False, "hgemm_padded": False,
-                   "hgemm_swizzled": True, "hgemm_multistage": True, "hgemm_rasterized": True}
+                   "hgemm_swizzled": True, "hgemm_multistage": True, "hgemm_rasterized": True,
+                   "hgemm_wgmma": True}
+    wg = [s for s in specs if s.name.startswith("hgemm_wgmma")]
+    assert wg and all(s.arch_specific and s.min_sm == 90 and s.target("sm_90") == "sm_90a" for s in wg)
     names = {s.name for s in specs}
     assert "hgemm_mma_naive<__nv_bfloat16, true>" in names
     # the tuning space: 128x128 / 128x256 / 256x128 tiles, BK 32 and 64, 3 and 4 stages
@@ -228,6 +305,8 @@ def test_dispatch_specs_compile_without_spills(arch, tmp_cache):
     from tilefish.runtime import compile_kernel
 
     for spec in ops.dispatch_specs():
+        if not spec.supports(arch):  # step 07 is sm_90a only
+            continue
         r = compile_kernel(spec, arch).resources
         assert r.registers > 0, spec.name
         if spec.hot:
@@ -257,25 +336,43 @@ def _find_tool(name: str) -> str | None:
     return shutil.which(name)
 
 
-def test_swizzled_step_uses_ldsm_sass(tmp_cache, tmp_path):
-    """Step 04 reads its fragments with LDSM (ldmatrix) and never through plain LDS."""
+def _sass(spec, tmp_path) -> str:
+    """SASS text of a kernel compiled for sm_90 (cuobjdump, falling back to nvdisasm)."""
     from tilefish.runtime import compile_kernel
 
     cuobjdump, nvdisasm = _find_tool("cuobjdump"), _find_tool("nvdisasm")
     if not cuobjdump or not nvdisasm:
         pytest.skip("cuobjdump / nvdisasm not installed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
-    for b_nk in (False, True):
-        spec = ops.TUNED["04_swizzled"].spec(torch.float16, b_nk)
-        ck = compile_kernel(spec, "sm_90")
-        cubin = tmp_path / f"step4_{int(b_nk)}.cubin"
-        cubin.write_bytes(ck.cubin)
-        env = dict(os.environ, PATH=f"{Path(nvdisasm).parent}:{os.environ.get('PATH', '')}")
-        res = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, env=env, timeout=120)
+    ck = compile_kernel(spec, "sm_90")
+    cubin = tmp_path / f"k{abs(hash(spec))}.cubin"
+    cubin.write_bytes(ck.cubin)
+    env = dict(os.environ, PATH=f"{Path(nvdisasm).parent}:{os.environ.get('PATH', '')}")
+    res = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, env=env, timeout=120)
+    sass = res.stdout
+    if res.returncode != 0 or "MMA" not in sass:
+        res = subprocess.run([nvdisasm, str(cubin)], capture_output=True, text=True, timeout=120)
         sass = res.stdout
-        if res.returncode != 0 or "LDSM" not in sass and "HMMA" not in sass:
-            res = subprocess.run([nvdisasm, str(cubin)], capture_output=True, text=True, timeout=120)
-            sass = res.stdout
-        assert res.returncode == 0, res.stderr
+    assert res.returncode == 0, res.stderr
+    return sass
+
+
+def test_wgmma_step_uses_hgmma_tma_sass(tmp_cache, tmp_path):
+    """Step 07 multiplies with HGMMA (wgmma, fp32 accumulate) fed by UTMALDG (TMA) through mbarriers
+    (SYNCS), reallocates registers (USETMAXREG), and has no mma.sync or ldmatrix left."""
+    for dtype in DTYPES:
+        for b_nk in (False, True):
+            sass = _sass(ops.TUNED["07_wgmma_tma"].spec(dtype, b_nk), tmp_path)
+            assert "HGMMA.64x256x16.F32" in sass, "expected wgmma m64n256k16 with fp32 accumulation"
+            assert "UTMALDG.2D" in sass, "expected TMA 2-D tensor loads"
+            assert "SYNCS" in sass, "expected mbarrier operations"
+            assert "USETMAXREG" in sass, "expected setmaxnreg (warp specialization)"
+            assert "HMMA" not in sass.replace("HGMMA", "") and "LDSM" not in sass
+
+
+def test_swizzled_step_uses_ldsm_sass(tmp_cache, tmp_path):
+    """Step 04 reads its fragments with LDSM (ldmatrix) and never through plain LDS."""
+    for b_nk in (False, True):
+        sass = _sass(ops.TUNED["04_swizzled"].spec(torch.float16, b_nk), tmp_path)
         assert "HMMA.16816.F32" in sass, "expected mma.sync m16n8k16 with fp32 accumulation"
         ldsm = [ln for ln in sass.splitlines() if "LDSM" in ln]
         assert any(".M88.4" in ln for ln in ldsm), "A fragments: ldmatrix.x4"

@@ -1,11 +1,12 @@
 """`tilefish bench hgemm`: every HGEMM ladder step against cuBLAS (torch.matmul), same dtype, same process.
 
-Default: the six steps at 4096^3, then a 512 .. 16384 cube sweep of kernel="auto" and cuBLAS, then
-LLM projection shapes M in {1, 16, 128, 1024, 4096} x (K, N) in {(4096, 14336), (8192, 28672)}
-(b as an [N, K] nn.Linear weight) for "auto" vs cuBLAS.
+Default: every step at 4096^3 and 8192^3 (step 07 only on sm_90), then a 512 .. 16384 cube sweep
+of kernel="auto" (step 07 on sm_90), the best Ampere-style step (06) and cuBLAS, then LLM
+projection shapes M in {1, 16, 128, 1024, 4096} x (K, N) in {(4096, 14336), (8192, 28672)} (b as an
+[N, K] nn.Linear weight) for "auto" and step 06 vs cuBLAS.
 args.shapes: a list of shapes, (S,) for S^3 or (M, N, K); the ladder runs at each of them (and the
 sweeps are skipped).  args.dtype: "fp16" (default) or "bf16" (anything else -> fp16).
-args.variants: also time every configuration of the steps 05-06 tuning space at the first shape.
+args.variants: also time every configuration of the steps 05-07 tuning space at the first shape.
 Rates are TFLOP/s (2*M*N*K / time); "% ceil" is the percentage of cuBLAS at the same shape and
 dtype; "x cuBLAS" is cuBLAS time / tilefish time.
 """
@@ -16,7 +17,7 @@ import torch
 from .report import Report, Row
 from .timing import host_overhead_us, time_cuda
 
-DEFAULT_SHAPE = (4096, 4096, 4096)
+DEFAULT_SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192))
 SWEEP = (512, 1024, 2048, 4096, 8192, 16384)
 LLM_MS = (1, 16, 128, 1024, 4096)
 LLM_KN = ((4096, 14336), (8192, 28672))
@@ -75,7 +76,8 @@ def _compare(report, ops, label, shape, dtype, nk, kernels, reps, tol):
     cub = _tflops(shape, tc.median_ms)
     case = f"{label}{_case(shape, nk)}"
     report.add(Row("hgemm", case, "cuBLAS", tc.median_us, cub, "TFLOP/s", 100.0, {}))
-    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+    props = torch.cuda.get_device_properties(a.device)
+    sms, cc = props.multi_processor_count, props.major * 10 + props.minor
     for kern in kernels:
         slow = kern in SLOW_STEPS
         fn = lambda: ops.hgemm(a, b, kernel=kern, b_transposed=nk)  # noqa: E731
@@ -83,7 +85,7 @@ def _compare(report, ops, label, shape, dtype, nk, kernels, reps, tol):
         torch.cuda.synchronize()
         err = _rel(out, ref)
         t = time_cuda(fn, reps=reps, warmup=1 if slow else 5, min_reps=3 if slow else 10)
-        cfg = kern if isinstance(kern, ops.HgemmConfig) else ops.select(shape[0], shape[1], kern, sms)
+        cfg = kern if isinstance(kern, ops.HgemmConfig) else ops.select(shape[0], shape[1], kern, sms, cc)
         name = f"tilefish[{cfg.step} {cfg.short()}]" if isinstance(kern, ops.HgemmConfig) else f"tilefish {kern}"
         tf = _tflops(shape, t.median_ms)
         row = report.add(Row("hgemm", case, name, t.median_us, tf, "TFLOP/s", 100.0 * tf / cub,
@@ -106,32 +108,44 @@ def run(args) -> Report:
     tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
     reps = getattr(args, "reps", 50) or 50
     given = getattr(args, "shapes", None)
-    shapes = [_shape3(s) for s in given] if given else [DEFAULT_SHAPE]
+    shapes = [_shape3(s) for s in given] if given else list(DEFAULT_SHAPES)
     variants = bool(getattr(args, "variants", False))
 
-    report = Report(f"HGEMM {dname} C = A @ B (fp32 accumulation, mma.sync): ladder steps vs cuBLAS")
+    props = torch.cuda.get_device_properties(0)
+    sm90 = props.major * 10 + props.minor == 90
+    steps = [s for s in ops.KERNELS if sm90 or not ops.STEPS[s].hopper]
+    report = Report(f"HGEMM {dname} C = A @ B (fp32 accumulation; mma.sync steps 01-06, wgmma step 07): "
+                    "ladder steps vs cuBLAS")
     report.notes.append(PEAK_NOTE)
     report.notes.append(f"% ceil = % of cuBLAS {dname} (torch.matmul) at the same shape, measured in this process")
     for shape in shapes:
-        cub = _compare(report, ops, "", shape, dtype, False, list(ops.KERNELS) + ["auto"], reps, tol)
-        if shape == DEFAULT_SHAPE or len(shapes) == 1:
+        cub = _compare(report, ops, "", shape, dtype, False, steps + ["auto"], reps, tol)
+        if shape in DEFAULT_SHAPES or len(shapes) == 1:
             report.ceilings[f"cuBLAS {dname} TFLOP/s @{_case(shape)}"] = cub
 
     if not given:
         for s in SWEEP:
-            _compare(report, ops, "sweep ", (s, s, s), dtype, False, ["auto"], reps, tol)
+            _compare(report, ops, "sweep ", (s, s, s), dtype, False, ["auto", ops.AUTO_STEP], reps, tol)
         for k, n in LLM_KN:
             for m in LLM_MS:
-                _compare(report, ops, "llm ", (m, n, k), dtype, True, ["auto"], reps, tol)
+                _compare(report, ops, "llm ", (m, n, k), dtype, True, ["auto", ops.AUTO_STEP], reps, tol)
 
     if variants:
         shape = shapes[0]
-        cfgs = ops.variant_configs()
+        cfgs = ops.variant_configs(sm90=sm90)
         _compare(report, ops, "variants ", shape, dtype, False, cfgs, min(reps, 20), tol)
         best = max((r for r in report.rows if r.case.startswith("variants") and r.impl.startswith("tilefish[")),
                    key=lambda r: r.metric, default=None)
         if best is not None:
             report.notes.append(f"best variant at {_case(shape)}: {best.extra['config']} ({best.metric:.1f} TFLOP/s)")
+
+    if sm90:  # how many clusters fit at once decides the persistent grid of step 07
+        for cfg in (ops.TUNED["07_wgmma_tma"], ops.TUNED_SMALL["07_wgmma_tma"]):
+            if cfg.CLUSTER > 1:
+                kern = ops.get_kernel(cfg.spec(dtype), torch.device("cuda", 0))
+                fit = kern.max_active_clusters(cfg.CLUSTER, cfg.threads, cfg.dynamic_smem)
+                report.notes.append(f"{cfg.label()}: {fit} clusters of {cfg.CLUSTER} resident at once "
+                                    f"({fit * cfg.CLUSTER} of {props.multi_processor_count} SMs)")
 
     # Host overhead per call: a tiny problem, so the GPU keeps up and the host is what is timed.
     sa, sb = torch.randn(64, 64, device="cuda", dtype=dtype), torch.randn(64, 64, device="cuda", dtype=dtype)

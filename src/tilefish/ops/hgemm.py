@@ -8,7 +8,9 @@ Steps (kernels/hgemm/<name>.cu, docs/hgemm.md explains each):
   03_padded          + padded smem rows (no ldmatrix bank conflicts)
   04_swizzled        + XOR swizzle instead of padding (conflict-free, dense)
   05_multistage      + cp.async STAGES-deep pipeline, register double-buffered fragments
-  06_rasterized      + grouped tile order (GROUP_M) for L2 reuse          <- kernel="auto"
+  06_rasterized      + grouped tile order (GROUP_M) for L2 reuse          <- kernel="auto" before sm_90
+  07_wgmma_tma       Hopper: TMA + mbarrier ring, wgmma from smem, producer / consumer warpgroups
+                     (setmaxnreg), persistent grid                       <- kernel="auto" on sm_90
 
 Preconditions
 -------------
@@ -23,9 +25,9 @@ Preconditions
   matrix for b (e.g. w.t() of an [N, K] weight), which is used in place with the other B layout.
 * CPU tensors use the reference: fp32 matmul cast to the dtype (`hgemm_reference`).
 
-kernel="auto": step AUTO_STEP with TUNED[step], or TUNED_SMALL[step] when TUNED's tile gives fewer
-blocks than the GPU has SMs (small M x N).  TUNED / TUNED_SMALL are placeholders until an H200
-tuning run (`tilefish bench hgemm --variants`) fills them.
+kernel="auto": step 07 on sm_90 (wgmma needs the sm_90a target, which runs on Hopper only), step 06
+elsewhere, with TUNED[step], or TUNED_SMALL[step] when TUNED's tile gives fewer blocks than the GPU
+has SMs (small M x N).  Asking for step 07 by name on another GPU raises ValueError.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..runtime import KernelSpec, device_info, get_kernel, i32, launch
+from ..runtime import KernelSpec, device_info, get_kernel, i32, launch, tensor_map_2d
 
 _INT_MAX = 2**31 - 1
 _STATIC_SMEM_LIMIT = 48 * 1024
@@ -51,6 +53,11 @@ class Step:
     func: str
     params: tuple[str, ...]
     dynamic_smem: bool = False
+    min_sm: int = 80            # 90: Hopper only (built for sm_90a, arch_specific)
+
+    @property
+    def hopper(self) -> bool:
+        return self.min_sm >= 90
 
     @property
     def source(self) -> str:
@@ -69,9 +76,12 @@ STEPS: dict[str, Step] = {s.name: s for s in (
     Step("04_swizzled", "hgemm_swizzled", _BLK),
     Step("05_multistage", "hgemm_multistage", _BLK + ("STAGES",), dynamic_smem=True),
     Step("06_rasterized", "hgemm_rasterized", _BLK + ("STAGES", "GROUP_M"), dynamic_smem=True),
+    Step("07_wgmma_tma", "hgemm_wgmma", ("BM", "BN", "STAGES", "GROUP_M", "CLUSTER"), dynamic_smem=True, min_sm=90),
 )}
 KERNELS: tuple[str, ...] = tuple(STEPS)
-AUTO_STEP = "06_rasterized"
+AUTO_STEP = "06_rasterized"        # before Hopper
+AUTO_STEP_SM90 = "07_wgmma_tma"    # on sm_90
+WGMMA_BK = 64                      # step 07: one 128-byte swizzle row of k per stage
 HOT_FROM = 4  # steps >= 04 are hot: the compile test rejects spills
 
 
@@ -111,6 +121,9 @@ class HgemmConfig:
         p = self.params
         if not p:
             return "16x8 per warp"
+        if self.info.hopper:
+            return (f"{p['BM']}x{p['BN']}x{WGMMA_BK} wg{p['BM'] // 64}+1 s{p['STAGES']} g{p['GROUP_M']}"
+                    + (f" c{p['CLUSTER']}" if p["CLUSTER"] > 1 else ""))
         s = f"{p['BM']}x{p['BN']}x{p['BK']} w{p['WM']}x{p['WN']}"
         if "STAGES" in p:
             s += f" s{p['STAGES']}"
@@ -126,6 +139,8 @@ class HgemmConfig:
     @property
     def threads(self) -> int:
         p = self.params
+        if self.info.hopper:  # one producer warpgroup + one consumer warpgroup per 64 rows
+            return (p["BM"] // 64 + 1) * 128
         return 32 if not p else (p["BM"] // p["WM"]) * (p["BN"] // p["WN"]) * 32
 
     @property
@@ -134,6 +149,8 @@ class HgemmConfig:
         p = self.params
         if not p:
             return (16 * 16 + 16 * 8) * 2
+        if self.info.hopper:  # the ring, its 2 x STAGES mbarriers, 1 KB slack for 1024-byte alignment
+            return (p["BM"] + p["BN"]) * WGMMA_BK * 2 * p["STAGES"] + 16 * p["STAGES"] + 1024
         bm, bn, bk = p["BM"], p["BN"], p["BK"]
         if self.step == "03_padded":  # max over the two B layouts
             return (bm * (bk + 8) + max(bk * (bn + 8), bn * (bk + 8))) * 2
@@ -147,9 +164,14 @@ class HgemmConfig:
         bm, bn = self.tile
         return -(-m // bm), -(-n // bn)
 
-    def grid(self, m: int, n: int):
-        """Launch grid: 1-D grouped order for step 06, (tiles_n, tiles_m) for the others."""
+    def grid(self, m: int, n: int, sm_count: int = 132, max_clusters: int | None = None):
+        """Launch grid: 1-D grouped order for step 06, persistent for step 07 (at most one block
+        per SM, and at most max_clusters resident clusters), (tiles_n, tiles_m) for the others."""
         tm, tn = self.grid_tiles(m, n)
+        if self.info.hopper:  # whole clusters: CLUSTER vertically adjacent tiles per cluster
+            cl = self.params["CLUSTER"]
+            fit = sm_count // cl if max_clusters is None else min(max_clusters, sm_count // cl)
+            return min(-(-tm // cl) * tn, max(fit, 1)) * cl
         return tm * tn if self.step == "06_rasterized" else (tn, tm)
 
     def blocks(self, m: int, n: int) -> int:
@@ -168,6 +190,20 @@ class HgemmConfig:
             return None
         if min(self.values) <= 0:
             return "parameters must be positive"
+        if self.info.hopper:
+            if p["BM"] not in (64, 128):
+                return "BM must be 64 or 128 (one 64-row consumer warpgroup each)"
+            if p["BN"] not in (64, 128, 256):
+                return "BN must be 64, 128 or 256 (wgmma n; TMA box <= 256)"
+            if p["STAGES"] < 2:
+                return "STAGES >= 2"
+            if p["CLUSTER"] not in (1, 2):
+                return "CLUSTER must be 1 or 2"
+            if (p["BN"] // 64) % p["CLUSTER"]:
+                return "BN / 64 must split over the cluster (multicast halves of B)"
+            if self.smem_bytes > _DYN_SMEM_LIMIT:
+                return "dynamic smem > 227 KB"
+            return None
         bm, bn, bk, wm, wn = (p[k] for k in _BLK)
         t = self.threads
         if bm % wm or bn % wn:
@@ -197,7 +233,8 @@ class HgemmConfig:
 @functools.lru_cache(maxsize=None)
 def _spec(cfg: HgemmConfig, tname: str, b_nk: bool) -> KernelSpec:
     args = ", ".join([tname, "true" if b_nk else "false"] + [str(v) for v in cfg.values])
-    return KernelSpec(cfg.info.source, f"{cfg.info.func}<{args}>", hot=cfg.info.index >= HOT_FROM)
+    return KernelSpec(cfg.info.source, f"{cfg.info.func}<{args}>", hot=cfg.info.index >= HOT_FROM,
+                      arch_specific=cfg.info.hopper, min_sm=cfg.info.min_sm)
 
 
 def _cfg(step: str, *values: int) -> HgemmConfig:
@@ -216,11 +253,13 @@ TUNED: dict[str, HgemmConfig] = {
     "04_swizzled": _cfg("04_swizzled", 128, 128, 32, 64, 32),
     "05_multistage": _cfg("05_multistage", 128, 128, 64, 64, 64, 3),
     "06_rasterized": _cfg("06_rasterized", 128, 128, 64, 64, 64, 3, 8),
+    "07_wgmma_tma": _cfg("07_wgmma_tma", 128, 256, 4, 8, 2),
 }
 # Used instead of TUNED[step] when TUNED's tile gives fewer blocks than SMs (small M x N, decode).
 TUNED_SMALL: dict[str, HgemmConfig] = {
     "05_multistage": _cfg("05_multistage", 64, 64, 64, 32, 32, 4),
     "06_rasterized": _cfg("06_rasterized", 64, 64, 64, 32, 32, 4, 8),
+    "07_wgmma_tma": _cfg("07_wgmma_tma", 128, 128, 6, 8, 1),
 }
 
 
@@ -235,13 +274,23 @@ _BLOCK_SHAPES = (
 )
 
 
-def variant_configs(step: str | None = None) -> list[HgemmConfig]:
-    """The tuning space of steps 05-06 (every entry instantiates): tiles x BK {32, 64} x STAGES {3, 4}."""
-    steps = [step] if step else ["05_multistage", "06_rasterized"]
+# Step 07: (BM, BN, STAGES) -- the ring as deep as 227 KB allows for each tile.
+_WGMMA_SHAPES = ((128, 256, 4), (128, 256, 3), (128, 128, 6), (128, 128, 4), (64, 256, 5), (64, 128, 8))
+
+
+def variant_configs(step: str | None = None, sm90: bool = False) -> list[HgemmConfig]:
+    """The tuning space of steps 05-06 (every entry instantiates): tiles x BK {32, 64} x STAGES {3, 4},
+    plus step 07's tiles x stages x GROUP_M {8, 16} when sm90 (or when step 07 is asked for)."""
+    steps = [step] if step else ["05_multistage", "06_rasterized"] + (["07_wgmma_tma"] if sm90 else [])
     out: list[HgemmConfig] = []
     for st in steps:
         if st not in STEPS:
             raise ValueError(f"unknown HGEMM step {st!r}; one of {KERNELS}")
+        if STEPS[st].hopper:
+            out += [HgemmConfig(st, (bm, bn, stages, g, cl)) for (bm, bn, stages) in _WGMMA_SHAPES
+                    for g in (8, 16) for cl in (1, 2)]
+            out.append(TUNED_SMALL[st])
+            continue
         if not STEPS[st].dynamic_smem:
             out.append(TUNED[st])
             continue
@@ -261,8 +310,8 @@ def _all_specs(cfgs) -> list[KernelSpec]:
 
 
 def variant_specs() -> list[KernelSpec]:
-    """KernelSpecs of the steps 05-06 tuning space, both dtypes and both B layouts."""
-    return _all_specs(variant_configs())
+    """KernelSpecs of the steps 05-07 tuning space, both dtypes and both B layouts."""
+    return _all_specs(variant_configs(sm90=True))
 
 
 def dispatch_specs() -> list[KernelSpec]:
@@ -327,6 +376,11 @@ def _check_kernel_preconditions(k: int, n: int, b_nk: bool, a: torch.Tensor, b: 
                              f"{t.data_ptr() % 16} bytes; use .clone()")
 
 
+def auto_step(cc: int) -> str:
+    """The step kernel="auto" runs on a GPU of compute capability cc (as 80, 90)."""
+    return AUTO_STEP_SM90 if cc == 90 else AUTO_STEP
+
+
 def _tuned_for(step: str, m: int, n: int, sm_count: int) -> HgemmConfig:
     cfg = TUNED[step]
     small = TUNED_SMALL.get(step)
@@ -335,11 +389,12 @@ def _tuned_for(step: str, m: int, n: int, sm_count: int) -> HgemmConfig:
     return cfg
 
 
-def select(m: int, n: int, kernel="auto", sm_count: int = 132) -> HgemmConfig:
-    """The configuration `hgemm` runs for an M x N output."""
+def select(m: int, n: int, kernel="auto", sm_count: int = 132, cc: int = 90) -> HgemmConfig:
+    """The configuration `hgemm` runs for an M x N output on a GPU with sm_count SMs and compute
+    capability cc."""
     if isinstance(kernel, HgemmConfig):
         return kernel
-    return _tuned_for(AUTO_STEP if kernel == "auto" else kernel, m, n, sm_count)
+    return _tuned_for(auto_step(cc) if kernel == "auto" else kernel, m, n, sm_count)
 
 
 def hgemm_reference(a: torch.Tensor, b: torch.Tensor, b_transposed: bool = False) -> torch.Tensor:
@@ -362,6 +417,8 @@ def launch_config(cfg: HgemmConfig, a: torch.Tensor, b: torch.Tensor, c: torch.T
     """Launch one configuration on contiguous, validated CUDA operands (no checks: the tuner's hot path)."""
     m, k = a.shape
     n = c.shape[1]
+    if cfg.info.hopper:
+        return _launch_wgmma(cfg, a, b, c, b_nk)
     grid = cfg.grid(m, n)
     if isinstance(grid, tuple) and grid[1] > 65535:
         raise ValueError(f"M={m} needs {grid[1]} tile rows of {cfg.tile[0]}, more than gridDim.y allows "
@@ -372,6 +429,29 @@ def launch_config(cfg: HgemmConfig, a: torch.Tensor, b: torch.Tensor, c: torch.T
     launch(kern, grid, cfg.threads, a.data_ptr(), b.data_ptr(), c.data_ptr(), i32(m), i32(n), i32(k),
            smem=cfg.dynamic_smem)
     return c
+
+
+def _launch_wgmma(cfg: HgemmConfig, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, b_nk: bool) -> torch.Tensor:
+    """Step 07: TMA maps for A (BM x 64 boxes) and B (BN x 64 K-major boxes for [N, K], 64 x 64
+    N-major boxes for [K, N]), 128-byte swizzle; a persistent grid of min(tiles, SMs) blocks."""
+    m, k = a.shape
+    n = c.shape[1]
+    info = device_info(a.device.index)
+    kern = get_kernel(cfg.spec(a.dtype, b_nk), a.device)
+    map_a = tensor_map_2d(a, cfg.BM, WGMMA_BK)
+    # B [N, K]: with a cluster each CTA loads (and multicasts) BN / CLUSTER rows of the box
+    map_b = tensor_map_2d(b, cfg.BN // cfg.CLUSTER, WGMMA_BK) if b_nk else tensor_map_2d(b, WGMMA_BK, 64)
+    fit = kern.max_active_clusters(cfg.CLUSTER, cfg.threads, cfg.dynamic_smem)
+    launch(kern, cfg.grid(m, n, info.sm_count, fit), cfg.threads, map_a, map_b, c.data_ptr(), i32(m), i32(n),
+           i32(k), smem=cfg.dynamic_smem, cluster=cfg.CLUSTER)
+    return c
+
+
+def _check_arch(cfg: HgemmConfig, device: torch.device) -> None:
+    cc = device_info(device.index).cc
+    if cfg.info.hopper and cc != 90:
+        raise ValueError(f"{cfg.step} uses wgmma / TMA / setmaxnreg (sm_90a) and runs on Hopper (sm_90) "
+                         f"only; this GPU is sm_{cc}. Use kernel='auto' or a step <= 06")
 
 
 def hgemm(a: torch.Tensor, b: torch.Tensor, kernel="auto", b_transposed: bool = False) -> torch.Tensor:
@@ -390,6 +470,8 @@ def hgemm(a: torch.Tensor, b: torch.Tensor, kernel="auto", b_transposed: bool = 
         return torch.empty(m, n, dtype=a.dtype, device=a.device)
     if k == 0:
         return torch.zeros(m, n, dtype=a.dtype, device=a.device)
+    info = device_info(a.device.index)
+    cfg = select(m, n, kernel, info.sm_count, info.cc)
+    _check_arch(cfg, a.device)
     c = torch.empty(m, n, dtype=a.dtype, device=a.device)
-    cfg = select(m, n, kernel, device_info(a.device.index).sm_count)
     return launch_config(cfg, a_k, b_k, c, b_nk)

@@ -2,9 +2,10 @@
 from .device import DeviceInfo, device_info, arch_of
 from .compiler import KernelSpec, CompileError, CompiledKernel, compile_kernel, cache_dir
 from .launch import current_stream_handle, get_kernel, launch, i32, i64, u32, f32
+from .tma import tensor_map_2d
 
 __all__ = [
     "DeviceInfo", "device_info", "arch_of",
     "KernelSpec", "CompileError", "CompiledKernel", "compile_kernel", "cache_dir",
-    "current_stream_handle", "get_kernel", "launch", "i32", "i64", "u32", "f32",
+    "current_stream_handle", "get_kernel", "launch", "i32", "i64", "u32", "f32", "tensor_map_2d",
 ]

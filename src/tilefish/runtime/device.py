@@ -20,6 +20,11 @@ class DeviceInfo:
     total_memory: int
 
     @property
+    def cc(self) -> int:
+        """Compute capability as an int, e.g. 90."""
+        return self.major * 10 + self.minor
+
+    @property
     def arch(self) -> str:
         """NVRTC target, e.g. 'sm_90'."""
         return f"sm_{self.major}{self.minor}"

@@ -34,11 +34,28 @@ _DEFAULT_DYN_SMEM = 48 * 1024
 
 
 class LoadedKernel:
-    __slots__ = ("spec", "compiled", "kernel", "device", "_module", "_dyn_smem_limit")
+    __slots__ = ("spec", "compiled", "kernel", "device", "_module", "_dyn_smem_limit", "_clusters")
 
     def __init__(self, spec: KernelSpec, compiled: CompiledKernel, kernel, module, device: int):
         self.spec, self.compiled, self.kernel, self._module, self.device = spec, compiled, kernel, module, device
         self._dyn_smem_limit = 0  # raised to what a launch needs (cuFuncSetAttribute) on first use
+        self._clusters: dict[tuple[int, int, int], int] = {}
+
+    def max_active_clusters(self, cluster: int, block: int, smem: int) -> int:
+        """How many clusters of `cluster` blocks can be resident at once (the driver's occupancy
+        answer, cached). A persistent kernel must not launch more: with 1 block per SM, not every
+        SM can join a cluster (GPCs are not all multiples of the cluster size), and the clusters
+        that do not fit would run as a second wave, nearly doubling the time."""
+        key = (cluster, block, smem)
+        n = self._clusters.get(key)
+        if n is None:
+            from cuda.core import LaunchConfig
+
+            if smem + self.compiled.resources.static_smem > _DEFAULT_DYN_SMEM:
+                self.ensure_dynamic_smem(smem)
+            cfg = LaunchConfig(grid=1, cluster=cluster, block=block, shmem_size=smem)
+            n = self._clusters[key] = int(self.kernel.occupancy.max_active_clusters(cfg, stream=_stream_for(self.device)))
+        return n
 
     def ensure_dynamic_smem(self, nbytes: int) -> None:
         """Raise the kernel's dynamic shared-memory limit once, when a launch asks above 48 KB."""
@@ -116,20 +133,30 @@ def _stream_for(device_index: int):
     return s
 
 
-def launch(kernel: LoadedKernel, grid, block, *args, smem: int = 0) -> None:
+def launch(kernel: LoadedKernel, grid, block, *args, smem: int = 0, cluster: int = 1) -> None:
     """Launch on torch.cuda.current_stream() of the kernel's device.
 
+    grid counts blocks (an int or a tuple); cluster > 1 groups that many consecutive blocks along x
+    into a thread-block cluster (grid[0] must be a multiple of it).
     Pointer arguments are plain ints (tensor.data_ptr()); other scalars must be typed
-    (i32 / u32 / f32), because a bare Python int is passed as a 64-bit value.
+    (i32 / u32 / f32), because a bare Python int is passed as a 64-bit value.  cuda.core
+    TensorMapDescriptor arguments (runtime.tma) are passed by value.
     """
     if smem + kernel.compiled.resources.static_smem > _DEFAULT_DYN_SMEM:  # the 48 KB default covers both
         kernel.ensure_dynamic_smem(smem)
-    key = (grid, block, smem)
+    key = (grid, block, smem, cluster)
     cfg = _configs.get(key)
     if cfg is None:
         from cuda.core import LaunchConfig
 
         if len(_configs) > 4096:  # shapes vary without bound in some workloads; keep the memo small
             _configs.clear()
-        cfg = _configs[key] = LaunchConfig(grid=grid, block=block, shmem_size=smem)
+        if cluster > 1:  # cuda.core counts clusters, not blocks, in `grid` when a cluster is given
+            g = (grid,) if isinstance(grid, int) else tuple(grid)
+            if g[0] % cluster:
+                raise ValueError(f"grid.x = {g[0]} is not a multiple of the cluster size {cluster}")
+            cfg = LaunchConfig(grid=(g[0] // cluster,) + g[1:], cluster=cluster, block=block, shmem_size=smem)
+        else:
+            cfg = LaunchConfig(grid=grid, block=block, shmem_size=smem)
+        _configs[key] = cfg
     _cuda_launch()(_stream_for(kernel.device), cfg, kernel.kernel, *args)

@@ -1,0 +1,188 @@
+// HGEMM step 7 (Hopper, sm_90a): TMA + mbarrier pipeline, wgmma from shared memory, warp
+// specialization, persistent grid.
+// C = A @ B, A [M, K] row-major, B [K, N] row-major (B_NK = false) or B [N, K] row-major
+// (B_NK = true, nn.Linear weights), T = __half or __nv_bfloat16, fp32 accumulation, C in T.
+//
+// Why a new kernel: steps 1-6 issue mma.sync (16 x 8 x 16 per warp instruction) and feed it with
+// ldmatrix; on Hopper that path tops out near 65% of the tensor cores. wgmma is issued by a whole
+// warpgroup (4 warps) for a 64 x BN x 16 product and reads both operands straight from shared
+// memory through descriptors, so operand traffic never touches registers.
+//
+// Roles (BM/64 + 1 warpgroups per block, one block per SM):
+//   warpgroup 0   the producer. It gives registers back (setmaxnreg.dec) and one thread issues
+//                 TMA copies: per k stage one box of A (BM x 64) and B (BN x 64 K-major, or
+//                 BN/64 boxes of 64 x 64 N-major), landing 128-byte-swizzled in a STAGES-deep
+//                 ring; each stage's full barrier counts the bytes in.
+//   warpgroups 1+ the consumers. They take the registers (setmaxnreg.inc); consumer c owns rows
+//                 64c .. 64c+63 of the block tile and keeps a 64 x BN fp32 accumulator (BN/2
+//                 registers per thread). Per stage: wait full[s], 4 wgmma k16 steps, wait for
+//                 them, arrive on empty[s] so the producer may refill it.
+// Pipelining inside a consumer: the wgmmas of stage s are left running (wait_group 1) while the
+// consumer waits for stage s+1 and issues its wgmmas; stage s is handed back only once they finish.
+// Persistent: one block per SM; blocks walk the output tiles in the grouped (GROUP_M) order of
+// step 6, striding by the grid. The producer runs ahead into the next tile while the consumers
+// store the previous one, so the loads of tile i+1 hide under the epilogue of tile i.
+// Clusters (CLUSTER = 2): two CTAs on neighbouring SMs take vertically adjacent tiles (same n0),
+// so they need the same B box: each loads half of it and TMA multicasts that half into both
+// CTAs' smem. L2 -> SM traffic per tile drops from (BM + BN) x 64 to (BM + BN/2) x 64 elements per
+// stage, which matters because at ~700 TFLOP/s the operand stream is ~8 TB/s out of L2. A stage
+// may then be refilled only when the consumers of *both* CTAs are done with it, so consumers
+// arrive on the empty barrier of every CTA in the cluster.
+// Edges: TMA zero-fills boxes past M, N or K, so only the stores are predicated (a cluster's
+// second tile may lie wholly below M: it loads zeros, multicasts its half of B, stores nothing).
+// Limits: the epilogue stores fragments straight from registers (no smem staging) while the
+// consumers' tensor work pauses; both consumers share one tile (cooperative schedule).
+#include "common/wgmma.cuh"
+#include "hgemm/epilogue.cuh"
+
+template <typename T, bool B_NK, int BM, int BN, int STAGES, int GROUP_M, int CLUSTER>
+__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
+hgemm_wgmma(const __grid_constant__ tf::TmaDesc tma_a, const __grid_constant__ tf::TmaDesc tma_b,
+            T* __restrict__ C, int M, int N, int K) {
+    using tf::u32;
+    using tf::u64;
+    constexpr int BK = 64;                        // one 128-byte swizzle row of 16-bit elements
+    constexpr int CONSUMERS = BM / 64;
+    constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
+    static_assert(BM % 64 == 0 && (CONSUMERS == 1 || CONSUMERS == 2), "BM = 64 or 128 (one m64 warpgroup each)");
+    static_assert(BN == 64 || BN == 128 || BN == 256, "BN = 64, 128 or 256 (wgmma n, TMA box <= 256)");
+    static_assert(STAGES >= 2, "at least double buffering");
+    static_assert(CLUSTER == 1 || CLUSTER == 2, "clusters of 1 or 2 CTAs along M");
+    static_assert(B_NK || (BN / 64) % CLUSTER == 0, "B [K, N]: whole 64-wide boxes per CTA");
+    // Register split: 128 * PRODUCER_REGS + CONSUMERS * 128 * CONSUMER_REGS <= 64K.
+    constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = CONSUMERS == 1 ? 256 : 232;
+
+    extern __shared__ unsigned char smem_raw[];
+    // The swizzle atoms (8 rows x 128 B) must sit on 1024-byte boundaries: align the shared-window
+    // address by hand (the launcher reserves 1 KB of slack). Every CTA gets the same offset, so
+    // multicast destinations line up.
+    unsigned char* smem = smem_raw + ((1024 - (tf::smem_addr(smem_raw) & 1023)) & 1023);
+    unsigned char* sA = smem;
+    unsigned char* sB = smem + STAGES * A_BYTES;
+    u64* full = reinterpret_cast<u64*>(sB + STAGES * B_BYTES);
+    u64* empty = full + STAGES;
+
+    const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
+    const int cl_tiles_m = (tiles_m + CLUSTER - 1) / CLUSTER;  // tile rows in units of clusters
+    const int cl_tiles = cl_tiles_m * tiles_n;
+    const int KT = (K + BK - 1) / BK;
+    const int wg = threadIdx.x / 128;
+    const u32 rank = CLUSTER > 1 ? tf::cluster_ctarank() : 0;
+    const int cluster_id = blockIdx.x / CLUSTER, clusters = gridDim.x / CLUSTER;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            tf::mbar_init(&full[s], 1);                         // the producer's arrive.expect_tx
+            tf::mbar_init(&empty[s], CONSUMERS * 4 * CLUSTER);  // every consumer warp of the cluster
+        }
+        tf::fence_barrier_init();
+    }
+    if constexpr (CLUSTER > 1) tf::cluster_sync(); else __syncthreads();
+
+    // Grouped order over cluster tiles (CLUSTER x 1 tiles): GROUP_M cluster rows per group,
+    // column-major inside a group; this CTA takes row `rank` of its cluster tile.
+    auto tile_origin = [&](int t, int& m0, int& n0) {
+        const int per_group = GROUP_M * tiles_n;
+        const int group = t / per_group, first_m = group * GROUP_M;
+        const int rows = min(cl_tiles_m - first_m, GROUP_M);
+        const int in_group = t - group * per_group;
+        m0 = ((first_m + in_group % rows) * CLUSTER + (int)rank) * BM;
+        n0 = (in_group / rows) * BN;
+    };
+
+    if (wg == 0) {
+        tf::setmaxnreg_dec<PRODUCER_REGS>();
+        if (threadIdx.x == 0) {
+            tf::tma_prefetch_desc(&tma_a);
+            tf::tma_prefetch_desc(&tma_b);
+            int s = 0;
+            u32 phase = 0;
+            for (int t = cluster_id; t < cl_tiles; t += clusters) {
+                int m0, n0;
+                tile_origin(t, m0, n0);
+                for (int kt = 0; kt < KT; ++kt) {
+                    // Parity trick: in round 0 the wait is for the phase "before" the first one,
+                    // which counts as complete, so the ring starts out free.
+                    tf::mbar_wait(&empty[s], phase ^ 1);
+                    tf::mbar_arrive_expect_tx(&full[s], A_BYTES + B_BYTES);  // all of B lands here
+                    unsigned char* a_dst = sA + s * A_BYTES;
+                    unsigned char* b_dst = sB + s * B_BYTES;
+                    tf::tma_load_2d(a_dst, &tma_a, kt * BK, m0, &full[s]);
+                    if constexpr (CLUSTER == 1) {
+                        if constexpr (B_NK) {
+                            tf::tma_load_2d(b_dst, &tma_b, kt * BK, n0, &full[s]);
+                        } else {
+#pragma unroll
+                            for (int j = 0; j < BN / 64; ++j)  // 64 n x 64 k boxes, N-major
+                                tf::tma_load_2d(b_dst + j * 64 * BK * 2, &tma_b, n0 + 64 * j, kt * BK, &full[s]);
+                        }
+                    } else {
+                        constexpr unsigned short ALL = (1u << CLUSTER) - 1;
+                        if constexpr (B_NK) {  // rows [rank * BN/CLUSTER, ...) of the K-major box
+                            constexpr int PART = BN / CLUSTER;
+                            tf::tma_load_2d_multicast(b_dst + rank * PART * BK * 2, &tma_b, kt * BK,
+                                                      n0 + (int)rank * PART, &full[s], ALL);
+                        } else {
+                            constexpr int BOXES = BN / 64 / CLUSTER;
+#pragma unroll
+                            for (int i = 0; i < BOXES; ++i) {
+                                const int j = (int)rank * BOXES + i;
+                                tf::tma_load_2d_multicast(b_dst + j * 64 * BK * 2, &tma_b, n0 + 64 * j, kt * BK,
+                                                          &full[s], ALL);
+                            }
+                        }
+                    }
+                    if (++s == STAGES) { s = 0; phase ^= 1; }
+                }
+            }
+        }
+    } else {
+        tf::setmaxnreg_inc<CONSUMER_REGS>();
+        const int c = wg - 1;
+        const int lane = threadIdx.x & 31, warp_in_wg = (threadIdx.x / 32) & 3;
+        float acc[BN / 2];
+        int s = 0;
+        u32 phase = 0;
+        auto release = [&](int stage) {  // this warp no longer reads `stage`: tell every producer
+            if (lane == 0) {
+                if constexpr (CLUSTER == 1) {
+                    tf::mbar_arrive(&empty[stage]);
+                } else {
+#pragma unroll
+                    for (int r = 0; r < CLUSTER; ++r) tf::mbar_arrive_cluster(&empty[stage], r);
+                }
+            }
+        };
+        for (int t = cluster_id; t < cl_tiles; t += clusters) {
+            int m0, n0;
+            tile_origin(t, m0, n0);
+            int prev = -1;
+            for (int kt = 0; kt < KT; ++kt) {
+                tf::mbar_wait(&full[s], phase);
+                const unsigned char* a_s = sA + s * A_BYTES + c * 64 * BK * 2;
+                const unsigned char* b_s = sB + s * B_BYTES;
+                tf::wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < BK / 16; ++kk) {
+                    const u64 da = tf::wgmma_desc_sw128(a_s + kk * 32, 16, 1024);
+                    const u64 db = B_NK ? tf::wgmma_desc_sw128(b_s + kk * 32, 16, 1024)
+                                        : tf::wgmma_desc_sw128(b_s + kk * 16 * 128, 64 * BK * 2, 1024);
+                    tf::Wgmma<BN, T>::template run<B_NK ? 0 : 1>(acc, da, db, (kt | kk) != 0);
+                }
+                tf::wgmma_commit();
+                tf::wgmma_wait<1>();          // stage kt-1's wgmmas are done (kt's may still run) ...
+                if (prev >= 0) release(prev);  // ... so its smem goes back to the producer(s)
+                prev = s;
+                if (++s == STAGES) { s = 0; phase ^= 1; }
+            }
+            tf::wgmma_wait<0>();
+            if (prev >= 0) release(prev);
+            const int row0 = m0 + c * 64 + warp_in_wg * 16;
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j)
+                hg::store_frag<T>(C, M, N, row0, n0 + 8 * j, *reinterpret_cast<const float(*)[4]>(&acc[4 * j]));
+        }
+    }
+    // A CTA must outlive its peers' multicasts into its smem and their arrivals on its barriers.
+    if constexpr (CLUSTER > 1) tf::cluster_sync();
+}
