@@ -265,7 +265,8 @@ def test_configs_are_consistent():
     assert ops.select(16, 4096, "auto", 132, 90) == ops.TUNED_SMALL["07_wgmma_tma"]
     # step 07: a persistent grid, one producer + BM/64 consumer warpgroups
     w = ops.TUNED["07_wgmma_tma"]
-    assert w.grid(4096, 4096, 132) == 132 and w.grid(128, 256, 132) == 1
+    assert w.grid(4096, 4096, 132) == 132 and w.grid(128, 256, 132) == w.CLUSTER
+    assert w.grid(4096, 4096, 132, max_clusters=60) == 60 * w.CLUSTER
     assert w.threads == (w.BM // 64 + 1) * 128
     assert w.grid(4096, 4096, 132) % w.CLUSTER == 0
     assert HgemmConfig("07_wgmma_tma", (192, 256, 4, 8, 1)).problem() is not None
