@@ -263,6 +263,8 @@ def test_configs_are_consistent():
     assert ops.select(16, 4096, "auto", 132, 80) == ops.TUNED_SMALL[ops.AUTO_STEP]
     assert ops.select(4096, 4096, "auto", 132, 90) == ops.TUNED["07_wgmma_tma"]
     assert ops.select(16, 4096, "auto", 132, 90) == ops.TUNED_SMALL["07_wgmma_tma"]
+    # rounds of 132 tiles: 1024 x 14336 has 448 big tiles (3.4 rounds), so the 128 x 128 tile wins
+    assert ops.select(1024, 14336, "auto", 132, 90) == ops.WGMMA_MID
     # step 07: a persistent grid, one producer + BM/64 consumer warpgroups
     w = ops.TUNED["07_wgmma_tma"]
     assert w.grid(4096, 4096, 132) == 132 and w.grid(128, 256, 132) == w.CLUSTER

@@ -315,8 +315,9 @@ def variant_specs() -> list[KernelSpec]:
 
 
 def dispatch_specs() -> list[KernelSpec]:
-    """Every KernelSpec `hgemm` can launch: TUNED + TUNED_SMALL of every step x dtype x B layout."""
-    return _all_specs(list(TUNED.values()) + list(TUNED_SMALL.values()))
+    """Every KernelSpec `hgemm` can launch: TUNED + TUNED_SMALL of every step (+ step 07's mid
+    tile) x dtype x B layout."""
+    return _all_specs(list(TUNED.values()) + list(TUNED_SMALL.values()) + [WGMMA_MID])
 
 
 def _dedup(items) -> list:
@@ -381,11 +382,28 @@ def auto_step(cc: int) -> str:
     return AUTO_STEP_SM90 if cc == 90 else AUTO_STEP
 
 
+# Step 07 on large problems: the persistent grid works in rounds of `sm_count` tiles, so a tile
+# count just above a multiple of it wastes most of a round (1024 x 14336: 448 tiles of 128 x 256 =
+# 3.4 rounds -> 4, 85% busy). The smaller tile is slightly less efficient per FLOP (658 vs 679
+# TFLOP/s at 4096^3 fp16, bench/results/h200/hgemm_variants.json) but quantizes finer; pick the
+# one with the higher (busy fraction x per-tile efficiency).
+WGMMA_MID = _cfg("07_wgmma_tma", 128, 128, 6, 8, 2)
+_WGMMA_TILE_EFFICIENCY = {(128, 256): 1.0, (128, 128): 0.97}
+
+
+def _round_efficiency(cfg: HgemmConfig, m: int, n: int, sm_count: int) -> float:
+    tiles = cfg.blocks(m, n)
+    ctas = cfg.grid(m, n, sm_count)
+    return tiles / (-(-tiles // ctas) * ctas) * _WGMMA_TILE_EFFICIENCY[cfg.tile]
+
+
 def _tuned_for(step: str, m: int, n: int, sm_count: int) -> HgemmConfig:
     cfg = TUNED[step]
     small = TUNED_SMALL.get(step)
     if small is not None and cfg.blocks(m, n) < sm_count:
         return small
+    if step == AUTO_STEP_SM90 and cfg.tile in _WGMMA_TILE_EFFICIENCY:
+        return max((cfg, WGMMA_MID), key=lambda c: _round_efficiency(c, m, n, sm_count))
     return cfg
 
 

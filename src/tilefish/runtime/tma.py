@@ -15,6 +15,8 @@ import functools
 
 import torch
 
+from .launch import _ensure_context  # descriptors are created in the device's primary context
+
 _TYPESTR = {torch.float16: "<f2", torch.bfloat16: "<u2"}  # CAI has no bf16; the map's type is explicit
 
 
@@ -56,8 +58,6 @@ def tensor_map_2d(t: torch.Tensor, box_rows: int, box_cols: int, swizzle: int = 
     pitch = t.stride(0)
     if t.data_ptr() % 16 or (pitch * t.element_size()) % 16:
         raise ValueError("TMA needs a 16-byte aligned base pointer and row pitch")
-    from .launch import _ensure_context  # the descriptor is created in the device's primary context
-
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     _ensure_context(index)
     return _tensor_map(index, t.data_ptr(), t.shape[0], t.shape[1], max(pitch, t.shape[1]), t.dtype,
