@@ -103,7 +103,7 @@ class HgemmConfig:
     def info(self) -> Step:
         return STEPS[self.step]
 
-    @property
+    @functools.cached_property  # read several times per launch: build the dict once per config
     def params(self) -> dict[str, int]:
         return dict(zip(self.info.params, self.values))
 
