@@ -26,8 +26,19 @@ def _case(k, n, group, sym, dtype):
     return q, ops.pack(q)
 
 
+def _poison_allocator(rows, cols, dtype):
+    """Leave a NaN block of the output's size in the caching allocator: the op's torch.empty output
+    reuses it, so an element the kernel fails to write shows up as NaN (rel_err rejects NaN)."""
+    torch.full((rows, cols), float("nan"), device="cuda", dtype=dtype)
+
+
+def _cc() -> int:
+    return torch.cuda.get_device_capability()[0] * 10 + torch.cuda.get_device_capability()[1]
+
+
 def _check(x, q, p, bias=None, **kw):
     ref = ref_matmul(x.reshape(-1, q.k), q, bias).reshape(*x.shape[:-1], q.n)
+    _poison_allocator(x.numel() // q.k, q.n, x.dtype)
     out = ops.matmul_impl(x, p, bias, **kw)
     assert out.shape == ref.shape and out.dtype == x.dtype
     err = rel_err(out, ref)
@@ -67,6 +78,47 @@ def test_every_config_and_forced_split_k():
                 continue
             for slices in (1, 2, 3, 8):
                 _check(x, q, p, cfg=cfg, slices=slices)
+
+
+hopper = pytest.mark.skipif(not torch.cuda.is_available() or _cc() != 90, reason="the wgmma kernel needs sm_90")
+
+
+@hopper
+def test_hopper_every_config_and_split():
+    """Every wgmma configuration, m below / at / across its tile, k split 1..all stages."""
+    q, p = _case(1024, 512, 128, False, torch.float16)
+    for cfg in ops.HOPPER_CONFIGS:
+        for m in (1, 9, cfg.mt, cfg.mt + 5, 2 * cfg.mt + 3):
+            x = torch.randn(m, 1024, device="cuda", dtype=torch.float16)
+            for slices in (1, 2, 3, 16):
+                _check(x, q, p, torch.randn(512, device="cuda", dtype=torch.float16) if m % 2 else None,
+                       cfg=cfg, slices=slices)
+
+
+@hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [-1, 32, 64, 128])
+@pytest.mark.parametrize("sym", [True, False])
+def test_hopper_groups_zero_points_dtypes(group, sym, dtype):
+    q, p = _case(768, 256, group, sym, dtype)
+    for cfg in (ops.HopperConfig(32, 4, 1, 6), ops.HopperConfig(128, 2, 1, 4), ops.HopperConfig(64, 2, 2, 6)):
+        for m in (17, 100):
+            _check(torch.randn(m, 768, device="cuda", dtype=dtype), q, p, cfg=cfg, slices=1 + m % 3)
+
+
+@hopper
+def test_hopper_long_k_ring_wrap_and_big_m():
+    """k of 224 stages wraps every ring many times; m = 1024 walks many m tiles."""
+    q, p = _case(14336, 256, 128, True, torch.bfloat16)
+    for m, slices in ((24, 1), (24, 5), (1024, 1)):
+        _check(torch.randn(m, 14336, device="cuda", dtype=torch.bfloat16), q, p, slices=slices)
+
+
+@hopper
+def test_hopper_config_rejects_untileable_n():
+    q, p = _case(256, 192, 128, True, torch.float16)
+    with pytest.raises(ValueError, match="n % 256"):
+        ops.matmul_impl(torch.randn(40, 256, device="cuda", dtype=torch.float16), p, cfg=ops.HopperConfig(32, 4, 1, 6))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -111,9 +163,10 @@ def test_deterministic_and_many_launches_with_changing_shapes():
                 assert rel_err(out, ref_matmul(x, q)) < TOLERANCE[torch.float16]
 
 
-def test_two_streams_at_once():
-    q, p = _case(4096, 128, 128, True, torch.float16)
-    xs = [torch.randn(8, 4096, device="cuda", dtype=torch.float16) for _ in range(2)]
+@pytest.mark.parametrize("m", [8, 40])
+def test_two_streams_at_once(m):
+    q, p = _case(4096, 256, 128, True, torch.float16)
+    xs = [torch.randn(m, 4096, device="cuda", dtype=torch.float16) for _ in range(2)]
     refs = [ops.matmul_impl(x, p) for x in xs]
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     outs = [None, None]
@@ -127,9 +180,10 @@ def test_two_streams_at_once():
             assert torch.equal(o, r)
 
 
-def test_cuda_graph():
+@pytest.mark.parametrize("m", [4, 48])
+def test_cuda_graph(m):
     q, p = _case(2048, 256, 128, False, torch.bfloat16)
-    x = torch.randn(4, 2048, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):

@@ -22,6 +22,7 @@ def kernel_specs(include_variants: bool = False):
         import torch
 
         specs += [("nf4", nf4.kernel_spec(torch.bfloat16, True, c)) for c in nf4.variant_configs()]
+        specs += [("w4a16", s) for s in w4a16.variant_specs()]
         specs += [("sgemm", s) for s in sgemm.variant_specs()]
         specs += [("hgemm", s) for s in hgemm.variant_specs()]
     seen, out = set(), []

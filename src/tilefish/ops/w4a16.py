@@ -21,8 +21,10 @@ from ..quant.int4 import Int4Weight
 from ..runtime import KernelSpec, current_stream_handle, device_info, get_kernel, i32, launch
 
 SOURCE = "w4a16/gemm.cu"
+HOPPER_SOURCE = "w4a16/wgmma.cu"
 THREADS = 256
 BK = 128
+HOPPER_BK = 64
 DTYPES = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 
 
@@ -142,11 +144,54 @@ class GemmConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def kernel_spec(dtype: torch.dtype, cfg: GemmConfig, group_size: int, asym: bool) -> KernelSpec:
+def kernel_spec(dtype: torch.dtype, cfg: GemmConfig | HopperConfig, group_size: int, asym: bool) -> KernelSpec:
     group = 0 if group_size == -1 else group_size
+    if isinstance(cfg, HopperConfig):
+        name = (f"w4a16_wgmma<{DTYPES[dtype]}, {cfg.mt}, {cfg.nt}, {cfg.cons}, {cfg.stages}, {group}, "
+                f"{'true' if asym else 'false'}>")
+        return KernelSpec(HOPPER_SOURCE, name, hot=True, arch_specific=True, min_sm=90)
     name = (f"w4a16_gemm<{DTYPES[dtype]}, {cfg.mb}, {cfg.wn}, {cfg.wk}, {cfg.stages}, {group}, "
             f"{'true' if asym else 'false'}, {'true' if cfg.swap else 'false'}, {'true' if cfg.breg else 'false'}>")
     return KernelSpec(SOURCE, name, hot=True)
+
+
+@dataclass(frozen=True)
+class HopperConfig:
+    """The sm_90a wgmma kernel (kernels/w4a16/wgmma.cu): weights are wgmma's A operand from
+    registers, x its B operand (N = the m tile) through TMA."""
+    mt: int = 64      # m tile (the wgmma n): 16, 32, 64, 128 or 256
+    nt: int = 4       # packed words per lane per k16 = m64 accumulator tiles per warpgroup
+    cons: int = 2     # consumer warpgroups (each covers nt 64-column strips)
+    stages: int = 4
+    swap = False
+    breg = False
+
+    @property
+    def bm(self) -> int:
+        return self.mt
+
+    @property
+    def bn(self) -> int:
+        return 64 * self.nt * self.cons
+
+    @property
+    def threads(self) -> int:
+        return (self.cons + 1) * 128
+
+    @property
+    def k_tile(self) -> int:
+        return HOPPER_BK
+
+    def label(self) -> str:
+        return f"wg-m{self.mt}n{self.bn}c{self.cons}s{self.stages}"
+
+    def smem_bytes(self, group_size: int, asym: bool) -> int:
+        x = self.mt * HOPPER_BK * 2
+        w = self.nt * self.cons * 2048
+        s_rows = 0 if group_size == -1 else (1 if group_size >= HOPPER_BK else HOPPER_BK // group_size)
+        z_rows = (1 if group_size == -1 else s_rows) if asym else 0
+        per_stage = x + w + (s_rows + z_rows) * self.bn * 2
+        return 1024 + self.stages * per_stage + 16 * self.stages  # + alignment slack, + barriers
 
 
 CONFIGS = [GemmConfig(1, 1, 8), GemmConfig(1, 2, 4), GemmConfig(1, 4, 2),
@@ -157,9 +202,65 @@ CONFIGS = [GemmConfig(1, 1, 8), GemmConfig(1, 2, 4), GemmConfig(1, 4, 2),
            GemmConfig(1, 1, 8, 4, True, True), GemmConfig(1, 2, 4, 4, True, True), GemmConfig(1, 4, 2, 3, True, True),
            GemmConfig(1, 2, 4, 4, False, True), GemmConfig(1, 2, 4, 6, True, True)]
 
+# The wgmma kernel's design space (bench --variants sweeps it with every split).
+HOPPER_CONFIGS = [HopperConfig(16, 4, 1, 8), HopperConfig(16, 4, 2, 8), HopperConfig(32, 4, 1, 6),
+                  HopperConfig(32, 4, 2, 6), HopperConfig(64, 4, 1, 6), HopperConfig(64, 4, 2, 6),
+                  HopperConfig(64, 2, 2, 6), HopperConfig(128, 2, 1, 4), HopperConfig(128, 2, 2, 6),
+                  HopperConfig(128, 1, 2, 6), HopperConfig(256, 1, 2, 5)]
+
+# sm_90 dispatch (fitted to scripts/sweep_w4a16_hopper.py on the H200, docs/w4a16.md): the wgmma
+# kernel from m = 17 up, and for m = 9..16 on weights of at least SMALL_WEIGHT_NK elements (below
+# that the mma.sync kernel's shorter ramp wins); m <= 8 stays on the mma.sync swap kernel.
+HOPPER_MIN_M = 17
+SMALL_WEIGHT_NK = 100_000_000
+TINY_WEIGHT_NK = 32_000_000
+MAX_HOPPER_SLICES = 4
+
+
+def _uses_hopper(m: int, n: int, k: int) -> bool:
+    return m >= HOPPER_MIN_M or (m > 8 and n * k >= SMALL_WEIGHT_NK)
+
 
 @functools.lru_cache(maxsize=4096)
-def choose_config(m: int, n: int, k: int, sm_count: int) -> GemmConfig:
+def choose_hopper_config(m: int, n: int, sm_count: int, k: int = 8192) -> HopperConfig:
+    """Per m range (H200 sweep): 16-row tiles for small m or tiny weights (more CTAs, short k
+    slices); 64-row tiles with two warpgroups of 2 strips; 128-row tiles with two warpgroups of one
+    strip while the tiles do not fill the SMs (then split k), else one warpgroup of 2 strips and
+    two CTAs per SM; 128 x 256 tiles with two warpgroups for m >= 1024 with >= 2 tiles per SM."""
+    def tiles(cfg: HopperConfig) -> int:
+        return (n // cfg.bn) * -(-m // cfg.mt) if n % cfg.bn == 0 else 0
+
+    nk = n * k
+    if m <= 16 or (m <= 32 and nk < SMALL_WEIGHT_NK) or (m <= 64 and nk < TINY_WEIGHT_NK):
+        big = HopperConfig(16, 4, 2, 8)
+        return big if m <= 16 and tiles(big) >= 0.75 * sm_count else HopperConfig(16, 4, 1, 8)
+    if m <= 32:
+        big = HopperConfig(32, 4, 2, 6)
+        return big if tiles(big) >= 0.75 * sm_count else HopperConfig(32, 4, 1, 6)
+    if m <= 64:
+        mid = HopperConfig(64, 2, 2, 6)
+        return mid if 0 < tiles(mid) <= 1.5 * sm_count else HopperConfig(64, 4, 1, 6)
+    if m >= 1024 and tiles(HopperConfig(128, 2, 2, 6)) >= 2 * sm_count:
+        return HopperConfig(128, 2, 2, 6)
+    narrow = HopperConfig(128, 1, 2, 6)
+    return narrow if tiles(narrow) <= sm_count else HopperConfig(128, 2, 1, 4)
+
+
+def choose_hopper_slices(cfg: HopperConfig, tiles: int, k: int, sm_count: int) -> int:
+    """Split k toward one CTA per SM, at most 4 ways (more slices cost more in the fp32 partials
+    and the ramp than the extra SMs give back, on the sweep), >= 4 stages (256 k) per slice."""
+    return max(1, min(MAX_HOPPER_SLICES, k // HOPPER_BK // 4, round(sm_count / tiles)))
+
+
+@functools.lru_cache(maxsize=4096)
+def choose_config(m: int, n: int, k: int, sm_count: int, cc: int = 80) -> GemmConfig | HopperConfig:
+    if cc == 90 and _uses_hopper(m, n, k):
+        return choose_hopper_config(m, n, sm_count, k)
+    return choose_mma_config(m, n, k, sm_count)
+
+
+@functools.lru_cache(maxsize=4096)
+def choose_mma_config(m: int, n: int, k: int, sm_count: int) -> GemmConfig:
     """Heuristic fitted to the H200 sweeps (`tilefish bench w4a16 --variants`, docs/w4a16.md).
 
     m <= 8: swapped operands + weights in a register ring, 256-column tiles with 3 stages (128
@@ -196,14 +297,22 @@ def choose_slices(tiles: int, k_tiles: int, sm_count: int) -> int:
 
 def dispatch_specs() -> list[KernelSpec]:
     out = []
-    cfgs = {choose_config(m, n, 4096, sms) for m in (1, 8, 9, 16, 17, 32, 33, 64, 128, 4096)
+    cfgs = {choose_mma_config(m, n, 4096, sms) for m in (1, 8, 9, 16, 17, 32, 33, 64, 128, 4096)
             for n in (64, 128, 256, 4096, 8192, 14336, 28672, 57344) for sms in (108, 132)}
+    cfgs |= {choose_hopper_config(m, n, 132, k) for m in (9, 16, 17, 32, 33, 64, 65, 128, 4096)
+             for n in (64, 128, 256, 4096, 8192, 14336, 28672, 57344) for k in (4096, 28672)}
     for dt in DTYPES:
         for cfg in sorted(cfgs, key=lambda c: c.label()):
             for g in (-1, 32, 64, 128):
                 for asym in (False, True):
                     out.append(kernel_spec(dt, cfg, g, asym))
     return out
+
+
+def variant_specs() -> list[KernelSpec]:
+    """The wgmma kernel's whole design space (tests and `bench w4a16 --variants` use it)."""
+    return [kernel_spec(dt, cfg, g, asym) for cfg in HOPPER_CONFIGS for dt in DTYPES
+            for g in (-1, 32, 64, 128) for asym in (False, True)]
 
 
 # ---- workspace: per (device, stream) so concurrent streams never share counters ------------------------------
@@ -256,7 +365,7 @@ def _validate(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None) -> Non
 
 
 def matmul_impl(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = None,
-                cfg: GemmConfig | None = None, slices: int | None = None) -> torch.Tensor:
+                cfg: GemmConfig | HopperConfig | None = None, slices: int | None = None) -> torch.Tensor:
     _validate(x, w, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k)
@@ -278,8 +387,11 @@ def matmul_impl(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = Non
     for name, t in (("x", x2), ("packed", w.packed), ("scales", w.scales), ("zeros", w.zeros)):
         if t is not None and (t.data_ptr() % 16 or not t.is_contiguous()):
             raise ValueError(f"{name} must be contiguous and 16-byte aligned for the CUDA kernel")
-    sms = device_info(x.device.index).sm_count
-    cfg = cfg or choose_config(m, w.n, w.k, sms)
+    info = device_info(x.device.index)
+    sms = info.sm_count
+    cfg = cfg or choose_config(m, w.n, w.k, sms, info.cc)
+    if isinstance(cfg, HopperConfig):
+        return _launch_hopper(cfg, x2, w, bias, out, slices, info).reshape(*lead, w.n)
     if w.n % cfg.bn:
         raise ValueError(f"config {cfg.label()} needs n % {cfg.bn} == 0 (n={w.n})")
     if cfg.swap and m > 8:
@@ -297,3 +409,30 @@ def matmul_impl(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = Non
            out.data_ptr(), ws.data_ptr(), counters.data_ptr(), i32(m), i32(w.n), i32(w.k), i32(slices),
            smem=cfg.smem_bytes(w.group_size, asym))
     return out.reshape(*lead, w.n)
+
+
+def _launch_hopper(cfg: HopperConfig, x2: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None,
+                   out: torch.Tensor, slices: int | None, info) -> torch.Tensor:
+    """The sm_90a wgmma kernel: a TMA map for x (mt x 64 boxes, 128-byte swizzle), grid
+    (m tiles, n tiles, k slices)."""
+    from ..runtime.tma import tensor_map_2d
+
+    if info.cc != 90:
+        raise ValueError(f"config {cfg.label()} uses wgmma / TMA (sm_90a) and runs on Hopper (sm_90) only; "
+                         f"this GPU is sm_{info.cc}")
+    if w.n % cfg.bn:
+        raise ValueError(f"config {cfg.label()} needs n % {cfg.bn} == 0 (n={w.n})")
+    m = x2.shape[0]
+    asym = w.zeros is not None
+    n_tiles, m_tiles, k_stages = w.n // cfg.bn, -(-m // cfg.mt), w.k // HOPPER_BK
+    tiles = n_tiles * m_tiles
+    slices = slices or choose_hopper_slices(cfg, tiles, w.k, info.sm_count)
+    slices = max(1, min(slices, k_stages))
+    ws, counters = _workspace(x2.device, tiles * slices * cfg.mt * cfg.bn if slices > 1 else 0, tiles)
+    kern = get_kernel(kernel_spec(x2.dtype, cfg, w.group_size, asym), x2.device)
+    map_x = tensor_map_2d(x2, cfg.mt, HOPPER_BK)
+    launch(kern, (m_tiles, n_tiles, slices), cfg.threads, map_x, w.packed.data_ptr(), w.scales.data_ptr(),
+           w.zeros.data_ptr() if asym else 0, bias.data_ptr() if bias is not None else 0,
+           out.data_ptr(), ws.data_ptr(), counters.data_ptr(), i32(m), i32(w.n), i32(w.k), i32(slices),
+           smem=cfg.smem_bytes(w.group_size, asym))
+    return out

@@ -58,6 +58,13 @@ __device__ __forceinline__ void tma_load_2d_multicast(void* smem_dst, const TmaD
                  :: "r"(smem_addr(smem_dst)), "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1),
                     "r"(smem_addr(bar)), "h"(cta_mask) : "memory");
 }
+// Non-tensor bulk copy: `bytes` contiguous bytes (multiple of 16, both addresses 16-byte aligned)
+// global -> shared, completing on `bar`. For operands that are already in the kernel's layout in
+// global memory (packed W4A16 weights, their scales), where a tensor map would only add a descriptor.
+__device__ __forceinline__ void bulk_load(void* smem_dst, const void* gmem_src, u32 bytes, u64* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(smem_addr(smem_dst)), "l"(gmem_src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
 // Pull the descriptor into the constant cache before the first copy needs it.
 __device__ __forceinline__ void tma_prefetch_desc(const TmaDesc* map) {
     asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<u64>(map)) : "memory");
@@ -106,6 +113,12 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 // Wait until at most N committed wgmma groups are still running (their smem may then be reused).
 template <int N> __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
+}
+
+// Barrier over a subset of the block (e.g. the consumer warpgroups only, while the producer runs
+// ahead): `threads` (a multiple of 32) arrive at barrier `id` (1..15; 0 is __syncthreads).
+__device__ __forceinline__ void named_barrier_sync(u32 id, u32 threads) {
+    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
 }
 
 // Warp specialization: the producer warpgroup gives registers back, the math warpgroups take

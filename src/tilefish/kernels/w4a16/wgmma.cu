@@ -1,0 +1,298 @@
+// W4A16 on Hopper (sm_90a): y[m, n] = x[m, k] @ dequant(W)[n, k]^T (+ bias) with wgmma.
+//
+// Why: mma.sync tops out near 65% of Hopper's tensor rate, and from m = 64 up the mma.sync kernel
+// (gemm.cu) is compute-bound. wgmma issues a whole 64 x N x 16 product per warpgroup.
+//
+// Operand roles are swapped: the dequantized weights are wgmma's A operand (64 output columns
+// of W per instruction, from registers) and x is its B operand (N = the m tile, from shared
+// memory), so the accumulator is y^T. This is what lets int4 weights feed wgmma at all: A is the
+// only operand that may come from registers, where the lop3 dequantization produces it, and the
+// m tile can be any multiple of 8 (16 .. 256), so small batches waste no tensor work on padding.
+// x [m, k] row-major is exactly a K-major B; TMA loads it 128-byte swizzled (zero-filling rows
+// past m), the layout the wgmma descriptor reads.
+//
+// The wgmma A fragment of warp w of a warpgroup is the mma.m16n8k16 A fragment of rows
+// 16w .. 16w+15, which is what one packed word dequantizes to (gemm.cu's swap path uses the same
+// fact). A lane's 16 packed bytes of a (strip, k16) row hold four words, for the 16-row blocks
+// j = 0..3 of the strip; NT words per warp means NT accumulator tiles per warpgroup:
+//   tile jj (0 .. NT-1) of a warpgroup, warp w: W rows 64 * strip + 16 * (word0 + jj) + {g, g+8}
+//   with strip = c * NT + (w * NT) / 4 and word0 = (w * NT) % 4.
+// NT = 4: each warp owns one strip (16-byte loads), NT = 2: two warps per strip, NT = 1: a strip
+// per warpgroup. A warpgroup covers NT strips, so a CTA covers CONS * NT strips (BN = 64 CONS NT
+// columns of y) and MT rows; each consumer thread keeps NT * MT / 2 fp32 accumulators.
+//
+// Roles (warp specialization as in hgemm step 7): warpgroup 0 is the producer (setmaxnreg.dec,
+// one thread): per 64-wide k stage one TMA box of x (MT x 64) and one bulk copy per strip of the
+// packed weights (4 k16 rows x 512 B, contiguous in the strip-major layout), plus the stage's
+// scale / zero-point rows, all counted in by the stage's full mbarrier. Warpgroups 1..CONS are the
+// consumers: per stage they load their words from shared memory, dequantize two k16 steps at a
+// time into A register sets, issue 2 NT wgmmas as one group, and wait until only that group is
+// in flight (see the main loop). A stage goes back to the producer when the first wait of the
+// next stage shows its last group finished.
+//
+// Split k (few output tiles): `slices` CTAs share a tile. Each writes its fp32 accumulators to a
+// workspace in fragment order (each thread 16-byte chunks, coalesced), bumps the tile's counter
+// (acq_rel); the last to arrive adds the slices in slice order (bitwise deterministic), runs the
+// epilogue and resets the counter. No CTA waits for another.
+#include "common/wgmma.cuh"
+#include "w4a16/dequant.cuh"
+
+namespace w4h {
+using namespace tf;
+constexpr int kBK = 64;  // one 128-byte swizzle row of x per stage
+
+template <int MT, int NT, int CONS, int GROUP, bool ASYM>
+struct Layout {
+    static constexpr int STRIPS = CONS * NT;               // 64-column strips of W per CTA
+    static constexpr int BN = 64 * STRIPS;
+    static constexpr int X_BYTES = MT * kBK * 2;             // 1024-byte multiple (MT % 8 == 0)
+    static constexpr int W_STRIP_BYTES = (kBK / 16) * 512;   // 4 k16 rows x 32 lanes x 16 B
+    static constexpr int W_BYTES = STRIPS * W_STRIP_BYTES;
+    static constexpr int S_ROWS = GROUP == 0 ? 0 : (GROUP >= kBK ? 1 : kBK / GROUP);
+    static constexpr int S_BYTES = S_ROWS * BN * 2;
+    static constexpr int Z_ROWS = ASYM ? (GROUP == 0 ? 1 : S_ROWS) : 0;
+    static constexpr int Z_BYTES = Z_ROWS * BN * 2;
+    static constexpr int TX_BYTES = X_BYTES + W_BYTES + S_BYTES + Z_BYTES;  // per stage
+};
+
+template <int NT> struct Words;
+template <> struct Words<4> { static __device__ __forceinline__ void load(const unsigned char* p, u32 (&w)[4]) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p); w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w; } };
+template <> struct Words<2> { static __device__ __forceinline__ void load(const unsigned char* p, u32 (&w)[2]) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p); w[0] = v.x; w[1] = v.y; } };
+template <> struct Words<1> { static __device__ __forceinline__ void load(const unsigned char* p, u32 (&w)[1]) {
+    w[0] = *reinterpret_cast<const u32*>(p); } };
+
+}  // namespace w4h
+
+template <typename T, int MT, int NT, int CONS, int STAGES, int GROUP, bool ASYM>
+__global__ void __launch_bounds__((CONS + 1) * 128, CONS == 1 ? 2 : 1)
+w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__ w, const T* __restrict__ scales,
+            const T* __restrict__ zeros, const T* __restrict__ bias, T* __restrict__ out,
+            float* __restrict__ workspace, int* __restrict__ counters, int m, int n, int k, int slices) {
+    using namespace w4h;
+    using L = Layout<MT, NT, CONS, GROUP, ASYM>;
+    using DQ = Dequant<T>;
+    using V2 = Vec2<T>;
+    static_assert(MT == 16 || MT == 32 || MT == 64 || MT == 128 || MT == 256, "MT: a generated wgmma n");
+    static_assert(NT == 1 || NT == 2 || NT == 4, "NT words per lane: 4, 8 or 16 bytes");
+    static_assert(CONS == 1 || CONS == 2, "one or two consumer warpgroups");
+    static_assert(NT * MT / 2 <= 128, "accumulators per thread");
+    static_assert(CONS == 2 || MT <= 128, "CONS = 1 launches at 128 registers: one m64n256 wgmma needs more");
+    // CONS = 1 fits two CTAs per SM (launch at 128 registers a thread): 128 x 24 + 128 x 232 = 32K
+    // (the producer thread's loop needs few; 216 for the consumers spilled the asymmetric m64 tile).
+    constexpr int PRODUCER_REGS = CONS == 1 ? 24 : 40, CONSUMER_REGS = 232;
+    constexpr int BN = L::BN, CT = CONS * 128;
+    constexpr int ACC = MT / 2;  // per tile per thread
+
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // swizzle atoms
+    unsigned char* sX = smem;
+    unsigned char* sW = sX + STAGES * L::X_BYTES;
+    unsigned char* sS = sW + STAGES * L::W_BYTES;
+    unsigned char* sZ = sS + STAGES * L::S_BYTES;
+    u64* full = reinterpret_cast<u64*>(sZ + STAGES * L::Z_BYTES);
+    u64* empty = full + STAGES;
+    __shared__ int s_is_last;
+
+    const int m_tiles = gridDim.x;
+    const int tile = blockIdx.y * m_tiles + blockIdx.x;
+    const int m0 = blockIdx.x * MT, n0 = blockIdx.y * BN;
+    const int KT = k / kBK;
+    const int slice = blockIdx.z;
+    const int kt_begin = (int)((long long)slice * KT / slices);
+    const int kt_end = (int)((long long)(slice + 1) * KT / slices);
+    const int wg = threadIdx.x / 128;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], CONS * 4);  // every consumer warp
+        }
+        fence_barrier_init();
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        setmaxnreg_dec<PRODUCER_REGS>();
+        if (threadIdx.x == 0) {
+            tma_prefetch_desc(&tma_x);
+            const size_t strip_uint4 = (size_t)(k / 16) * 32;  // one strip's whole k run
+            const uint4* w_cta = w + (size_t)(n0 / 64) * strip_uint4;
+            int s = 0;
+            u32 phase = 0;
+            for (int kt = kt_begin; kt < kt_end; ++kt) {
+                mbar_wait(&empty[s], phase ^ 1);  // round 0: the phase before the first counts as done
+                mbar_arrive_expect_tx(&full[s], L::TX_BYTES);
+                tma_load_2d(sX + s * L::X_BYTES, &tma_x, kt * kBK, m0, &full[s]);
+#pragma unroll
+                for (int i = 0; i < L::STRIPS; ++i)
+                    bulk_load(sW + s * L::W_BYTES + i * L::W_STRIP_BYTES,
+                              w_cta + i * strip_uint4 + (size_t)kt * (kBK / 16) * 32, L::W_STRIP_BYTES, &full[s]);
+                if constexpr (GROUP > 0) {
+#pragma unroll
+                    for (int r = 0; r < L::S_ROWS; ++r)
+                        bulk_load(sS + s * L::S_BYTES + r * BN * 2, scales + (size_t)(kt * kBK / GROUP + r) * n + n0,
+                                  BN * 2, &full[s]);
+                }
+                if constexpr (ASYM) {
+#pragma unroll
+                    for (int r = 0; r < L::Z_ROWS; ++r) {
+                        const int zrow = GROUP > 0 ? kt * kBK / GROUP + r : 0;
+                        bulk_load(sZ + s * L::Z_BYTES + r * BN * 2, zeros + (size_t)zrow * n + n0, BN * 2, &full[s]);
+                    }
+                }
+                if (++s == STAGES) { s = 0; phase ^= 1; }
+            }
+        }
+        return;
+    }
+
+    setmaxnreg_inc<CONSUMER_REGS>();
+    const int c = wg - 1, ctid = threadIdx.x - 128;
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
+    const int g = lane >> 2, t = lane & 3;
+    const int strip = c * NT + (warp * NT) / 4, word0 = (warp * NT) % 4;
+
+    float acc[NT][ACC];
+    u32 afrag[kBK / 16][NT][4];
+    typename V2::type sc2[NT][2];
+    typename DQ::Zero zs[NT][2];
+    const typename DQ::Zero zsym = DQ::zero(8.f);
+
+    // This lane's scales / zero points: columns 8 s + g of the strip sit at 8 g + s (ops/w4a16.py),
+    // and the lane needs subtiles s = 2 (word0 + jj) + h: 2 NT contiguous values (one load, and
+    // no run-time index into a register array, which would go to local memory).
+    auto load_group = [&](int stage, int row) {
+        const int offset = (row * BN + strip * 64 + g * 8 + 2 * word0) * 2;
+        if constexpr (GROUP > 0) {
+            u32 v[NT];
+            Words<NT>::load(sS + stage * L::S_BYTES + offset, v);
+#pragma unroll
+            for (int jj = 0; jj < NT; ++jj) {
+                const T* p = reinterpret_cast<const T*>(&v[jj]);
+                sc2[jj][0] = V2::dup(p[0]);
+                sc2[jj][1] = V2::dup(p[1]);
+            }
+        }
+        if constexpr (ASYM) {
+            u32 v[NT];
+            Words<NT>::load(sZ + stage * L::Z_BYTES + offset, v);  // GROUP 0: row is 0
+#pragma unroll
+            for (int jj = 0; jj < NT; ++jj) {
+                const T* p = reinterpret_cast<const T*>(&v[jj]);
+                zs[jj][0] = DQ::zero(to_float(p[0]));
+                zs[jj][1] = DQ::zero(to_float(p[1]));
+            }
+        }
+    };
+    auto release = [&](int stage) {
+        if (lane == 0) mbar_arrive(&empty[stage]);
+    };
+
+    // Two k16 steps per wgmma group, four A register sets: a group is issued, then the previous
+    // one is waited for, so while this warpgroup dequantizes the next two steps the tensor cores
+    // still hold up to two groups (four steps) of its work. Sets 0-1 serve steps 0-1 of a stage,
+    // sets 2-3 steps 2-3, so a set is rewritten only after the wait that retired its last reader.
+    constexpr int STEPS = kBK / 16, STEPS_PER_MMA_GROUP = 2;
+    int s = 0, prev = -1;
+    u32 phase = 0;
+    for (int kt = kt_begin; kt < kt_end; ++kt) {
+        mbar_wait(&full[s], phase);
+        const unsigned char* w_s = sW + s * L::W_BYTES + strip * L::W_STRIP_BYTES + lane * 16 + word0 * 4;
+        const unsigned char* x_s = sX + s * L::X_BYTES;
+        u32 words[STEPS][NT];  // the whole stage's words up front: one shared-memory latency per stage
+#pragma unroll
+        for (int kk = 0; kk < STEPS; ++kk) Words<NT>::load(w_s + kk * 512, words[kk]);
+#pragma unroll
+        for (int k0 = 0; k0 < STEPS; k0 += STEPS_PER_MMA_GROUP) {
+#pragma unroll
+            for (int kk = k0; kk < k0 + STEPS_PER_MMA_GROUP; ++kk) {
+                if constexpr (GROUP > 0 || ASYM) {
+                    constexpr int STEPS_PER_SCALE = GROUP > 0 && GROUP < kBK ? GROUP / 16 : STEPS;
+                    if (kk % STEPS_PER_SCALE == 0) load_group(s, kk / STEPS_PER_SCALE);
+                }
+#pragma unroll
+                for (int jj = 0; jj < NT; ++jj) {
+                    u32 f[4];
+                    DQ::run(words[kk][jj], ASYM ? zs[jj][0] : zsym, ASYM ? zs[jj][1] : zsym, f);
+                    if constexpr (GROUP > 0) {
+#pragma unroll
+                        for (int p = 0; p < 4; ++p) {
+                            typename V2::type v = *reinterpret_cast<typename V2::type*>(&f[p]);
+                            v = __hmul2(v, sc2[jj][p >> 1]);
+                            f[p] = *reinterpret_cast<u32*>(&v);
+                        }
+                    }
+                    // f = (row g, k lo) (row g, k hi) (row g+8, k lo) (row g+8, k hi); A wants rows inner.
+                    afrag[kk][jj][0] = f[0]; afrag[kk][jj][1] = f[2]; afrag[kk][jj][2] = f[1]; afrag[kk][jj][3] = f[3];
+                }
+            }
+            wgmma_fence();
+#pragma unroll
+            for (int kk = k0; kk < k0 + STEPS_PER_MMA_GROUP; ++kk) {
+                const u64 db = wgmma_desc_sw128(x_s + kk * 32, 16, 1024);
+#pragma unroll
+                for (int jj = 0; jj < NT; ++jj)
+                    WgmmaRS<MT, T>::run(acc[jj], afrag[kk][jj], db, (kt != kt_begin) | kk);
+            }
+            wgmma_commit();
+            wgmma_wait<1>();  // the previous group is done: its A registers (and smem) are free
+            if (k0 == 0 && prev >= 0) release(prev);  // ... which was the previous stage's last
+        }
+        prev = s;
+        if (++s == STAGES) { s = 0; phase ^= 1; }
+    }
+    wgmma_wait<0>();
+
+    // Split k: fp32 partials in fragment order, the last CTA to arrive sums them in slice order.
+    if (slices > 1) {
+        constexpr int CHUNKS = NT * ACC / 4;  // float4 per thread
+        float4* ws = reinterpret_cast<float4*>(workspace) + (size_t)tile * slices * CHUNKS * CT;
+        float4* mine = ws + (size_t)slice * CHUNKS * CT + ctid;
+#pragma unroll
+        for (int jj = 0; jj < NT; ++jj)
+#pragma unroll
+            for (int q = 0; q < ACC / 4; ++q)
+                __stcg(mine + (jj * (ACC / 4) + q) * CT,
+                       make_float4(acc[jj][4 * q], acc[jj][4 * q + 1], acc[jj][4 * q + 2], acc[jj][4 * q + 3]));
+        __threadfence();
+        named_barrier_sync(1, CT);
+        if (ctid == 0) s_is_last = atomic_add_acq_rel(counters + tile, 1) == slices - 1;
+        named_barrier_sync(1, CT);
+        if (!s_is_last) return;
+        __threadfence();
+#pragma unroll
+        for (int jj = 0; jj < NT; ++jj)
+#pragma unroll
+            for (int q = 0; q < ACC / 4; ++q) {
+                const float4* src = ws + (jj * (ACC / 4) + q) * CT + ctid;
+                float4 sum = __ldcg(src);
+                for (int sl = 1; sl < slices; ++sl) {
+                    const float4 v = __ldcg(src + (size_t)sl * CHUNKS * CT);
+                    sum.x += v.x; sum.y += v.y; sum.z += v.z; sum.w += v.w;
+                }
+                acc[jj][4 * q] = sum.x; acc[jj][4 * q + 1] = sum.y; acc[jj][4 * q + 2] = sum.z; acc[jj][4 * q + 3] = sum.w;
+            }
+        if (ctid == 0) store_relaxed(counters + tile, 0);  // all slices are in: ready for the next launch
+    }
+
+    // Epilogue: acc[jj][4 cc + 2 h + e] is y[m0 + 8 cc + 2 t + e, col(jj, h)] (the accumulator is
+    // y^T: its rows are W rows = columns of y). Per-channel scale, bias, convert, store.
+#pragma unroll
+    for (int jj = 0; jj < NT; ++jj)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int col = n0 + strip * 64 + 16 * (word0 + jj) + 8 * h + g;
+            float sc = 1.f, bi = 0.f;
+            if constexpr (GROUP == 0) sc = to_float(scales[col]);
+            if (bias != nullptr) bi = to_float(bias[col]);
+#pragma unroll
+            for (int cc = 0; cc < MT / 8; ++cc)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int row = m0 + 8 * cc + 2 * t + e;
+                    if (row < m) out[(size_t)row * n + col] = V2::one(acc[jj][4 * cc + 2 * h + e] * sc + bi);
+                }
+        }
+}
