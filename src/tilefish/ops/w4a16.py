@@ -221,8 +221,22 @@ def _uses_hopper(m: int, n: int, k: int) -> bool:
     return m >= HOPPER_MIN_M or (m > 8 and n * k >= SMALL_WEIGHT_NK)
 
 
+def _fit_n(cfg: HopperConfig, n: int) -> HopperConfig:
+    """Narrow a configuration until its column tile divides n (one warpgroup, then fewer strips)."""
+    while n % cfg.bn:
+        if cfg.cons == 2 and cfg.mt <= 128:
+            cfg = HopperConfig(cfg.mt, cfg.nt, 1, cfg.stages)
+        else:
+            cfg = HopperConfig(cfg.mt, cfg.nt // 2, cfg.cons, cfg.stages)
+    return cfg
+
+
 @functools.lru_cache(maxsize=4096)
 def choose_hopper_config(m: int, n: int, sm_count: int, k: int = 8192) -> HopperConfig:
+    return _fit_n(_choose_hopper_config(m, n, sm_count, k), n)
+
+
+def _choose_hopper_config(m: int, n: int, sm_count: int, k: int) -> HopperConfig:
     """Per m range (H200 sweep): 16-row tiles for small m or tiny weights (more CTAs, short k
     slices); 64-row tiles with two warpgroups of 2 strips; 128-row tiles with two warpgroups of one
     strip while the tiles do not fill the SMs (then split k), else one warpgroup of 2 strips and
