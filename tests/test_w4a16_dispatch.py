@@ -1,0 +1,59 @@
+"""W4A16 dispatch and the Hopper kernel's code, checked without a GPU (NVRTC compiles for sm_90a)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from tilefish.ops import w4a16 as ops
+
+SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (8192, 8192),
+          (8192, 57344), (28672, 8192), (128, 64), (256, 192), (1024, 320), (384, 128)]
+MS = [1, 2, 8, 9, 16, 17, 31, 32, 33, 64, 65, 100, 128, 129, 256, 1024, 4096, 5000]
+
+
+def test_hopper_dispatch_is_consistent():
+    for k, n in SHAPES:
+        for m in MS:
+            assert not isinstance(ops.choose_config(m, n, k, 108, 80), ops.HopperConfig), "sm_80 never gets wgmma"
+            cfg = ops.choose_config(m, n, k, 132, 90)
+            if m <= 8:
+                assert isinstance(cfg, ops.GemmConfig) and cfg.swap, (m, n, k)
+                continue
+            if m >= ops.HOPPER_MIN_M:
+                assert isinstance(cfg, ops.HopperConfig), (m, n, k)
+            if not isinstance(cfg, ops.HopperConfig):
+                continue
+            assert n % cfg.bn == 0, (m, n, k, cfg)
+            assert cfg.mt in (16, 32, 64, 128, 256) and cfg.nt in (1, 2, 4) and cfg.cons in (1, 2)
+            assert cfg.cons == 2 or cfg.mt <= 128
+            assert cfg.smem_bytes(128, True) <= 227 * 1024
+            tiles = (n // cfg.bn) * -(-m // cfg.mt)
+            slices = ops.choose_hopper_slices(cfg, tiles, k, 132)
+            assert 1 <= slices <= ops.MAX_HOPPER_SLICES and (slices == 1 or k // ops.HOPPER_BK // slices >= 4)
+            spec = ops.kernel_spec(torch.float16, cfg, 128, False)
+            assert spec.arch_specific and spec.min_sm == 90 and not spec.supports("sm_80")
+
+
+def test_fit_n_narrows_to_a_divisor():
+    for n in range(64, 4096 + 1, 64):
+        for cfg in ops.HOPPER_CONFIGS:
+            if cfg.mt == 256:
+                continue
+            assert n % ops._fit_n(cfg, n).bn == 0
+
+
+def test_hopper_kernel_sass(tmp_path, monkeypatch):
+    """wgmma with the A operand in registers, TMA for x, bulk copies for weights, no local memory."""
+    from test_hgemm import _sass
+
+    monkeypatch.setenv("TILEFISH_CACHE_DIR", str(tmp_path / "cache"))
+    for cfg, n_shape in ((ops.HopperConfig(128, 2, 2, 6), 128), (ops.HopperConfig(32, 4, 1, 6), 32)):
+        sass = _sass(ops.kernel_spec(torch.bfloat16, cfg, 128, True), tmp_path)
+        assert re.search(rf"HGMMA\.64x{n_shape}x16\.F32\.BF16 R\d+, R\d+, gdesc", sass), \
+            "expected wgmma m64nNk16 with A from registers"
+        assert "UTMALDG.2D" in sass and "UBLKCP" in sass, "x by TMA, packed weights by bulk copy"
+        assert "USETMAXREG" in sass and "SYNCS" in sass
+        assert "LDL" not in sass and "STL" not in sass, "no local memory in the hot kernel"
+        assert "HMMA" not in sass.replace("HGMMA", "")
