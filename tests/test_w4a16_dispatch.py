@@ -56,4 +56,5 @@ def test_hopper_kernel_sass(tmp_path, monkeypatch):
         assert "UTMALDG.2D" in sass and "UBLKCP" in sass, "x by TMA, packed weights by bulk copy"
         assert "USETMAXREG" in sass and "SYNCS" in sass
         assert "LDL" not in sass and "STL" not in sass, "no local memory in the hot kernel"
+        assert "STSM" in sass, "epilogue through stmatrix"
         assert "HMMA" not in sass.replace("HGMMA", "")

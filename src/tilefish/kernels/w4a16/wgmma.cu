@@ -278,21 +278,55 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
     }
 
     // Epilogue: acc[jj][4 cc + 2 h + e] is y[m0 + 8 cc + 2 t + e, col(jj, h)] (the accumulator is
-    // y^T: its rows are W rows = columns of y). Per-channel scale, bias, convert, store.
+    // y^T: its rows are W rows = columns of y). Per-channel scale and bias in fp32, then the tile
+    // goes through shared memory: stmatrix.trans turns each 8 (n) x 8 (m) fragment block into 8
+    // rows of y (16 contiguous bytes each; rows padded by 16 bytes, so the 8 rows of a block hit
+    // 8 different bank groups), and the consumers copy whole rows out with 16-byte coalesced
+    // stores. Storing 2-byte values straight from the fragments cost ~10% at k = 4096.
+    constexpr int ROW = BN * 2 + 16;  // bytes per staged row of y
+    static_assert(MT * ROW <= STAGES * (L::X_BYTES + L::W_BYTES + L::S_BYTES + L::Z_BYTES),
+                  "the staged tile fits in the (drained) pipeline buffers");
+    named_barrier_sync(1, CT);  // every consumer warp is done with the pipeline's shared memory
+    unsigned char* stage = smem;
+    {
+        float sc[NT][2], bi[NT][2];
 #pragma unroll
-    for (int jj = 0; jj < NT; ++jj)
+        for (int jj = 0; jj < NT; ++jj)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int col = n0 + strip * 64 + 16 * (word0 + jj) + 8 * h + g;
-            float sc = 1.f, bi = 0.f;
-            if constexpr (GROUP == 0) sc = to_float(scales[col]);
-            if (bias != nullptr) bi = to_float(bias[col]);
+            for (int h = 0; h < 2; ++h) {
+                const int col = n0 + strip * 64 + 16 * (word0 + jj) + 8 * h + g;
+                sc[jj][h] = 1.f;
+                bi[jj][h] = 0.f;
+                if constexpr (GROUP == 0) sc[jj][h] = to_float(scales[col]);
+                if (bias != nullptr) bi[jj][h] = to_float(bias[col]);
+            }
+        // Matrix f = (2 jj + h) * MT/8 + cc covers n block strip * 64 + 16 (word0 + jj) + 8 h and m
+        // block 8 cc; one x4 stores matrices f0 .. f0+3. Lane 8i + j addresses row j (m = 8 cc + j)
+        // of matrix f0 + i.
+        constexpr int CB = MT / 8, MATRICES = NT * 2 * CB;
+        static_assert(MATRICES % 4 == 0, "whole stmatrix.x4 groups");
+        const int mi = lane >> 3, mj = lane & 7;
 #pragma unroll
-            for (int cc = 0; cc < MT / 8; ++cc)
+        for (int f0 = 0; f0 < MATRICES; f0 += 4) {
+            u32 r[4];
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int row = m0 + 8 * cc + 2 * t + e;
-                    if (row < m) out[(size_t)row * n + col] = V2::one(acc[jj][4 * cc + 2 * h + e] * sc + bi);
-                }
+            for (int i = 0; i < 4; ++i) {
+                const int f = f0 + i, jj = f / (2 * CB), h = (f / CB) % 2, cc = f % CB;
+                typename V2::type v = V2::make(acc[jj][4 * cc + 2 * h] * sc[jj][h] + bi[jj][h],
+                                               acc[jj][4 * cc + 2 * h + 1] * sc[jj][h] + bi[jj][h]);
+                r[i] = *reinterpret_cast<u32*>(&v);
+            }
+            const int f = f0 + mi, jj = f / (2 * CB), h = (f / CB) % 2, cc = f % CB;
+            const int n_local = strip * 64 + 16 * (word0 + jj) + 8 * h;
+            stmatrix_x4_trans(stage + (8 * cc + mj) * ROW + n_local * 2, r);
         }
+    }
+    named_barrier_sync(1, CT);
+    constexpr int CHUNKS_PER_ROW = BN / 8;
+    const int rows = min(MT, m - m0);
+    for (int c16 = ctid; c16 < rows * CHUNKS_PER_ROW; c16 += CT) {
+        const int row = c16 / CHUNKS_PER_ROW, col8 = c16 % CHUNKS_PER_ROW;
+        const uint4 v = *reinterpret_cast<const uint4*>(stage + row * ROW + col8 * 16);
+        *reinterpret_cast<uint4*>(out + (size_t)(m0 + row) * n + n0 + col8 * 8) = v;
+    }
 }
