@@ -239,8 +239,8 @@ def choose_hopper_config(m: int, n: int, sm_count: int, k: int = 8192) -> Hopper
 def _choose_hopper_config(m: int, n: int, sm_count: int, k: int) -> HopperConfig:
     """Per m range (H200 sweep): 16-row tiles for small m or tiny weights (more CTAs, short k
     slices); 64-row tiles with two warpgroups of 2 strips; 128-row tiles with two warpgroups of one
-    strip while the tiles do not fill the SMs (then split k); beyond that the tile with the least
-    modeled time over its launch rounds (`_wave_time`)."""
+    strip while the tiles do not fill the SMs (then split k), else one warpgroup of 2 strips and
+    two CTAs per SM; 128 x 256 tiles with two warpgroups for m >= 1024 with >= 2 tiles per SM."""
     def tiles(cfg: HopperConfig) -> int:
         return (n // cfg.bn) * -(-m // cfg.mt) if n % cfg.bn == 0 else 0
 
@@ -254,28 +254,10 @@ def _choose_hopper_config(m: int, n: int, sm_count: int, k: int) -> HopperConfig
     if m <= 64:
         mid = HopperConfig(64, 2, 2, 6)
         return mid if 0 < tiles(mid) <= 1.5 * sm_count else HopperConfig(64, 4, 1, 6)
+    if m >= 1024 and tiles(HopperConfig(128, 2, 2, 6)) >= 2 * sm_count:
+        return HopperConfig(128, 2, 2, 6)
     narrow = HopperConfig(128, 1, 2, 6)
-    if tiles(narrow) <= sm_count:
-        return narrow  # k is split to fill the SMs
-    # Enough tiles for a wave: the candidate with the least modeled time, i.e. launch rounds
-    # (ceil(tiles / CTA slots)) x work per SM per round / the configuration's measured main-loop
-    # efficiency. This keeps a 1.45-wave tiling (73% of the last round idle) from beating a
-    # 2.9-wave one with smaller tiles.
-    cands = [c for c in WAVE_EFFICIENCY if tiles(c) and (c.mt <= 128 or m > 128)]
-    return min(cands, key=lambda c: _wave_time(c, tiles(c), sm_count))
-
-
-# Main-loop efficiency of the large-m configurations relative to each other (H200 sweeps,
-# scripts/sweep_w4a16_hopper.py): two CTAs of one consumer per SM beat one of two by ~5%; tiles
-# of one strip per warpgroup lose ~15%.
-WAVE_EFFICIENCY = {HopperConfig(128, 2, 2, 6): 1.0, HopperConfig(256, 1, 2, 5): 1.0,
-                   HopperConfig(128, 2, 1, 4): 1.05, HopperConfig(128, 1, 2, 6): 0.85}
-
-
-def _wave_time(cfg: HopperConfig, tiles: int, sm_count: int) -> float:
-    per_sm = 2 if cfg.cons == 1 else 1  # CTAs sharing an SM's tensor cores
-    rounds = -(-tiles // (sm_count * per_sm))
-    return rounds * cfg.mt * cfg.bn * per_sm / WAVE_EFFICIENCY[cfg]
+    return narrow if tiles(narrow) <= sm_count else HopperConfig(128, 2, 1, 4)
 
 
 def choose_hopper_slices(cfg: HopperConfig, tiles: int, k: int, sm_count: int) -> int:
