@@ -1,0 +1,22 @@
+"""Run the W4A16 wgmma kernel under compute-sanitizer (memcheck / racecheck / synccheck) on a few
+shapes that exercise every path: m below / across tiles, split k, groups, zero points, bias.
+
+Usage: compute-sanitizer --tool memcheck python scripts/sanitize_w4a16_hopper.py
+"""
+import torch
+
+from tilefish.ops import w4a16 as ops
+from tilefish.quant.int4 import quantize_rtn
+
+torch.manual_seed(0)
+for k, n, group, sym in ((512, 256, 128, False), (256, 128, 32, True), (384, 512, -1, False)):
+    q = quantize_rtn(torch.randn(n, k, device="cuda"), group, sym, scale_dtype=torch.bfloat16, clip_search=False)
+    p = ops.pack(q)
+    for cfg in (ops.HopperConfig(16, 4, 1, 8), ops.HopperConfig(64, 2, 2, 6), ops.HopperConfig(128, 1, 2, 6)):
+        if n % cfg.bn:
+            continue
+        for m, slices in ((5, 1), (70, 2), (130, 3)):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ops.matmul_impl(x, p, torch.randn(n, device="cuda", dtype=torch.bfloat16), cfg=cfg, slices=slices)
+torch.cuda.synchronize()
+print("sanitize run done")
