@@ -44,6 +44,15 @@ def test_fit_n_narrows_to_a_divisor():
             assert n % ops._fit_n(cfg, n).bn == 0
 
 
+def test_hopper_config_rejects_impossible_shapes():
+    for bad in (dict(mt=48), dict(nt=3), dict(cons=3), dict(mt=256, nt=2), dict(mt=256, cons=1),
+                dict(stages=1), dict(mt=256, nt=1, cons=2, stages=12)):
+        with pytest.raises(ValueError, match="HopperConfig"):
+            ops.HopperConfig(**{**dict(mt=64, nt=4, cons=2, stages=4), **bad})
+    for cfg in ops.HOPPER_CONFIGS:  # the shipped design space stays valid
+        ops.HopperConfig(cfg.mt, cfg.nt, cfg.cons, cfg.stages)
+
+
 def test_hopper_kernel_sass(tmp_path, monkeypatch):
     """wgmma with the A operand in registers, TMA for x, bulk copies for weights, no local memory."""
     from test_hgemm import _sass

@@ -166,6 +166,21 @@ class HopperConfig:
     swap = False
     breg = False
 
+    def __post_init__(self):
+        # The kernel's static_asserts, checked here so a bad config is a ValueError, not an NVRTC error.
+        if self.mt not in (16, 32, 64, 128, 256) or self.nt not in (1, 2, 4) or self.cons not in (1, 2):
+            raise ValueError(f"HopperConfig needs mt in (16, 32, 64, 128, 256), nt in (1, 2, 4), cons in (1, 2); "
+                             f"got mt={self.mt}, nt={self.nt}, cons={self.cons}")
+        if self.nt * self.mt // 2 > 128:
+            raise ValueError(f"HopperConfig: nt * mt / 2 = {self.nt * self.mt // 2} accumulators a thread (max 128)")
+        if self.cons == 1 and self.mt > 128:
+            raise ValueError("HopperConfig: one consumer warpgroup launches at 128 registers, so mt <= 128")
+        if self.stages < 2:
+            raise ValueError(f"HopperConfig needs stages >= 2, got {self.stages}")
+        if self.smem_bytes(32, True) > 227 * 1024:
+            raise ValueError(f"HopperConfig {self.label()} needs {self.smem_bytes(32, True)} bytes of shared memory "
+                             "(max 227 KiB); use fewer stages")
+
     @property
     def bm(self) -> int:
         return self.mt
@@ -441,7 +456,9 @@ def _launch_hopper(cfg: HopperConfig, x2: torch.Tensor, w: W4A16Weight, bias: to
     n_tiles, m_tiles, k_stages = w.n // cfg.bn, -(-m // cfg.mt), w.k // HOPPER_BK
     tiles = n_tiles * m_tiles
     slices = slices or choose_hopper_slices(cfg, tiles, w.k, info.sm_count)
-    slices = max(1, min(slices, k_stages))
+    slices = max(1, min(slices, k_stages, 65535))  # gridDim.z
+    if n_tiles > 65535:
+        raise ValueError(f"n={w.n} gives {n_tiles} column tiles of {cfg.bn}, more than gridDim.y allows (65535)")
     ws, counters = _workspace(x2.device, tiles * slices * cfg.mt * cfg.bn if slices > 1 else 0, tiles)
     kern = get_kernel(kernel_spec(x2.dtype, cfg, w.group_size, asym), x2.device)
     map_x = tensor_map_2d(x2, cfg.mt, HOPPER_BK)
