@@ -17,7 +17,14 @@ def test_hopper_dispatch_is_consistent():
     for k, n in SHAPES:
         for m in MS:
             assert not isinstance(ops.choose_config(m, n, k, 108, 80), ops.HopperConfig), "sm_80 never gets wgmma"
+            assert not isinstance(ops.choose_config(m, n, k, 108, 80), ops.SkinnyConfig), "nor the skinny kernel"
             cfg = ops.choose_config(m, n, k, 132, 90)
+            if isinstance(cfg, ops.SkinnyConfig):
+                assert m <= cfg.mt <= 2 * max(m, 8) and n % cfg.bn == 0, (m, n, k, cfg)
+                assert cfg.smem_bytes(32, True) <= cfg.smem_limit()
+                spec = ops.kernel_spec(torch.float16, cfg, 128, False)
+                assert spec.arch_specific and spec.min_sm == 90 and not spec.supports("sm_80")
+                continue
             if m <= 8:
                 assert isinstance(cfg, ops.GemmConfig) and cfg.swap, (m, n, k)
                 continue
@@ -34,6 +41,30 @@ def test_hopper_dispatch_is_consistent():
             assert 1 <= slices <= ops.MAX_HOPPER_SLICES and (slices == 1 or k // ops.HOPPER_BK // slices >= 4)
             spec = ops.kernel_spec(torch.float16, cfg, 128, False)
             assert spec.arch_specific and spec.min_sm == 90 and not spec.supports("sm_80")
+
+
+def test_skinny_dispatch_follows_the_sweep():
+    """Where the H200 sweep measured the stream-K kernel ahead (docs/w4a16.md), and where not."""
+    pick = lambda m, n, k: ops.choose_config(m, n, k, 132, 90)  # noqa: E731
+    assert isinstance(pick(1, 10240, 8192), ops.SkinnyConfig)    # mma.sync grid: 280 CTAs on 264 slots
+    assert isinstance(pick(4, 57344, 8192), ops.SkinnyConfig)
+    assert isinstance(pick(1, 8192, 8192), ops.GemmConfig)       # 256 CTAs: the mma.sync kernel's shorter ramp wins
+    assert isinstance(pick(1, 4096, 4096), ops.GemmConfig)
+    for n, k in ((4096, 4096), (6144, 4096), (28672, 4096), (57344, 8192)):
+        assert isinstance(pick(16, n, k), ops.SkinnyConfig)
+    assert isinstance(pick(32, 10240, 8192), ops.SkinnyConfig)
+    assert isinstance(pick(32, 28672, 4096), ops.HopperConfig)
+    assert isinstance(pick(32, 4096, 4096), ops.HopperConfig)
+    assert isinstance(pick(16, 192, 256), ops.GemmConfig) or not isinstance(pick(16, 192, 256), ops.SkinnyConfig)
+
+
+def test_skinny_config_rejects_impossible_shapes():
+    for bad in (dict(mt=24), dict(ns=3), dict(wk=3), dict(stages=1), dict(ctas_per_sm=3),
+                dict(mt=32, ctas_per_sm=2), dict(stages=9)):
+        with pytest.raises(ValueError, match="SkinnyConfig"):
+            ops.SkinnyConfig(**{**dict(mt=16, ns=4, wk=2, stages=4, ctas_per_sm=2), **bad})
+    for cfg in ops.SKINNY_CONFIGS:
+        ops.SkinnyConfig(cfg.mt, cfg.ns, cfg.wk, cfg.stages, cfg.ctas_per_sm)
 
 
 def test_fit_n_narrows_to_a_divisor():
@@ -67,3 +98,16 @@ def test_hopper_kernel_sass(tmp_path, monkeypatch):
         assert "LDL" not in sass and "STL" not in sass, "no local memory in the hot kernel"
         assert "STSM" in sass, "epilogue through stmatrix"
         assert "HMMA" not in sass.replace("HGMMA", "")
+
+
+def test_skinny_kernel_sass(tmp_path, monkeypatch):
+    """Bulk copies and TMA feed mma.sync; the consumers' release carries the proxy fence; no local memory."""
+    from test_hgemm import _sass
+
+    monkeypatch.setenv("TILEFISH_CACHE_DIR", str(tmp_path / "cache"))
+    for cfg in (ops.SkinnyConfig(8, 4, 2, 4, 2), ops.SkinnyConfig(16, 4, 1, 4, 2), ops.SkinnyConfig(32, 4, 2, 6, 1)):
+        sass = _sass(ops.kernel_spec(torch.float16, cfg, 128, True), tmp_path)
+        assert "UTMALDG.2D" in sass and "UBLKCP" in sass, "x by TMA, packed weights by bulk copy"
+        assert "HMMA.16816.F32" in sass and "LDSM" in sass
+        assert "FENCE.VIEW.ASYNC.S" in sass, "generic reads fenced before the async-proxy refill"
+        assert "LDL" not in sass and "STL" not in sass, "no local memory in the hot kernel"

@@ -22,9 +22,11 @@ from ..runtime import KernelSpec, current_stream_handle, device_info, get_kernel
 
 SOURCE = "w4a16/gemm.cu"
 HOPPER_SOURCE = "w4a16/wgmma.cu"
+SKINNY_SOURCE = "w4a16/skinny.cu"
 THREADS = 256
 BK = 128
 HOPPER_BK = 64
+SKINNY_BK = 128
 DTYPES = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 
 
@@ -144,8 +146,13 @@ class GemmConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def kernel_spec(dtype: torch.dtype, cfg: GemmConfig | HopperConfig, group_size: int, asym: bool) -> KernelSpec:
+def kernel_spec(dtype: torch.dtype, cfg: GemmConfig | HopperConfig | SkinnyConfig, group_size: int,
+                asym: bool) -> KernelSpec:
     group = 0 if group_size == -1 else group_size
+    if isinstance(cfg, SkinnyConfig):
+        name = (f"w4a16_skinny<{DTYPES[dtype]}, {cfg.mt}, {cfg.ns}, {cfg.wk}, {cfg.stages}, {cfg.ctas_per_sm}, {group}, "
+                f"{'true' if asym else 'false'}>")
+        return KernelSpec(SKINNY_SOURCE, name, hot=True, arch_specific=True, min_sm=90)
     if isinstance(cfg, HopperConfig):
         name = (f"w4a16_wgmma<{DTYPES[dtype]}, {cfg.mt}, {cfg.nt}, {cfg.cons}, {cfg.stages}, {group}, "
                 f"{'true' if asym else 'false'}>")
@@ -209,6 +216,254 @@ class HopperConfig:
         return 1024 + self.stages * per_stage + 16 * self.stages  # + alignment slack, + barriers
 
 
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """The sm_90a stream-K kernel for small m (kernels/w4a16/skinny.cu): every CTA streams an equal
+    share of the (tile, 128-k stage) units; mma.sync with the weights as the A operand."""
+    mt: int = 16          # rows of x per tile (8, 16 or 32): m <= mt
+    ns: int = 4           # 64-column strips per tile
+    wk: int = 2           # consumer warps per strip (they split each stage's 8 k16 rows)
+    stages: int = 4
+    ctas_per_sm: int = 2  # grid = SMs x this (at most one unit per CTA)
+    swap = False
+    breg = False
+
+    def __post_init__(self):
+        if self.mt not in (8, 16, 32) or self.ns not in (1, 2, 4) or self.wk not in (1, 2, 4, 8):
+            raise ValueError(f"SkinnyConfig needs mt in (8, 16, 32), ns in (1, 2, 4), wk in (1, 2, 4, 8); "
+                             f"got mt={self.mt}, ns={self.ns}, wk={self.wk}")
+        if self.stages < 2 or self.ctas_per_sm not in (1, 2):
+            raise ValueError(f"SkinnyConfig needs stages >= 2 and ctas_per_sm in (1, 2); got {self.stages}, "
+                             f"{self.ctas_per_sm}")
+        if self.ctas_per_sm == 2 and self.mt > 16:
+            raise ValueError("SkinnyConfig: mt = 32 launches with the register budget of one CTA per SM")
+        self.check_smem(32, True)  # the heaviest format (4 scale and 4 zero-point rows a stage)
+
+    def smem_limit(self) -> int:
+        return 227 * 1024 if self.ctas_per_sm == 1 else 113 * 1024  # 228 KiB an SM, 1 KiB reserved a CTA
+
+    def check_smem(self, group_size: int, asym: bool) -> None:
+        need = self.smem_bytes(group_size, asym)
+        if need > self.smem_limit():
+            raise ValueError(f"SkinnyConfig {self.label()} needs {need} bytes of shared memory (group_size="
+                             f"{group_size}{', asym' if asym else ''}); {self.ctas_per_sm} CTA(s) per SM allow "
+                             f"{self.smem_limit()}; use fewer stages")
+
+    @property
+    def bm(self) -> int:
+        return self.mt
+
+    @property
+    def bn(self) -> int:
+        return 64 * self.nt * self.cons
+
+    @property
+    def threads(self) -> int:
+        return (self.cons + 1) * 128
+
+    @property
+    def k_tile(self) -> int:
+        return HOPPER_BK
+
+    def label(self) -> str:
+        return f"wg-m{self.mt}n{self.bn}c{self.cons}s{self.stages}"
+
+    def smem_bytes(self, group_size: int, asym: bool) -> int:
+        x = self.mt * HOPPER_BK * 2
+        w = self.nt * self.cons * 2048
+        s_rows = 0 if group_size == -1 else (1 if group_size >= HOPPER_BK else HOPPER_BK // group_size)
+        z_rows = (1 if group_size == -1 else s_rows) if asym else 0
+        per_stage = x + w + (s_rows + z_rows) * self.bn * 2
+        return 1024 + self.stages * per_stage + 16 * self.stages  # + alignment slack, + barriers
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """The sm_90a stream-K kernel for small m (kernels/w4a16/skinny.cu): every CTA streams an equal
+    share of the (tile, 128-k stage) units; mma.sync with the weights as the A operand."""
+    mt: int = 16          # rows of x per tile (8, 16 or 32): m <= mt
+    ns: int = 4           # 64-column strips per tile
+    wk: int = 2           # consumer warps per strip (they split each stage's 8 k16 rows)
+    stages: int = 4
+    ctas_per_sm: int = 2  # grid = SMs x this (at most one unit per CTA)
+    swap = False
+    breg = False
+
+    def __post_init__(self):
+        if self.mt not in (8, 16, 32) or self.ns not in (1, 2, 4) or self.wk not in (1, 2, 4, 8):
+            raise ValueError(f"SkinnyConfig needs mt in (8, 16, 32), ns in (1, 2, 4), wk in (1, 2, 4, 8); "
+                             f"got mt={self.mt}, ns={self.ns}, wk={self.wk}")
+        if self.stages < 2 or self.ctas_per_sm not in (1, 2):
+            raise ValueError(f"SkinnyConfig needs stages >= 2 and ctas_per_sm in (1, 2); got {self.stages}, "
+                             f"{self.ctas_per_sm}")
+        if self.ctas_per_sm == 2 and self.mt > 16:
+            raise ValueError("SkinnyConfig: mt = 32 launches with the register budget of one CTA per SM")
+        self.check_smem(-1, False)
+
+    def smem_limit(self) -> int:
+        return 227 * 1024 if self.ctas_per_sm == 1 else 113 * 1024  # 228 KiB an SM, 1 KiB reserved a CTA
+
+    def check_smem(self, group_size: int, asym: bool) -> None:
+        need = self.smem_bytes(group_size, asym)
+        if need > self.smem_limit():
+            raise ValueError(f"SkinnyConfig {self.label()} with group_size={group_size}{' asym' if asym else ''} "
+                             f"needs {need} bytes of shared memory; {self.ctas_per_sm} CTA(s) per SM allow "
+                             f"{self.smem_limit()}; use fewer stages")
+
+    @property
+    def bm(self) -> int:
+        return self.mt
+
+    @property
+    def bn(self) -> int:
+        return 64 * self.nt * self.cons
+
+    @property
+    def threads(self) -> int:
+        return (self.cons + 1) * 128
+
+    @property
+    def k_tile(self) -> int:
+        return HOPPER_BK
+
+    def label(self) -> str:
+        return f"wg-m{self.mt}n{self.bn}c{self.cons}s{self.stages}"
+
+    def smem_bytes(self, group_size: int, asym: bool) -> int:
+        x = self.mt * HOPPER_BK * 2
+        w = self.nt * self.cons * 2048
+        s_rows = 0 if group_size == -1 else (1 if group_size >= HOPPER_BK else HOPPER_BK // group_size)
+        z_rows = (1 if group_size == -1 else s_rows) if asym else 0
+        per_stage = x + w + (s_rows + z_rows) * self.bn * 2
+        return 1024 + self.stages * per_stage + 16 * self.stages  # + alignment slack, + barriers
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """The sm_90a stream-K kernel for small m (kernels/w4a16/skinny.cu): every CTA streams an equal
+    share of the (tile, 128-k stage) units; mma.sync with the weights as the A operand."""
+    mt: int = 16          # rows of x per tile (8, 16 or 32): m <= mt
+    ns: int = 4           # 64-column strips per tile
+    wk: int = 2           # consumer warps per strip (they split each stage's 8 k16 rows)
+    stages: int = 4
+    ctas_per_sm: int = 2  # grid = SMs x this (at most one unit per CTA)
+    swap = False
+    breg = False
+
+    def __post_init__(self):
+        if self.mt not in (8, 16, 32) or self.ns not in (1, 2, 4) or self.wk not in (1, 2, 4, 8):
+            raise ValueError(f"SkinnyConfig needs mt in (8, 16, 32), ns in (1, 2, 4), wk in (1, 2, 4, 8); "
+                             f"got mt={self.mt}, ns={self.ns}, wk={self.wk}")
+        if self.stages < 2 or self.ctas_per_sm not in (1, 2):
+            raise ValueError(f"SkinnyConfig needs stages >= 2 and ctas_per_sm in (1, 2); got {self.stages}, "
+                             f"{self.ctas_per_sm}")
+        if self.ctas_per_sm == 2 and self.mt > 16:
+            raise ValueError("SkinnyConfig: mt = 32 launches with the register budget of one CTA per SM")
+        self.check_smem(32, True)  # the heaviest format (4 scale and 4 zero-point rows a stage)
+
+    def smem_limit(self) -> int:
+        return 227 * 1024 if self.ctas_per_sm == 1 else 113 * 1024  # 228 KiB an SM, 1 KiB reserved a CTA
+
+    def check_smem(self, group_size: int, asym: bool) -> None:
+        need = self.smem_bytes(group_size, asym)
+        if need > self.smem_limit():
+            raise ValueError(f"SkinnyConfig {self.label()} needs {need} bytes of shared memory (group_size="
+                             f"{group_size}{', asym' if asym else ''}); {self.ctas_per_sm} CTA(s) per SM allow "
+                             f"{self.smem_limit()}; use fewer stages")
+
+    @property
+    def bm(self) -> int:
+        return self.mt
+
+    @property
+    def bn(self) -> int:
+        return 64 * self.nt * self.cons
+
+    @property
+    def threads(self) -> int:
+        return (self.cons + 1) * 128
+
+    @property
+    def k_tile(self) -> int:
+        return HOPPER_BK
+
+    def label(self) -> str:
+        return f"wg-m{self.mt}n{self.bn}c{self.cons}s{self.stages}"
+
+    def smem_bytes(self, group_size: int, asym: bool) -> int:
+        x = self.mt * HOPPER_BK * 2
+        w = self.nt * self.cons * 2048
+        s_rows = 0 if group_size == -1 else (1 if group_size >= HOPPER_BK else HOPPER_BK // group_size)
+        z_rows = (1 if group_size == -1 else s_rows) if asym else 0
+        per_stage = x + w + (s_rows + z_rows) * self.bn * 2
+        return 1024 + self.stages * per_stage + 16 * self.stages  # + alignment slack, + barriers
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """The sm_90a stream-K kernel for small m (kernels/w4a16/skinny.cu): every CTA streams an equal
+    share of the (tile, 128-k stage) units; mma.sync with the weights as the A operand."""
+    mt: int = 16          # rows of x per tile (8, 16 or 32): m <= mt
+    ns: int = 4           # 64-column strips per tile
+    wk: int = 2           # consumer warps per strip (they split each stage's 8 k16 rows)
+    stages: int = 4
+    ctas_per_sm: int = 2  # grid = SMs x this (at most one unit per CTA)
+    swap = False
+    breg = False
+
+    def __post_init__(self):
+        if self.mt not in (8, 16, 32) or self.ns not in (1, 2, 4) or self.wk not in (1, 2, 4, 8):
+            raise ValueError(f"SkinnyConfig needs mt in (8, 16, 32), ns in (1, 2, 4), wk in (1, 2, 4, 8); "
+                             f"got mt={self.mt}, ns={self.ns}, wk={self.wk}")
+        if self.stages < 2 or self.ctas_per_sm not in (1, 2):
+            raise ValueError(f"SkinnyConfig needs stages >= 2 and ctas_per_sm in (1, 2); got {self.stages}, "
+                             f"{self.ctas_per_sm}")
+        if self.ctas_per_sm == 2 and self.mt > 16:
+            raise ValueError("SkinnyConfig: mt = 32 launches with the register budget of one CTA per SM")
+        self.check_smem(-1, False)
+
+    def smem_limit(self) -> int:
+        return 227 * 1024 if self.ctas_per_sm == 1 else 113 * 1024  # 228 KiB an SM, 1 KiB reserved a CTA
+
+    def check_smem(self, group_size: int, asym: bool) -> None:
+        need = self.smem_bytes(group_size, asym)
+        if need > self.smem_limit():
+            raise ValueError(f"SkinnyConfig {self.label()} with group_size={group_size}{' asym' if asym else ''} "
+                             f"needs {need} bytes of shared memory; {self.ctas_per_sm} CTA(s) per SM allow "
+                             f"{self.smem_limit()}; use fewer stages")
+
+    def fit(self, group_size: int, asym: bool) -> "SkinnyConfig":
+        """The same configuration with as many stages as fit this weight format."""
+        cfg = self
+        while cfg.stages > 2 and cfg.smem_bytes(group_size, asym) > cfg.smem_limit():
+            cfg = SkinnyConfig(cfg.mt, cfg.ns, cfg.wk, cfg.stages - 1, cfg.ctas_per_sm)
+        return cfg
+
+    @property
+    def bm(self) -> int:
+        return self.mt
+
+    @property
+    def bn(self) -> int:
+        return 64 * self.ns
+
+    @property
+    def threads(self) -> int:
+        return (self.ns * self.wk + 1) * 32
+
+    def label(self) -> str:
+        return f"sk-m{self.mt}n{self.bn}w{self.wk}s{self.stages}x{self.ctas_per_sm}"
+
+    def smem_bytes(self, group_size: int, asym: bool) -> int:
+        x = 2 * self.mt * 128
+        w = self.ns * 4096
+        s_rows = 0 if group_size == -1 else (1 if group_size >= SKINNY_BK else SKINNY_BK // group_size)
+        z_rows = (1 if group_size == -1 else s_rows) if asym else 0
+        stage = -(-(x + w + (s_rows + z_rows) * self.bn * 2) // 1024) * 1024
+        red = (self.wk - 1) * self.ns * (2 * self.mt) * 32 * 4
+        return 1024 + self.stages * stage + 16 * self.stages + red  # + alignment slack, barriers
+
+
 CONFIGS = [GemmConfig(1, 1, 8), GemmConfig(1, 2, 4), GemmConfig(1, 4, 2),
            GemmConfig(2, 1, 8), GemmConfig(2, 2, 4), GemmConfig(2, 4, 2),
            GemmConfig(1, 1, 8, 8), GemmConfig(1, 2, 4, 8), GemmConfig(2, 1, 8, 6), GemmConfig(2, 2, 4, 6),
@@ -222,6 +477,11 @@ HOPPER_CONFIGS = [HopperConfig(16, 4, 1, 8), HopperConfig(16, 4, 2, 8), HopperCo
                   HopperConfig(32, 4, 2, 6), HopperConfig(64, 4, 1, 6), HopperConfig(64, 4, 2, 6),
                   HopperConfig(64, 2, 2, 6), HopperConfig(128, 2, 1, 4), HopperConfig(128, 2, 2, 6),
                   HopperConfig(128, 1, 2, 6), HopperConfig(256, 1, 2, 5)]
+
+# The skinny (stream-K) kernel's design space.
+SKINNY_CONFIGS = [SkinnyConfig(8, 4, 2, 4, 2), SkinnyConfig(8, 2, 4, 8, 2), SkinnyConfig(8, 4, 2, 8, 1),
+                  SkinnyConfig(16, 4, 1, 4, 2), SkinnyConfig(16, 2, 2, 6, 2), SkinnyConfig(16, 4, 2, 8, 1),
+                  SkinnyConfig(16, 2, 4, 8, 1), SkinnyConfig(32, 4, 2, 6, 1), SkinnyConfig(32, 2, 4, 8, 1)]
 
 # sm_90 dispatch (fitted to scripts/sweep_w4a16_hopper.py on the H200, docs/w4a16.md): the wgmma
 # kernel from m = 17 up, and for m = 9..16 on weights of at least SMALL_WEIGHT_NK elements (below
@@ -281,8 +541,48 @@ def choose_hopper_slices(cfg: HopperConfig, tiles: int, k: int, sm_count: int) -
     return max(1, min(MAX_HOPPER_SLICES, k // HOPPER_BK // 4, round(sm_count / tiles)))
 
 
+# The skinny kernel on sm_90 (H200 sweep, scripts/sweep_w4a16_skinny.py, docs/w4a16.md). m <= 8:
+# where a time model says the mma.sync kernel's grid quantizes badly; its fitted constants (us,
+# bytes / s): skinny 13.5 + weight bytes / 4.3e12, mma.sync 8 + bytes / 3.9e12 / wave efficiency.
+# m = 9..16: always (parity or better on every measured shape). m = 17..32: medium weights only
+# (2e7 <= n k <= 1e8); bigger ones have enough wgmma tiles, smaller ones less fixed cost there.
+SKINNY_MAX_M = 32
+SKINNY_MID_NK = (20_000_000, 100_000_000)
+
+
+def _mma_wave_efficiency(m: int, n: int, k: int, sm_count: int) -> float:
+    cfg = choose_mma_config(m, n, k, sm_count)
+    tiles = (n // cfg.bn) * -(-m // cfg.bm)
+    ctas = tiles * choose_slices(tiles, k // BK, sm_count)
+    slots = 2 * sm_count  # 16-row tiles: two CTAs an SM
+    return ctas / (-(-ctas // slots) * slots)
+
+
+def choose_skinny_config(m: int, n: int, k: int, sm_count: int) -> SkinnyConfig | None:
+    """The stream-K kernel's configuration where it is expected to win on sm_90, else None."""
+    if m > SKINNY_MAX_M or n % 128:
+        return None
+    wide = n % 256 == 0
+    if m > 16:
+        if not SKINNY_MID_NK[0] <= n * k <= SKINNY_MID_NK[1]:
+            return None
+        return SkinnyConfig(32, 4, 2, 6, 1) if wide else SkinnyConfig(32, 2, 4, 8, 1)
+    if m > 8:
+        return SkinnyConfig(16, 4, 1, 4, 2) if wide else SkinnyConfig(16, 2, 2, 6, 2)
+    weight_bytes = n * k / 2
+    t_skinny = 13.5 + weight_bytes / 4.3e6
+    t_mma = 8.0 + weight_bytes / 3.9e6 / _mma_wave_efficiency(m, n, k, sm_count)
+    if t_skinny >= t_mma:
+        return None
+    return SkinnyConfig(8, 4, 2, 4, 2) if wide else SkinnyConfig(8, 2, 4, 8, 2)
+
+
 @functools.lru_cache(maxsize=4096)
-def choose_config(m: int, n: int, k: int, sm_count: int, cc: int = 80) -> GemmConfig | HopperConfig:
+def choose_config(m: int, n: int, k: int, sm_count: int, cc: int = 80) -> GemmConfig | HopperConfig | SkinnyConfig:
+    if cc == 90:
+        skinny = choose_skinny_config(m, n, k, sm_count)
+        if skinny is not None:
+            return skinny
     if cc == 90 and _uses_hopper(m, n, k):
         return choose_hopper_config(m, n, sm_count, k)
     return choose_mma_config(m, n, k, sm_count)
@@ -330,6 +630,8 @@ def dispatch_specs() -> list[KernelSpec]:
             for n in (64, 128, 256, 4096, 8192, 14336, 28672, 57344) for sms in (108, 132)}
     cfgs |= {choose_hopper_config(m, n, 132, k) for m in (9, 16, 17, 32, 33, 64, 65, 128, 4096)
              for n in (64, 128, 256, 4096, 8192, 14336, 28672, 57344) for k in (4096, 28672)}
+    cfgs |= {c for m in (1, 8, 9, 16, 17, 32) for n in (128, 256, 4096, 6144, 10240, 57344)
+             for k in (4096, 8192) if (c := choose_skinny_config(m, n, k, 132)) is not None}
     for dt in DTYPES:
         for cfg in sorted(cfgs, key=lambda c: c.label()):
             for g in (-1, 32, 64, 128):
@@ -339,8 +641,8 @@ def dispatch_specs() -> list[KernelSpec]:
 
 
 def variant_specs() -> list[KernelSpec]:
-    """The wgmma kernel's whole design space (tests and `bench w4a16 --variants` use it)."""
-    return [kernel_spec(dt, cfg, g, asym) for cfg in HOPPER_CONFIGS for dt in DTYPES
+    """The wgmma and skinny kernels' whole design space (tests and the sweep scripts use it)."""
+    return [kernel_spec(dt, cfg, g, asym) for cfg in HOPPER_CONFIGS + SKINNY_CONFIGS for dt in DTYPES
             for g in (-1, 32, 64, 128) for asym in (False, True)]
 
 
@@ -421,6 +723,8 @@ def matmul_impl(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = Non
     cfg = cfg or choose_config(m, w.n, w.k, sms, info.cc)
     if isinstance(cfg, HopperConfig):
         return _launch_hopper(cfg, x2, w, bias, out, slices, info).reshape(*lead, w.n)
+    if isinstance(cfg, SkinnyConfig):
+        return _launch_skinny(cfg, x2, w, bias, out, slices, info).reshape(*lead, w.n)
     if w.n % cfg.bn:
         raise ValueError(f"config {cfg.label()} needs n % {cfg.bn} == 0 (n={w.n})")
     if cfg.swap and m > 8:
@@ -465,5 +769,33 @@ def _launch_hopper(cfg: HopperConfig, x2: torch.Tensor, w: W4A16Weight, bias: to
     launch(kern, (m_tiles, n_tiles, slices), cfg.threads, map_x, w.packed.data_ptr(), w.scales.data_ptr(),
            w.zeros.data_ptr() if asym else 0, bias.data_ptr() if bias is not None else 0,
            out.data_ptr(), ws.data_ptr(), counters.data_ptr(), i32(m), i32(w.n), i32(w.k), i32(slices),
+           smem=cfg.smem_bytes(w.group_size, asym))
+    return out
+
+
+def _launch_skinny(cfg: SkinnyConfig, x2: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None,
+                   out: torch.Tensor, ctas: int | None, info) -> torch.Tensor:
+    """The sm_90a stream-K kernel: a TMA map for x (mt x 64 boxes, 128-byte swizzle), a 1-D grid of
+    `ctas` CTAs (default SMs x cfg.ctas_per_sm, at most one unit of (tile, 128-k stage) each)."""
+    from ..runtime.tma import tensor_map_2d
+
+    if info.cc != 90:
+        raise ValueError(f"config {cfg.label()} uses TMA / bulk copies (sm_90a) and runs on Hopper (sm_90) only; "
+                         f"this GPU is sm_{info.cc}")
+    m = x2.shape[0]
+    if m > cfg.mt:
+        raise ValueError(f"config {cfg.label()} handles m <= {cfg.mt} rows, got m={m}")
+    if w.n % cfg.bn:
+        raise ValueError(f"config {cfg.label()} needs n % {cfg.bn} == 0 (n={w.n})")
+    asym = w.zeros is not None
+    tiles = w.n // cfg.bn
+    units = tiles * (w.k // SKINNY_BK)
+    ctas = max(1, min(ctas or info.sm_count * cfg.ctas_per_sm, units, 2**31 - 1))
+    ws, counters = _workspace(x2.device, ctas * 2 * cfg.mt * cfg.bn, tiles)
+    kern = get_kernel(kernel_spec(x2.dtype, cfg, w.group_size, asym), x2.device)
+    map_x = tensor_map_2d(x2, cfg.mt, 64)
+    launch(kern, ctas, cfg.threads, map_x, w.packed.data_ptr(), w.scales.data_ptr(),
+           w.zeros.data_ptr() if asym else 0, bias.data_ptr() if bias is not None else 0,
+           out.data_ptr(), ws.data_ptr(), counters.data_ptr(), i32(m), i32(w.n), i32(w.k),
            smem=cfg.smem_bytes(w.group_size, asym))
     return out

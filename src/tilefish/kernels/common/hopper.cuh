@@ -40,6 +40,13 @@ __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
     } while (!done);
 }
 
+// Order this thread's generic-proxy shared-memory accesses (ld.shared, ldmatrix) before later
+// async-proxy ones (TMA / bulk copies into the same bytes). A consumer that read a stage with
+// ordinary loads needs it before releasing the stage: the mbarrier arrive orders only its own proxy.
+__device__ __forceinline__ void fence_proxy_async_smem() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
 // ---- TMA: one instruction moves a whole 2-D box global -> shared, in the tensor map's swizzle,
 // zero-filling what lies outside the tensor (so M/N/K edges need no predication on loads), and
 // signals `bar` with the byte count. c0 is the inner (contiguous) coordinate, c1 the row.

@@ -1,0 +1,334 @@
+// W4A16 for skinny x (m <= 32) on Hopper (sm_90a): y[m, n] = x[m, k] @ dequant(W)[n, k]^T (+ bias).
+//
+// Why a third kernel: at small m the job is streaming the packed weights from DRAM, and the other
+// two kernels left a third or more of the bandwidth unused. gemm.cu keeps only two stages of
+// weights in flight per block (a register ring) and splits k into equal slices of whole tiles, so
+// shapes whose tile count does not divide the SM count run a partial last wave; wgmma.cu has a
+// deep ring, but one warpgroup's wgmma chain per tile limits how fast a CTA can consume it.
+//
+// Stream-K over the whole weight: the work is tiles (NS 64-column strips each) x k stages of 128,
+// flattened tile-major into U units, and CTA b of G takes units [b U / G, (b+1) U / G). Every SM
+// streams the same number of bytes whatever the shape. A tile whose k range is split between
+// CTAs is finished by whichever of them arrives last (fp32 partials, summed in CTA order, so the
+// result is bitwise deterministic); no CTA ever waits for another.
+//
+// Roles: the last warp is the producer; one thread issues, per stage, two TMA boxes of x (MT x 64,
+// 128-byte swizzle, rows past m zero-filled), one 4 KB bulk copy per strip (8 k16 rows x 512 B,
+// contiguous in the strip-major packed layout) and the stage's scale / zero-point rows, all
+// counted in by the stage's full mbarrier. The other NS x WK warps consume: warp (strip si, kw)
+// takes k16 rows kw*8/WK .. of strip si, dequantizes each 32-bit word with lop3 into the A
+// fragment of mma.m16n8k16 (16 output columns x 16 k; gemm.cu's swap path) and multiplies it by
+// x^T (16 k x 8 rows of x, ldmatrix from the swizzled box) for each 8-row block of the m tile.
+// The deep ring (STAGES x NS x 4 KB per CTA, 2 CTAs per SM) keeps ~100+ KB per SM in flight.
+//
+// At the end of a tile's segment the WK warps of a strip are summed through shared memory; the
+// segment is either the whole tile (epilogue straight to y) or a partial (workspace slot
+// (b, first or last segment of b), then the tile counter; the last arriver sums and stores).
+#include "common/hopper.cuh"
+#include "w4a16/dequant.cuh"
+
+namespace w4s {
+using namespace tf;
+constexpr int kBK = 128;  // k per stage (two 64-wide x boxes, 8 k16 rows of packed weights)
+
+template <int MT, int NS, int WK, int GROUP, bool ASYM>
+struct Layout {
+    static constexpr int BN = 64 * NS;
+    static constexpr int X_HALF = MT * 128;  // one 64-wide TMA box: MT rows of 128 B (1024-byte multiple)
+    static constexpr int X_BYTES = 2 * X_HALF;
+    static constexpr int W_STRIP = 8 * 512;
+    static constexpr int W_BYTES = NS * W_STRIP;
+    static constexpr int S_ROWS = GROUP == 0 ? 0 : (GROUP >= kBK ? 1 : kBK / GROUP);
+    static constexpr int S_BYTES = S_ROWS * BN * 2;
+    static constexpr int Z_ROWS = ASYM ? (GROUP == 0 ? 1 : S_ROWS) : 0;
+    static constexpr int Z_BYTES = Z_ROWS * BN * 2;
+    static constexpr int TX = X_BYTES + W_BYTES + S_BYTES + Z_BYTES;  // bytes landing per stage
+    static constexpr int STAGE = (TX + 1023) / 1024 * 1024;          // x boxes stay 1024-aligned
+    static constexpr int ACC = MT / 8 * 16;                          // fp32 accumulators a lane
+    static constexpr int RED = (WK - 1) * NS * ACC * 32 * 4;          // cross-warp k reduction
+};
+
+// CTA b's first unit (64-bit product: U * G may pass 2^31 on huge weights).
+__device__ __forceinline__ int unit_begin(int b, int units, int ctas) {
+    return (int)((long long)b * units / ctas);
+}
+// The CTA whose range holds unit u: the largest b with unit_begin(b) <= u.
+__device__ __forceinline__ int cta_of_unit(int u, int units, int ctas) {
+    return (int)(((long long)(u + 1) * ctas - 1) / units);
+}
+
+}  // namespace w4s
+
+// CPS: CTAs per SM the launch plans for (the register budget: 2 x 9 warps leave 96 a thread).
+template <typename T, int MT, int NS, int WK, int STAGES, int CPS, int GROUP, bool ASYM>
+__global__ void __launch_bounds__((NS * WK + 1) * 32, CPS)
+w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__ w, const T* __restrict__ scales,
+             const T* __restrict__ zeros, const T* __restrict__ bias, T* __restrict__ out,
+             float* __restrict__ workspace, int* __restrict__ counters, int m, int n, int k) {
+    using namespace w4s;
+    using L = Layout<MT, NS, WK, GROUP, ASYM>;
+    using DQ = Dequant<T>;
+    using V2 = Vec2<T>;
+    static_assert(MT == 8 || MT == 16 || MT == 32, "MT: 8-row blocks of x^T, up to 32 rows");
+    static_assert(NS == 1 || NS == 2 || NS == 4, "strips per tile");
+    static_assert(WK == 1 || WK == 2 || WK == 4 || WK == 8, "warps per strip split the 8 k16 rows of a stage");
+    constexpr int CW = NS * WK, CT = CW * 32;  // consumer warps / threads
+    constexpr int RPW = 8 / WK;                // k16 rows a warp takes from each stage
+    constexpr int NB = MT / 8;                 // 8-row blocks of x
+    constexpr int BN = L::BN, ACC = L::ACC;
+
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // swizzle atoms
+    u64* full = reinterpret_cast<u64*>(smem + STAGES * L::STAGE);
+    u64* empty = full + STAGES;
+    float* red = reinterpret_cast<float*>(empty + STAGES);
+    __shared__ int s_is_last;
+
+    const int KS = k / kBK;
+    const int tiles = n / BN;
+    const int units = tiles * KS, ctas = gridDim.x, b = blockIdx.x;
+    const int u0 = unit_begin(b, units, ctas), u1 = unit_begin(b + 1, units, ctas);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], CW);  // every consumer warp
+        }
+        fence_barrier_init();
+    }
+    __syncthreads();
+
+    const size_t strip_uint4 = (size_t)(k / 16) * 32;  // one strip's whole k run
+    if (warp == CW) {  // producer
+        if (lane == 0) {
+            tma_prefetch_desc(&tma_x);
+            int s = 0;
+            u32 phase = 0;
+            int tile = u0 / KS, ks = u0 - tile * KS;
+            for (int u = u0; u < u1; ++u) {
+                mbar_wait(&empty[s], phase ^ 1);  // round 0: the phase before the first counts as done
+                mbar_arrive_expect_tx(&full[s], L::TX);
+                unsigned char* st = smem + s * L::STAGE;
+                tma_load_2d(st, &tma_x, ks * kBK, 0, &full[s]);
+                tma_load_2d(st + L::X_HALF, &tma_x, ks * kBK + 64, 0, &full[s]);
+                const uint4* src = w + (size_t)tile * NS * strip_uint4 + (size_t)ks * 8 * 32;
+#pragma unroll
+                for (int i = 0; i < NS; ++i)
+                    bulk_load(st + L::X_BYTES + i * L::W_STRIP, src + i * strip_uint4, L::W_STRIP, &full[s]);
+                if constexpr (GROUP > 0) {
+#pragma unroll
+                    for (int r = 0; r < L::S_ROWS; ++r)
+                        bulk_load(st + L::X_BYTES + L::W_BYTES + r * BN * 2,
+                                  scales + (size_t)(ks * kBK / GROUP + r) * n + tile * BN, BN * 2, &full[s]);
+                }
+                if constexpr (ASYM) {
+#pragma unroll
+                    for (int r = 0; r < L::Z_ROWS; ++r) {
+                        const int zrow = GROUP > 0 ? ks * kBK / GROUP + r : 0;
+                        bulk_load(st + L::X_BYTES + L::W_BYTES + L::S_BYTES + r * BN * 2,
+                                  zeros + (size_t)zrow * n + tile * BN, BN * 2, &full[s]);
+                    }
+                }
+                if (++ks == KS) { ks = 0; ++tile; }
+                if (++s == STAGES) { s = 0; phase ^= 1; }
+            }
+        }
+        return;
+    }
+
+    // ---- consumers
+    const int si = warp / WK, kw = warp % WK;
+    const int g = lane >> 2, t = lane & 3;
+    const typename DQ::Zero zsym = DQ::zero(8.f);
+    // ldmatrix row addresses of x: lane l gives row (l & 7) + 8 (l >> 4) of the 16-row pair and
+    // 16-byte chunk c0 + ((l >> 3) & 1) (k 0-7 / 8-15 of the k16 step); 128-byte swizzle: chunk c
+    // of row r sits at c ^ (r & 7).
+    const int x_row = (lane & 7) + ((lane >> 4) << 3), x_hi = (lane >> 3) & 1;
+
+    float acc[NB][4][4];
+    int s = 0;
+    u32 phase = 0;
+    int u = u0;
+    while (u < u1) {
+        const int tile = u / KS;
+        const int seg_begin = u, seg_end = min(u1, (tile + 1) * KS);
+#pragma unroll
+        for (int a = 0; a < NB; ++a)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) acc[a][j][c] = 0.f;
+
+        for (; u < seg_end; ++u) {
+            const int ks = u - tile * KS;
+            (void)ks;
+            mbar_wait(&full[s], phase);
+            const unsigned char* st = smem + s * L::STAGE;
+            const uint4* wv = reinterpret_cast<const uint4*>(st + L::X_BYTES + si * L::W_STRIP) + lane;
+            uint4 words[RPW];
+#pragma unroll
+            for (int i = 0; i < RPW; ++i) words[i] = wv[(kw * RPW + i) * 32];
+            typename V2::type sc2[8];
+            typename DQ::Zero zs[8];
+            // This lane's scales / zero points of subtiles 0..7 (columns 8 sub + g of the strip sit
+            // at 8 g + sub, ops/w4a16.py): one 16-byte load per group row.
+            auto load_group = [&](int row) {
+                const int offset = (row * BN + si * 64 + g * 8) * 2;
+                if constexpr (GROUP > 0) {
+                    const uint4 v = *reinterpret_cast<const uint4*>(st + L::X_BYTES + L::W_BYTES + offset);
+                    const T* p = reinterpret_cast<const T*>(&v);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) sc2[j] = V2::dup(p[j]);
+                }
+                if constexpr (ASYM) {
+                    const uint4 v = *reinterpret_cast<const uint4*>(st + L::X_BYTES + L::W_BYTES + L::S_BYTES + offset);
+                    const T* p = reinterpret_cast<const T*>(&v);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) zs[j] = DQ::zero(to_float(p[j]));
+                }
+            };
+            constexpr int ROWS_PER_GROUP = GROUP > 0 && GROUP < kBK ? GROUP / 16 : 8;
+#pragma unroll
+            for (int i = 0; i < RPW; ++i) {
+                const int r16 = kw * RPW + i;  // k16 row within the stage
+                if constexpr (GROUP > 0 || ASYM) {
+                    if (i == 0 || r16 % ROWS_PER_GROUP == 0) load_group(GROUP > 0 && GROUP < kBK ? r16 / ROWS_PER_GROUP : 0);
+                }
+                const unsigned char* xh = st + (r16 >> 2) * L::X_HALF;
+                const int chunk = ((r16 & 3) << 1) + x_hi;
+                u32 xb[NB][2];
+                if constexpr (NB == 1) {
+                    u32 r[2];
+                    ldmatrix_x2(r, xh + x_row * 128 + ((chunk ^ (x_row & 7)) << 4));
+                    xb[0][0] = r[0]; xb[0][1] = r[1];
+                } else {
+#pragma unroll
+                    for (int p = 0; p < NB / 2; ++p) {
+                        const int row = 16 * p + x_row;
+                        u32 r[4];
+                        ldmatrix_x4(r, xh + row * 128 + ((chunk ^ (row & 7)) << 4));
+                        xb[2 * p][0] = r[0]; xb[2 * p][1] = r[1];
+                        xb[2 * p + 1][0] = r[2]; xb[2 * p + 1][1] = r[3];
+                    }
+                }
+                const u32 wd[4] = {words[i].x, words[i].y, words[i].z, words[i].w};
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    u32 f[4];
+                    DQ::run(wd[j], ASYM ? zs[2 * j] : zsym, ASYM ? zs[2 * j + 1] : zsym, f);
+                    if constexpr (GROUP > 0) {
+#pragma unroll
+                        for (int p = 0; p < 4; ++p) {
+                            typename V2::type v = *reinterpret_cast<typename V2::type*>(&f[p]);
+                            v = __hmul2(v, sc2[2 * j + (p >> 1)]);
+                            f[p] = *reinterpret_cast<u32*>(&v);
+                        }
+                    }
+                    const u32 a[4] = {f[0], f[2], f[1], f[3]};  // rows g, g+8 x k lo, hi
+#pragma unroll
+                    for (int nb = 0; nb < NB; ++nb) Mma<T>::run(acc[nb][j], a, xb[nb][0], xb[nb][1]);
+                }
+            }
+            // The refill is an async-proxy write (TMA / bulk copy) after these generic-proxy reads
+            // (LDS, ldmatrix): the mbarrier's release alone does not order the two proxies, and
+            // ptxas issues the arrive while the last ldmatrix is still in flight (a measured race:
+            // one warp's strip picked up the next round's data). The proxy fence waits for them.
+            fence_proxy_async_smem();
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&empty[s]);
+            if (++s == STAGES) { s = 0; phase ^= 1; }
+        }
+
+        // ---- end of this CTA's segment of `tile`: sum the WK warps of each strip (warp kw = 0 keeps it)
+        if constexpr (WK > 1) {
+            named_barrier_sync(1, CT);  // the previous segment's readers are done with `red`
+            if (kw > 0) {
+                float* dst = red + ((kw - 1) * NS + si) * (ACC * 32);
+#pragma unroll
+                for (int a = 0; a < NB; ++a)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+#pragma unroll
+                        for (int c = 0; c < 4; ++c) dst[((a * 4 + j) * 4 + c) * 32 + lane] = acc[a][j][c];
+            }
+            named_barrier_sync(1, CT);
+            if (kw == 0) {
+#pragma unroll 1
+                for (int w2 = 1; w2 < WK; ++w2) {
+                    const float* src = red + ((w2 - 1) * NS + si) * (ACC * 32);
+#pragma unroll
+                    for (int a = 0; a < NB; ++a)
+#pragma unroll
+                        for (int j = 0; j < 4; ++j)
+#pragma unroll
+                            for (int c = 0; c < 4; ++c) acc[a][j][c] += src[((a * 4 + j) * 4 + c) * 32 + lane];
+                }
+            }
+        }
+
+        const bool whole = seg_begin == tile * KS && seg_end == (tile + 1) * KS;
+        bool store = whole;
+        if (!whole) {
+            // Partial: slot 0 holds a CTA's first segment, slot 1 its last (middle tiles are whole).
+            const int first_b = cta_of_unit(tile * KS, units, ctas);
+            const int last_b = cta_of_unit((tile + 1) * KS - 1, units, ctas);
+            auto slot = [&](int cb) {
+                const int which = unit_begin(cb, units, ctas) / KS == tile ? 0 : 1;
+                return reinterpret_cast<float4*>(workspace) + ((size_t)cb * 2 + which) * (NS * ACC / 4) * 32;
+            };
+            if (kw == 0) {
+                float4* dst = slot(b) + si * (ACC / 4) * 32 + lane;
+#pragma unroll
+                for (int q = 0; q < ACC / 4; ++q) {
+                    const int a = q / 4, j = q % 4;
+                    __stcg(dst + q * 32, make_float4(acc[a][j][0], acc[a][j][1], acc[a][j][2], acc[a][j][3]));
+                }
+            }
+            __threadfence();
+            named_barrier_sync(1, CT);
+            if (threadIdx.x == 0) s_is_last = atomic_add_acq_rel(counters + tile, 1) == last_b - first_b;
+            named_barrier_sync(1, CT);
+            store = s_is_last;
+            if (store) {
+                __threadfence();
+                if (kw == 0) {
+#pragma unroll 1
+                    for (int cb = first_b; cb <= last_b; ++cb) {
+                        const float4* src = slot(cb) + si * (ACC / 4) * 32 + lane;
+#pragma unroll
+                        for (int q = 0; q < ACC / 4; ++q) {
+                            const int a = q / 4, j = q % 4;
+                            const float4 v = __ldcg(src + q * 32);
+                            if (cb == first_b) {
+                                acc[a][j][0] = v.x; acc[a][j][1] = v.y; acc[a][j][2] = v.z; acc[a][j][3] = v.w;
+                            } else {
+                                acc[a][j][0] += v.x; acc[a][j][1] += v.y; acc[a][j][2] += v.z; acc[a][j][3] += v.w;
+                            }
+                        }
+                    }
+                }
+                if (threadIdx.x == 0) store_relaxed(counters + tile, 0);  // all segments are in: reset for the next launch
+            }
+        }
+        // Epilogue: acc[a][j][c] is y[8 a + 2 t + (c & 1), column 16 j + g + 8 (c >> 1) of the strip].
+        if (store && kw == 0) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int col = tile * BN + si * 64 + 16 * j + 8 * h + g;
+                    float sc = 1.f, bi = 0.f;
+                    if constexpr (GROUP == 0) sc = to_float(scales[col]);
+                    if (bias != nullptr) bi = to_float(bias[col]);
+#pragma unroll
+                    for (int a = 0; a < NB; ++a)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int row = 8 * a + 2 * t + e;
+                            if (row < m) out[(size_t)row * n + col] = V2::one(acc[a][j][2 * h + e] * sc + bi);
+                        }
+                }
+        }
+    }
+}
