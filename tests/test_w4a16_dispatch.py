@@ -50,8 +50,10 @@ def test_skinny_dispatch_follows_the_sweep():
     assert isinstance(pick(4, 57344, 8192), ops.SkinnyConfig)
     assert isinstance(pick(1, 8192, 8192), ops.GemmConfig)       # 256 CTAs: the mma.sync kernel's shorter ramp wins
     assert isinstance(pick(1, 4096, 4096), ops.GemmConfig)
-    for n, k in ((4096, 4096), (6144, 4096), (28672, 4096), (57344, 8192)):
+    for n, k in ((6144, 4096), (8192, 28672), (57344, 8192)):
         assert isinstance(pick(16, n, k), ops.SkinnyConfig)
+    for n, k in ((4096, 4096), (4096, 14336), (8192, 8192), (28672, 4096)):
+        assert not isinstance(pick(16, n, k), ops.SkinnyConfig)
     assert isinstance(pick(32, 10240, 8192), ops.SkinnyConfig)
     assert isinstance(pick(32, 28672, 4096), ops.HopperConfig)
     assert isinstance(pick(32, 4096, 4096), ops.HopperConfig)

@@ -544,10 +544,12 @@ def choose_hopper_slices(cfg: HopperConfig, tiles: int, k: int, sm_count: int) -
 # The skinny kernel on sm_90 (H200 sweep, scripts/sweep_w4a16_skinny.py, docs/w4a16.md). m <= 8:
 # where a time model says the mma.sync kernel's grid quantizes badly; its fitted constants (us,
 # bytes / s): skinny 13.5 + weight bytes / 4.3e12, mma.sync 8 + bytes / 3.9e12 / wave efficiency.
-# m = 9..16: always (parity or better on every measured shape). m = 17..32: medium weights only
-# (2e7 <= n k <= 1e8); bigger ones have enough wgmma tiles, smaller ones less fixed cost there.
+# m = 9..16: big weights (n k >= 2e8, where the wgmma kernel's 16-row tiles fall behind) or an
+# mma.sync grid below 60% wave efficiency. m = 17..32: medium weights (2e7 <= n k <= 1e8); bigger
+# ones have enough wgmma tiles, smaller ones less fixed cost there.
 SKINNY_MAX_M = 32
 SKINNY_MID_NK = (20_000_000, 100_000_000)
+SKINNY_BIG_NK = 200_000_000
 
 
 def _mma_wave_efficiency(m: int, n: int, k: int, sm_count: int) -> float:
@@ -568,7 +570,9 @@ def choose_skinny_config(m: int, n: int, k: int, sm_count: int) -> SkinnyConfig 
             return None
         return SkinnyConfig(32, 4, 2, 6, 1) if wide else SkinnyConfig(32, 2, 4, 8, 1)
     if m > 8:
-        return SkinnyConfig(16, 4, 1, 4, 2) if wide else SkinnyConfig(16, 2, 2, 6, 2)
+        if n * k >= SKINNY_BIG_NK:
+            return SkinnyConfig(16, 4, 1, 4, 2) if wide else SkinnyConfig(16, 2, 2, 6, 2)
+        return SkinnyConfig(16, 2, 2, 6, 2) if _mma_wave_efficiency(m, n, k, sm_count) < 0.6 else None
     weight_bytes = n * k / 2
     t_skinny = 13.5 + weight_bytes / 4.3e6
     t_mma = 8.0 + weight_bytes / 3.9e6 / _mma_wave_efficiency(m, n, k, sm_count)
