@@ -161,8 +161,6 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
                 for (int c = 0; c < 4; ++c) acc[a][j][c] = 0.f;
 
         for (; u < seg_end; ++u) {
-            const int ks = u - tile * KS;
-            (void)ks;
             mbar_wait(&full[s], phase);
             const unsigned char* st = smem + s * L::STAGE;
             const uint4* wv = reinterpret_cast<const uint4*>(st + L::X_BYTES + si * L::W_STRIP) + lane;
