@@ -101,7 +101,8 @@ def test_hopper_every_config_and_split():
 @pytest.mark.parametrize("sym", [True, False])
 def test_hopper_groups_zero_points_dtypes(group, sym, dtype):
     q, p = _case(768, 256, group, sym, dtype)
-    for cfg in (ops.HopperConfig(32, 4, 1, 6), ops.HopperConfig(128, 2, 1, 4), ops.HopperConfig(64, 2, 2, 6)):
+    for cfg in (ops.HopperConfig(32, 4, 1, 6), ops.HopperConfig(128, 2, 1, 4), ops.HopperConfig(64, 2, 2, 6),
+                ops.HopperConfig(64, 2, 2, 6, True), ops.HopperConfig(128, 2, 1, 3, True)):
         for m in (17, 100):
             _check(torch.randn(m, 768, device="cuda", dtype=dtype), q, p, cfg=cfg, slices=1 + m % 3)
 
@@ -119,6 +120,38 @@ def test_hopper_config_rejects_untileable_n():
     q, p = _case(256, 192, 128, True, torch.float16)
     with pytest.raises(ValueError, match="n % 256"):
         ops.matmul_impl(torch.randn(40, 256, device="cuda", dtype=torch.float16), p, cfg=ops.HopperConfig(32, 4, 1, 6))
+
+
+@hopper
+def test_hopper_stream_k_any_grid_deterministic_counters_reset():
+    """The wgmma kernel's stream-K schedule with grids that cut tiles anywhere (1 CTA, primes, fewer
+    CTAs than tiles, more CTAs than k stages of a tile, up to one unit per CTA): correct with a
+    fresh x every launch, bitwise repeatable, and every tile counter back at zero afterwards."""
+    q, p = _case(2048, 512, 64, False, torch.float16)
+    for cfg in [c for c in ops.HOPPER_CONFIGS if c.sk]:
+        if 512 % cfg.bn:
+            continue
+        for m in (cfg.mt - 3, 2 * cfg.mt + 5):
+            bias = torch.randn(512, device="cuda", dtype=torch.float16)
+            for ctas in (None, 1, 2, 7, 13, 31, 131, 263, 100000):
+                x = torch.randn(m, 2048, device="cuda", dtype=torch.float16)
+                out = _check(x, q, p, bias, cfg=cfg, slices=ctas)
+                assert torch.equal(out, ops.matmul_impl(x, p, bias, cfg=cfg, slices=ctas))
+    torch.cuda.synchronize()
+    for (dev, _), (_, counters) in ops._workspaces.items():
+        assert int(counters.abs().sum()) == 0, "stream-K tile counters must be reset by every launch"
+
+
+@hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_hopper_stream_k_llama_shapes(dtype):
+    """Stream-K at the benchmark's mid shapes (tiles that do not fill a wave), grouped and
+    per-channel, symmetric and asymmetric."""
+    for (k, n), (group, sym) in zip([(4096, 6144), (8192, 10240), (14336, 4096)], [(128, True), (-1, True), (128, False)]):
+        q, p = _case(k, n, group, sym, dtype)
+        for cfg in (ops.HopperConfig(64, 2, 2, 6, True), ops.HopperConfig(128, 1, 2, 6, True)):
+            for m in (64, 128, 200, 256):
+                _check(torch.randn(m, k, device="cuda", dtype=dtype), q, p, cfg=cfg)
 
 
 @hopper

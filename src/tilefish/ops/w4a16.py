@@ -13,6 +13,7 @@ Kernel layout (docs/w4a16.md has the fragment maps):
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -155,7 +156,7 @@ def kernel_spec(dtype: torch.dtype, cfg: GemmConfig | HopperConfig | SkinnyConfi
         return KernelSpec(SKINNY_SOURCE, name, hot=True, arch_specific=True, min_sm=90)
     if isinstance(cfg, HopperConfig):
         name = (f"w4a16_wgmma<{DTYPES[dtype]}, {cfg.mt}, {cfg.nt}, {cfg.cons}, {cfg.stages}, {group}, "
-                f"{'true' if asym else 'false'}>")
+                f"{'true' if asym else 'false'}, {'true' if cfg.sk else 'false'}>")
         return KernelSpec(HOPPER_SOURCE, name, hot=True, arch_specific=True, min_sm=90)
     name = (f"w4a16_gemm<{DTYPES[dtype]}, {cfg.mb}, {cfg.wn}, {cfg.wk}, {cfg.stages}, {group}, "
             f"{'true' if asym else 'false'}, {'true' if cfg.swap else 'false'}, {'true' if cfg.breg else 'false'}>")
@@ -170,6 +171,7 @@ class HopperConfig:
     nt: int = 4       # packed words per lane per k16 = m64 accumulator tiles per warpgroup
     cons: int = 2     # consumer warpgroups (each covers nt 64-column strips)
     stages: int = 4
+    sk: bool = False  # stream-K: one wave of CTAs sharing the (tile, k stage) units evenly
     swap = False
     breg = False
 
@@ -188,6 +190,11 @@ class HopperConfig:
             raise ValueError(f"HopperConfig {self.label()} needs {self.smem_bytes(32, True)} bytes of shared memory "
                              "(max 227 KiB); use fewer stages")
 
+    def ctas_per_sm(self, group_size: int, asym: bool) -> int:
+        """Resident CTAs an SM (the stream-K grid is one wave of them): one consumer warpgroup
+        launches at 128 registers a thread, so two fit where the shared memory does."""
+        return 2 if self.cons == 1 and self.smem_bytes(group_size, asym) <= 113 * 1024 else 1
+
     @property
     def bm(self) -> int:
         return self.mt
@@ -205,7 +212,7 @@ class HopperConfig:
         return HOPPER_BK
 
     def label(self) -> str:
-        return f"wg-m{self.mt}n{self.bn}c{self.cons}s{self.stages}"
+        return f"wg-m{self.mt}n{self.bn}c{self.cons}s{self.stages}{'-sk' if self.sk else ''}"
 
     def smem_bytes(self, group_size: int, asym: bool) -> int:
         x = self.mt * HOPPER_BK * 2
@@ -213,7 +220,8 @@ class HopperConfig:
         s_rows = 0 if group_size == -1 else (1 if group_size >= HOPPER_BK else HOPPER_BK // group_size)
         z_rows = (1 if group_size == -1 else s_rows) if asym else 0
         per_stage = x + w + (s_rows + z_rows) * self.bn * 2
-        return 1024 + self.stages * per_stage + 16 * self.stages  # + alignment slack, + barriers
+        staging = self.mt * (self.bn * 2 + 16) if self.sk else 0  # stream-K: the epilogue's own area
+        return 1024 + self.stages * per_stage + 16 * self.stages + staging  # + alignment slack, + barriers
 
 
 @dataclass(frozen=True)
@@ -476,46 +484,122 @@ CONFIGS = [GemmConfig(1, 1, 8), GemmConfig(1, 2, 4), GemmConfig(1, 4, 2),
 HOPPER_CONFIGS = [HopperConfig(16, 4, 1, 8), HopperConfig(16, 4, 2, 8), HopperConfig(32, 4, 1, 6),
                   HopperConfig(32, 4, 2, 6), HopperConfig(64, 4, 1, 6), HopperConfig(64, 4, 2, 6),
                   HopperConfig(64, 2, 2, 6), HopperConfig(128, 2, 1, 4), HopperConfig(128, 2, 2, 6),
-                  HopperConfig(128, 1, 2, 6), HopperConfig(256, 1, 2, 5)]
+                  HopperConfig(128, 1, 2, 6), HopperConfig(256, 1, 2, 5),
+                  HopperConfig(16, 4, 1, 8, True), HopperConfig(32, 4, 1, 6, True), HopperConfig(64, 2, 2, 6, True),
+                  HopperConfig(64, 4, 1, 4, True), HopperConfig(128, 1, 2, 6, True), HopperConfig(128, 2, 1, 3, True),
+                  HopperConfig(128, 2, 2, 5, True)]
 
 # The skinny (stream-K) kernel's design space.
 SKINNY_CONFIGS = [SkinnyConfig(8, 4, 2, 4, 2), SkinnyConfig(8, 2, 4, 8, 2), SkinnyConfig(8, 4, 2, 8, 1),
                   SkinnyConfig(16, 4, 1, 4, 2), SkinnyConfig(16, 2, 2, 6, 2), SkinnyConfig(16, 4, 2, 8, 1),
                   SkinnyConfig(16, 2, 4, 8, 1), SkinnyConfig(32, 4, 2, 6, 1), SkinnyConfig(32, 2, 4, 8, 1)]
 
-# sm_90 dispatch (fitted to scripts/sweep_w4a16_hopper.py on the H200, docs/w4a16.md): the wgmma
-# kernel from m = 17 up, and for m = 9..16 on weights of at least SMALL_WEIGHT_NK elements (below
-# that the mma.sync kernel's shorter ramp wins); m <= 8 stays on the mma.sync swap kernel.
-HOPPER_MIN_M = 17
+# sm_90 dispatch. m <= 8: the mma.sync swap kernel or the skinny kernel (choose_skinny_config).
+# m = 9..16 on big weights (n k >= SKINNY_BIG_NK): the skinny kernel. Otherwise, for m below
+# MODEL_MAX_M, the (wgmma configuration, k split or stream-K) plan of least predicted time under
+# HOPPER_TIME_MODEL; from MODEL_MAX_M up, the older per-range rule (_choose_hopper_config), which the
+# model's sweep does not cover.
+HOPPER_MIN_M = 9
+MODEL_MAX_M = 2048
 SMALL_WEIGHT_NK = 100_000_000
 TINY_WEIGHT_NK = 32_000_000
-MAX_HOPPER_SLICES = 4
+MAX_HOPPER_SLICES = 8
+STREAMK_MAX_M = 512
+HOPPER_SLICES = (1, 2, 3, 4, 6, 8)
+
+# Time model of the wgmma kernel, fitted (non-negative least squares on relative error) to
+# scripts/sweep_w4a16_streamk.py on the H200: fp16, group 128 and per-channel, the 8 benchmark
+# shapes, m = 8..1024 (bench/results/h200/w4a16_streamk_sweep_*.json, docs/w4a16.md):
+#   time (us) = F + T x load + PHI x log2(slices)
+# load = 64-k stages of the busiest SM: tile mode ceil(CTAs / SMs) x stages per CTA, stream-K
+# ceil(units / CTAs) x ceil(CTAs / SMs). F is launch, ramp and epilogue (stream-K's larger F also
+# holds its two partial tiles a CTA), T the time of a stage when the SM is full, PHI the split-k
+# fixup. In-sample it picks within 3% of the best measured plan on average, 14-20% at worst.
+HOPPER_TIME_MODEL = {
+    "wg-m16n256c1s8": (8.31, 0.319, 0.64), "wg-m16n512c2s8": (3.45, 0.655, 2.68),
+    "wg-m16n256c1s8-sk": (12.84, 0.298, 0.0), "wg-m32n256c1s6": (7.32, 0.361, 1.67),
+    "wg-m32n512c2s6": (3.83, 0.709, 3.48), "wg-m32n256c1s6-sk": (17.34, 0.317, 0.0),
+    "wg-m64n256c2s6": (2.77, 0.504, 4.83), "wg-m64n256c2s6-sk": (15.24, 0.459, 0.0),
+    "wg-m64n256c1s6": (5.13, 0.434, 4.76), "wg-m64n512c2s6": (1.24, 0.853, 7.21),
+    "wg-m64n256c1s4-sk": (24.48, 0.385, 0.0), "wg-m128n128c1s4": (3.21, 0.372, 6.26),
+    "wg-m128n128c2s6": (1.27, 0.412, 6.59), "wg-m128n256c2s6": (0.0, 0.706, 8.31),
+    "wg-m128n256c2s5-sk": (20.17, 0.691, 0.0), "wg-m128n128c2s6-sk": (13.79, 0.404, 0.0),
+    "wg-m128n128c1s3-sk": (20.47, 0.366, 0.0), "wg-m256n128c2s5": (0.0, 0.701, 10.78),
+}
 
 
 def _uses_hopper(m: int, n: int, k: int) -> bool:
-    return m >= HOPPER_MIN_M or (m > 8 and n * k >= SMALL_WEIGHT_NK)
+    return m >= HOPPER_MIN_M
 
 
 def _fit_n(cfg: HopperConfig, n: int) -> HopperConfig:
     """Narrow a configuration until its column tile divides n (one warpgroup, then fewer strips)."""
     while n % cfg.bn:
         if cfg.cons == 2 and cfg.mt <= 128:
-            cfg = HopperConfig(cfg.mt, cfg.nt, 1, cfg.stages)
+            cfg = HopperConfig(cfg.mt, cfg.nt, 1, cfg.stages, cfg.sk)
         else:
-            cfg = HopperConfig(cfg.mt, cfg.nt // 2, cfg.cons, cfg.stages)
+            cfg = HopperConfig(cfg.mt, cfg.nt // 2, cfg.cons, cfg.stages, cfg.sk)
     return cfg
 
 
+def predicted_hopper_us(cfg: HopperConfig, slices: int | None, m: int, n: int, k: int, sm_count: int) -> float | None:
+    """HOPPER_TIME_MODEL's time for cfg (k split `slices` ways; stream-K: its default grid), or None
+    for a configuration the model does not cover."""
+    coef = HOPPER_TIME_MODEL.get(cfg.label())
+    if coef is None or n % cfg.bn:
+        return None
+    f, t, phi = coef
+    tiles, stages = (n // cfg.bn) * -(-m // cfg.mt), k // HOPPER_BK
+    if cfg.sk:
+        units = tiles * stages
+        ctas = min(sm_count * cfg.ctas_per_sm(128, False), units)
+        return f + t * -(-units // ctas) * -(-ctas // sm_count)
+    slices = slices or 1
+    return f + t * (stages / slices) * -(-(tiles * slices) // sm_count) + phi * math.log2(slices)
+
+
+def _hopper_candidates(m: int, n: int, k: int, sm_count: int):
+    """(config, slices) plans the dispatcher weighs: m tiles up to twice m (64+ rows from m = 128,
+    128+ from m = 512), k splits of >= 4 stages up to 4 waves, stream-K up to m = STREAMK_MAX_M while
+    the tiles fill fewer than two waves (it never won beyond; its model overrates it at m = 1024)."""
+    for cfg in HOPPER_CONFIGS:
+        if cfg.label() not in HOPPER_TIME_MODEL or n % cfg.bn:
+            continue
+        if cfg.mt > max(32, 2 * m) or (m >= 128 and cfg.mt < 64) or (m >= 512 and cfg.mt < 128):
+            continue
+        tiles = (n // cfg.bn) * -(-m // cfg.mt)
+        if cfg.sk:
+            if m <= STREAMK_MAX_M and tiles < 2 * sm_count * cfg.ctas_per_sm(128, False):
+                yield cfg, None
+            continue
+        for sl in HOPPER_SLICES:
+            if sl == 1 or (tiles * sl <= 4 * sm_count and k // HOPPER_BK // sl >= 4):
+                yield cfg, sl
+
+
 @functools.lru_cache(maxsize=4096)
+def choose_hopper_plan(m: int, n: int, k: int, sm_count: int) -> tuple[HopperConfig, int | None]:
+    """The (config, k slices or None for stream-K) the dispatcher launches on sm_90."""
+    if m < MODEL_MAX_M:
+        plans = [(predicted_hopper_us(cfg, sl, m, n, k, sm_count), cfg.label(), cfg, sl)
+                 for cfg, sl in _hopper_candidates(m, n, k, sm_count)]
+        if plans:
+            _, _, cfg, sl = min(plans, key=lambda p: (p[0], p[1]))
+            return cfg, sl
+    cfg = _fit_n(_choose_hopper_config(m, n, sm_count, k), n)
+    return cfg, None if cfg.sk else _rule_slices(cfg, (n // cfg.bn) * -(-m // cfg.mt), k, sm_count)
+
+
 def choose_hopper_config(m: int, n: int, sm_count: int, k: int = 8192) -> HopperConfig:
-    return _fit_n(_choose_hopper_config(m, n, sm_count, k), n)
+    return choose_hopper_plan(m, n, k, sm_count)[0]
 
 
 def _choose_hopper_config(m: int, n: int, sm_count: int, k: int) -> HopperConfig:
-    """Per m range (H200 sweep): 16-row tiles for small m or tiny weights (more CTAs, short k
-    slices); 64-row tiles with two warpgroups of 2 strips; 128-row tiles with two warpgroups of one
-    strip while the tiles do not fill the SMs (then split k), else one warpgroup of 2 strips and
-    two CTAs per SM; 128 x 256 tiles with two warpgroups for m >= 1024 with >= 2 tiles per SM."""
+    """The per-m-range rule (an earlier H200 sweep), kept where the time model was not fitted:
+    16-row tiles for small m or tiny weights; 64-row tiles with two warpgroups of 2 strips;
+    128-row tiles with two warpgroups of one strip while the tiles do not fill the SMs (then split
+    k), else one warpgroup of 2 strips and two CTAs per SM; 128 x 256 tiles with two warpgroups for
+    m >= 1024 with >= 2 tiles per SM."""
     def tiles(cfg: HopperConfig) -> int:
         return (n // cfg.bn) * -(-m // cfg.mt) if n % cfg.bn == 0 else 0
 
@@ -535,20 +619,30 @@ def _choose_hopper_config(m: int, n: int, sm_count: int, k: int) -> HopperConfig
     return narrow if tiles(narrow) <= sm_count else HopperConfig(128, 2, 1, 4)
 
 
-def choose_hopper_slices(cfg: HopperConfig, tiles: int, k: int, sm_count: int) -> int:
-    """Split k toward one CTA per SM, at most 4 ways (more slices cost more in the fp32 partials
-    and the ramp than the extra SMs give back, on the sweep), >= 4 stages (256 k) per slice."""
-    return max(1, min(MAX_HOPPER_SLICES, k // HOPPER_BK // 4, round(sm_count / tiles)))
+def _rule_slices(cfg: HopperConfig, tiles: int, k: int, sm_count: int) -> int:
+    """The rule's k split: toward one CTA per SM, at most 4 ways, >= 4 stages (256 k) a slice."""
+    return max(1, min(4, k // HOPPER_BK // 4, round(sm_count / tiles)))
 
 
-# The skinny kernel on sm_90 (H200 sweep, scripts/sweep_w4a16_skinny.py, docs/w4a16.md). m <= 8:
+def choose_hopper_slices(cfg: HopperConfig, m: int, n: int, k: int, sm_count: int) -> int:
+    """k slices for a tile-mode configuration (the dispatcher's plan when it is that config, else
+    the split of least predicted time for it)."""
+    plan_cfg, plan_sl = choose_hopper_plan(m, n, k, sm_count)
+    if plan_cfg == cfg and plan_sl is not None:
+        return plan_sl
+    if m < MODEL_MAX_M and cfg.label() in HOPPER_TIME_MODEL:
+        options = [sl for c, sl in _hopper_candidates(m, n, k, sm_count) if c == cfg]
+        if options:
+            return min(options, key=lambda sl: predicted_hopper_us(cfg, sl, m, n, k, sm_count))
+    return _rule_slices(cfg, (n // cfg.bn) * -(-m // cfg.mt), k, sm_count)
+
+
+# The skinny kernel on sm_90 (H200 sweeps, scripts/sweep_w4a16_skinny.py, docs/w4a16.md). m <= 8:
 # where a time model says the mma.sync kernel's grid quantizes badly; its fitted constants (us,
 # bytes / s): skinny 13.5 + weight bytes / 4.3e12, mma.sync 8 + bytes / 3.9e12 / wave efficiency.
-# m = 9..16: big weights (n k >= 2e8, where the wgmma kernel's 16-row tiles fall behind) or an
-# mma.sync grid below 60% wave efficiency. m = 17..32: medium weights (2e7 <= n k <= 1e8); bigger
-# ones have enough wgmma tiles, smaller ones less fixed cost there.
-SKINNY_MAX_M = 32
-SKINNY_MID_NK = (20_000_000, 100_000_000)
+# m = 9..16: big weights (n k >= 2e8), where it stays ahead of the wgmma kernel's 16-row tiles.
+# From m = 17 the wgmma kernel with a k split wins every benchmark shape (streamk sweep).
+SKINNY_MAX_M = 16
 SKINNY_BIG_NK = 200_000_000
 
 
@@ -565,14 +659,10 @@ def choose_skinny_config(m: int, n: int, k: int, sm_count: int) -> SkinnyConfig 
     if m > SKINNY_MAX_M or n % 128:
         return None
     wide = n % 256 == 0
-    if m > 16:
-        if not SKINNY_MID_NK[0] <= n * k <= SKINNY_MID_NK[1]:
-            return None
-        return SkinnyConfig(32, 4, 2, 6, 1) if wide else SkinnyConfig(32, 2, 4, 8, 1)
     if m > 8:
-        if n * k >= SKINNY_BIG_NK:
-            return SkinnyConfig(16, 4, 1, 4, 2) if wide else SkinnyConfig(16, 2, 2, 6, 2)
-        return SkinnyConfig(16, 2, 2, 6, 2) if _mma_wave_efficiency(m, n, k, sm_count) < 0.6 else None
+        if n * k < SKINNY_BIG_NK:
+            return None
+        return SkinnyConfig(16, 4, 1, 4, 2) if wide else SkinnyConfig(16, 2, 2, 6, 2)
     weight_bytes = n * k / 2
     t_skinny = 13.5 + weight_bytes / 4.3e6
     t_mma = 8.0 + weight_bytes / 3.9e6 / _mma_wave_efficiency(m, n, k, sm_count)
@@ -632,9 +722,9 @@ def dispatch_specs() -> list[KernelSpec]:
     out = []
     cfgs = {choose_mma_config(m, n, 4096, sms) for m in (1, 8, 9, 16, 17, 32, 33, 64, 128, 4096)
             for n in (64, 128, 256, 4096, 8192, 14336, 28672, 57344) for sms in (108, 132)}
-    cfgs |= {choose_hopper_config(m, n, 132, k) for m in (9, 16, 17, 32, 33, 64, 65, 128, 4096)
-             for n in (64, 128, 256, 4096, 8192, 14336, 28672, 57344) for k in (4096, 28672)}
-    cfgs |= {c for m in (1, 8, 9, 16, 17, 32) for n in (128, 256, 4096, 6144, 10240, 57344)
+    cfgs |= {choose_hopper_config(m, n, 132, k) for m in (9, 16, 17, 32, 33, 64, 65, 128, 256, 512, 1024, 4096)
+             for n in (64, 128, 256, 4096, 6144, 8192, 10240, 14336, 28672, 57344) for k in (4096, 8192, 28672)}
+    cfgs |= {c for m in (1, 8, 9, 16) for n in (128, 256, 4096, 6144, 10240, 57344)
              for k in (4096, 8192) if (c := choose_skinny_config(m, n, k, 132)) is not None}
     for dt in DTYPES:
         for cfg in sorted(cfgs, key=lambda c: c.label()):
@@ -750,8 +840,9 @@ def matmul_impl(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = Non
 
 def _launch_hopper(cfg: HopperConfig, x2: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None,
                    out: torch.Tensor, slices: int | None, info) -> torch.Tensor:
-    """The sm_90a wgmma kernel: a TMA map for x (mt x 64 boxes, 128-byte swizzle), grid
-    (m tiles, n tiles, k slices)."""
+    """The sm_90a wgmma kernel: a TMA map for x (mt x 64 boxes, 128-byte swizzle); grid (m tiles,
+    n tiles, k slices), or for a stream-K config (cfg.sk) a 1-D grid of `slices` CTAs (default one
+    wave: SMs x cfg.ctas_per_sm, at most one (tile, k stage) unit each)."""
     from ..runtime.tma import tensor_map_2d
 
     if info.cc != 90:
@@ -763,14 +854,23 @@ def _launch_hopper(cfg: HopperConfig, x2: torch.Tensor, w: W4A16Weight, bias: to
     asym = w.zeros is not None
     n_tiles, m_tiles, k_stages = w.n // cfg.bn, -(-m // cfg.mt), w.k // HOPPER_BK
     tiles = n_tiles * m_tiles
-    slices = slices or choose_hopper_slices(cfg, tiles, w.k, info.sm_count)
-    slices = max(1, min(slices, k_stages, 65535))  # gridDim.z
-    if n_tiles > 65535:
-        raise ValueError(f"n={w.n} gives {n_tiles} column tiles of {cfg.bn}, more than gridDim.y allows (65535)")
-    ws, counters = _workspace(x2.device, tiles * slices * cfg.mt * cfg.bn if slices > 1 else 0, tiles)
+    if cfg.sk:
+        units = tiles * k_stages
+        if units >= 2**31:
+            raise ValueError(f"m={m}, n={w.n}, k={w.k}: {units} (tile, k stage) units exceed the stream-K "
+                             "kernel's 32-bit unit index; split m into several calls")
+        slices = max(1, min(slices or info.sm_count * cfg.ctas_per_sm(w.group_size, asym), units, 2**31 - 1))
+        grid, ws_floats = slices, slices * 2 * cfg.mt * cfg.bn
+    else:
+        slices = slices or choose_hopper_slices(cfg, m, w.n, w.k, info.sm_count)
+        slices = max(1, min(slices, k_stages, 65535))  # gridDim.z
+        if n_tiles > 65535:
+            raise ValueError(f"n={w.n} gives {n_tiles} column tiles of {cfg.bn}, more than gridDim.y allows (65535)")
+        grid, ws_floats = (m_tiles, n_tiles, slices), tiles * slices * cfg.mt * cfg.bn if slices > 1 else 0
+    ws, counters = _workspace(x2.device, ws_floats, tiles)
     kern = get_kernel(kernel_spec(x2.dtype, cfg, w.group_size, asym), x2.device)
     map_x = tensor_map_2d(x2, cfg.mt, HOPPER_BK)
-    launch(kern, (m_tiles, n_tiles, slices), cfg.threads, map_x, w.packed.data_ptr(), w.scales.data_ptr(),
+    launch(kern, grid, cfg.threads, map_x, w.packed.data_ptr(), w.scales.data_ptr(),
            w.zeros.data_ptr() if asym else 0, bias.data_ptr() if bias is not None else 0,
            out.data_ptr(), ws.data_ptr(), counters.data_ptr(), i32(m), i32(w.n), i32(w.k), i32(slices),
            smem=cfg.smem_bytes(w.group_size, asym))

@@ -30,10 +30,18 @@
 // in flight (see the main loop). A stage goes back to the producer when the first wait of the
 // next stage shows its last group finished.
 //
-// Split k (few output tiles): `slices` CTAs share a tile. Each writes its fp32 accumulators to a
-// workspace in fragment order (each thread 16-byte chunks, coalesced), bumps the tile's counter
-// (acq_rel); the last to arrive adds the slices in slice order (bitwise deterministic), runs the
-// epilogue and resets the counter. No CTA waits for another.
+// Two schedules (template SK):
+// - Tiles (SK = false): grid (m tiles, n tiles, slices), one CTA per (tile, k slice). Split k
+//   (few output tiles): `slices` CTAs share a tile.
+// - Stream-K (SK = true): a 1-D grid of G CTAs (one wave) over U = tiles x KT units of (tile,
+//   64-k stage), tile-major with m tiles fastest; CTA b takes units [b U / G, (b+1) U / G), so
+//   every SM gets the same work whatever the tile count (no partly empty last wave, no
+//   over-split k). The producer streams across tile boundaries without draining the ring, so the
+//   epilogue stages y in a shared-memory area of its own.
+// A tile cut between CTAs is finished the same way in both: each contributor writes its fp32
+// accumulators to a workspace slot in fragment order (each thread 16-byte chunks, coalesced),
+// bumps the tile's counter (acq_rel); the last to arrive adds the slots in k order (bitwise
+// deterministic), runs the epilogue and resets the counter. No CTA waits for another.
 #include "common/wgmma.cuh"
 #include "w4a16/dequant.cuh"
 
@@ -63,9 +71,18 @@ template <> struct Words<2> { static __device__ __forceinline__ void load(const 
 template <> struct Words<1> { static __device__ __forceinline__ void load(const unsigned char* p, u32 (&w)[1]) {
     w[0] = *reinterpret_cast<const u32*>(p); } };
 
+// Stream-K: CTA b's first unit (64-bit product: U x G may pass 2^31).
+__device__ __forceinline__ int unit_begin(int b, int units, int ctas) {
+    return (int)((long long)b * units / ctas);
+}
+// The CTA whose range holds unit u: the largest b with unit_begin(b) <= u.
+__device__ __forceinline__ int cta_of_unit(int u, int units, int ctas) {
+    return (int)(((long long)(u + 1) * ctas - 1) / units);
+}
+
 }  // namespace w4h
 
-template <typename T, int MT, int NT, int CONS, int STAGES, int GROUP, bool ASYM>
+template <typename T, int MT, int NT, int CONS, int STAGES, int GROUP, bool ASYM, bool SK>
 __global__ void __launch_bounds__((CONS + 1) * 128, CONS == 1 ? 2 : 1)
 w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__ w, const T* __restrict__ scales,
             const T* __restrict__ zeros, const T* __restrict__ bias, T* __restrict__ out,
@@ -95,13 +112,20 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
     u64* empty = full + STAGES;
     __shared__ int s_is_last;
 
-    const int m_tiles = gridDim.x;
-    const int tile = blockIdx.y * m_tiles + blockIdx.x;
-    const int m0 = blockIdx.x * MT, n0 = blockIdx.y * BN;
+    // This CTA's units [u0, u1) of (tile, k stage), unit = tile * KT + stage; tile = n tile x m
+    // tiles + m tile.
     const int KT = k / kBK;
-    const int slice = blockIdx.z;
-    const int kt_begin = (int)((long long)slice * KT / slices);
-    const int kt_end = (int)((long long)(slice + 1) * KT / slices);
+    const int m_tiles = SK ? (m + MT - 1) / MT : gridDim.x;
+    const int units = SK ? m_tiles * (n / BN) * KT : 0;
+    int u0, u1;
+    if constexpr (SK) {
+        u0 = unit_begin(blockIdx.x, units, gridDim.x);
+        u1 = unit_begin(blockIdx.x + 1, units, gridDim.x);
+    } else {
+        const int tile = blockIdx.y * m_tiles + blockIdx.x;
+        u0 = tile * KT + (int)((long long)blockIdx.z * KT / slices);
+        u1 = tile * KT + (int)((long long)(blockIdx.z + 1) * KT / slices);
+    }
     const int wg = threadIdx.x / 128;
 
     if (threadIdx.x == 0) {
@@ -118,10 +142,12 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
         if (threadIdx.x == 0) {
             tma_prefetch_desc(&tma_x);
             const size_t strip_uint4 = (size_t)(k / 16) * 32;  // one strip's whole k run
-            const uint4* w_cta = w + (size_t)(n0 / 64) * strip_uint4;
             int s = 0;
             u32 phase = 0;
-            for (int kt = kt_begin; kt < kt_end; ++kt) {
+            int tile = u0 / KT, kt = u0 - tile * KT;
+            int m0 = (tile % m_tiles) * MT, n0 = (tile / m_tiles) * BN;
+            const uint4* w_cta = w + (size_t)(n0 / 64) * strip_uint4;
+            for (int u = u0; u < u1; ++u) {
                 mbar_wait(&empty[s], phase ^ 1);  // round 0: the phase before the first counts as done
                 mbar_arrive_expect_tx(&full[s], L::TX_BYTES);
                 tma_load_2d(sX + s * L::X_BYTES, &tma_x, kt * kBK, m0, &full[s]);
@@ -143,6 +169,13 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
                     }
                 }
                 if (++s == STAGES) { s = 0; phase ^= 1; }
+                if (++kt == KT) {
+                    kt = 0;
+                    ++tile;
+                    m0 = (tile % m_tiles) * MT;
+                    n0 = (tile / m_tiles) * BN;
+                    w_cta = w + (size_t)(n0 / 64) * strip_uint4;
+                }
             }
         }
         return;
@@ -195,138 +228,189 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
     // still hold up to two groups (four steps) of its work. Sets 0-1 serve steps 0-1 of a stage,
     // sets 2-3 steps 2-3, so a set is rewritten only after the wait that retired its last reader.
     constexpr int STEPS = kBK / 16, STEPS_PER_MMA_GROUP = 2;
+    constexpr int CHUNKS = NT * ACC / 4;  // float4 per thread in a partial tile
+    constexpr int ROW = BN * 2 + 16;      // bytes per staged row of y (epilogue)
+    // Stream-K keeps the ring running through the epilogue, so y is staged in an area of its own;
+    // one tile per CTA stages it in the drained pipeline buffers.
+    static_assert(SK || MT * ROW <= STAGES * (L::X_BYTES + L::W_BYTES + L::S_BYTES + L::Z_BYTES),
+                  "the staged tile fits in the (drained) pipeline buffers");
+    unsigned char* const staging = SK ? reinterpret_cast<unsigned char*>(empty + STAGES) : smem;
     int s = 0, prev = -1;
     u32 phase = 0;
-    for (int kt = kt_begin; kt < kt_end; ++kt) {
-        mbar_wait(&full[s], phase);
-        const unsigned char* w_s = sW + s * L::W_BYTES + strip * L::W_STRIP_BYTES + lane * 16 + word0 * 4;
-        const unsigned char* x_s = sX + s * L::X_BYTES;
-        u32 words[STEPS][NT];  // the whole stage's words up front: one shared-memory latency per stage
+    int u = u0;
+    while (u < u1) {
+        const int tile = u / KT;
+        const int seg_begin = u, seg_end = min(u1, (tile + 1) * KT);
+        const int m0 = (tile % m_tiles) * MT, n0 = (tile / m_tiles) * BN;
+        for (; u < seg_end; ++u) {
+            mbar_wait(&full[s], phase);
+            const unsigned char* w_s = sW + s * L::W_BYTES + strip * L::W_STRIP_BYTES + lane * 16 + word0 * 4;
+            const unsigned char* x_s = sX + s * L::X_BYTES;
+            u32 words[STEPS][NT];  // the whole stage's words up front: one shared-memory latency per stage
 #pragma unroll
-        for (int kk = 0; kk < STEPS; ++kk) Words<NT>::load(w_s + kk * 512, words[kk]);
+            for (int kk = 0; kk < STEPS; ++kk) Words<NT>::load(w_s + kk * 512, words[kk]);
 #pragma unroll
-        for (int k0 = 0; k0 < STEPS; k0 += STEPS_PER_MMA_GROUP) {
+            for (int k0 = 0; k0 < STEPS; k0 += STEPS_PER_MMA_GROUP) {
 #pragma unroll
-            for (int kk = k0; kk < k0 + STEPS_PER_MMA_GROUP; ++kk) {
-                if constexpr (GROUP > 0 || ASYM) {
-                    constexpr int STEPS_PER_SCALE = GROUP > 0 && GROUP < kBK ? GROUP / 16 : STEPS;
-                    if (kk % STEPS_PER_SCALE == 0) load_group(s, kk / STEPS_PER_SCALE);
-                }
-#pragma unroll
-                for (int jj = 0; jj < NT; ++jj) {
-                    u32 f[4];
-                    DQ::run(words[kk][jj], ASYM ? zs[jj][0] : zsym, ASYM ? zs[jj][1] : zsym, f);
-                    if constexpr (GROUP > 0) {
-#pragma unroll
-                        for (int p = 0; p < 4; ++p) {
-                            typename V2::type v = *reinterpret_cast<typename V2::type*>(&f[p]);
-                            v = __hmul2(v, sc2[jj][p >> 1]);
-                            f[p] = *reinterpret_cast<u32*>(&v);
-                        }
+                for (int kk = k0; kk < k0 + STEPS_PER_MMA_GROUP; ++kk) {
+                    if constexpr (GROUP > 0 || ASYM) {
+                        constexpr int STEPS_PER_SCALE = GROUP > 0 && GROUP < kBK ? GROUP / 16 : STEPS;
+                        if (kk % STEPS_PER_SCALE == 0) load_group(s, kk / STEPS_PER_SCALE);
                     }
-                    // f = (row g, k lo) (row g, k hi) (row g+8, k lo) (row g+8, k hi); A wants rows inner.
-                    afrag[kk][jj][0] = f[0]; afrag[kk][jj][1] = f[2]; afrag[kk][jj][2] = f[1]; afrag[kk][jj][3] = f[3];
+#pragma unroll
+                    for (int jj = 0; jj < NT; ++jj) {
+                        u32 f[4];
+                        DQ::run(words[kk][jj], ASYM ? zs[jj][0] : zsym, ASYM ? zs[jj][1] : zsym, f);
+                        if constexpr (GROUP > 0) {
+#pragma unroll
+                            for (int p = 0; p < 4; ++p) {
+                                typename V2::type v = *reinterpret_cast<typename V2::type*>(&f[p]);
+                                v = __hmul2(v, sc2[jj][p >> 1]);
+                                f[p] = *reinterpret_cast<u32*>(&v);
+                            }
+                        }
+                        // f = (row g, k lo) (row g, k hi) (row g+8, k lo) (row g+8, k hi); A wants rows inner.
+                        afrag[kk][jj][0] = f[0]; afrag[kk][jj][1] = f[2]; afrag[kk][jj][2] = f[1]; afrag[kk][jj][3] = f[3];
+                    }
+                }
+                wgmma_fence();
+#pragma unroll
+                for (int kk = k0; kk < k0 + STEPS_PER_MMA_GROUP; ++kk) {
+                    const u64 db = wgmma_desc_sw128(x_s + kk * 32, 16, 1024);
+#pragma unroll
+                    for (int jj = 0; jj < NT; ++jj)
+                        WgmmaRS<MT, T>::run(acc[jj], afrag[kk][jj], db, (u != seg_begin) | kk);
+                }
+                wgmma_commit();
+                wgmma_wait<1>();  // the previous group is done: its A registers (and smem) are free
+                if (k0 == 0 && prev >= 0) release(prev);  // ... which was the previous stage's last
+            }
+            prev = s;
+            if (++s == STAGES) { s = 0; phase ^= 1; }
+        }
+        wgmma_wait<0>();
+        if constexpr (SK) {  // the producer may be waiting for it to start the next segment
+            release(prev);
+            prev = -1;
+        }
+
+        // A tile cut between CTAs: fp32 partials in fragment order, the last contributor to
+        // arrive sums them in k order. Slots: tiles mode, tile x slices + slice; stream-K, 2 per
+        // CTA (0: the segment its range starts in, 1: the one it ends in; middle tiles are whole).
+        if (seg_begin != tile * KT || seg_end != (tile + 1) * KT) {
+            // Slot of contributor i (0 = the first in k order): stream-K contributors after the
+            // first start inside the tile, so only the first can be in its slot 1.
+            int first, count, mine;
+            if constexpr (SK) {
+                const int first_cta = cta_of_unit(tile * KT, units, gridDim.x);
+                first = 2 * first_cta + (unit_begin(first_cta, units, gridDim.x) >= tile * KT ? 0 : 1);
+                count = cta_of_unit((tile + 1) * KT - 1, units, gridDim.x) - first_cta + 1;
+                mine = 2 * blockIdx.x + (u0 >= tile * KT ? 0 : 1);
+            } else {
+                first = tile * slices;
+                count = slices;
+                mine = first + blockIdx.z;
+            }
+            auto slot = [&](int i) {  // this thread's first chunk in contributor i's slot
+                const int sl = SK ? (i == 0 ? first : 2 * (first / 2 + i)) : first + i;
+                return reinterpret_cast<float4*>(workspace) + (size_t)sl * CHUNKS * CT + ctid;
+            };
+            float4* dst = reinterpret_cast<float4*>(workspace) + (size_t)mine * CHUNKS * CT + ctid;
+#pragma unroll
+            for (int jj = 0; jj < NT; ++jj)
+#pragma unroll
+                for (int q = 0; q < ACC / 4; ++q)
+                    __stcg(dst + (jj * (ACC / 4) + q) * CT,
+                           make_float4(acc[jj][4 * q], acc[jj][4 * q + 1], acc[jj][4 * q + 2], acc[jj][4 * q + 3]));
+            __threadfence();
+            named_barrier_sync(1, CT);
+            if (ctid == 0) s_is_last = atomic_add_acq_rel(counters + tile, 1) == count - 1;
+            named_barrier_sync(1, CT);
+            if (!s_is_last) {
+                if constexpr (SK) continue;
+                return;
+            }
+            __threadfence();
+            // Loads in batches of BATCH independent float4 per contributor: one L2 round trip per
+            // (batch, contributor). One chunk at a time (each waiting on its own loads) made a 4-way
+            // split of a k 4096 tile cost ~14 us.
+            constexpr int BATCH = CHUNKS < 8 ? CHUNKS : 8;
+            static_assert(CHUNKS % BATCH == 0, "whole batches");
+#pragma unroll
+            for (int c0 = 0; c0 < CHUNKS; c0 += BATCH) {
+                float4 sum[BATCH];
+                const float4* src0 = slot(0) + c0 * CT;
+#pragma unroll
+                for (int b = 0; b < BATCH; ++b) sum[b] = __ldcg(src0 + b * CT);
+#pragma unroll 1
+                for (int i = 1; i < count; ++i) {
+                    const float4* src = slot(i) + c0 * CT;
+                    float4 v[BATCH];
+#pragma unroll
+                    for (int b = 0; b < BATCH; ++b) v[b] = __ldcg(src + b * CT);
+#pragma unroll
+                    for (int b = 0; b < BATCH; ++b) {
+                        sum[b].x += v[b].x; sum[b].y += v[b].y; sum[b].z += v[b].z; sum[b].w += v[b].w;
+                    }
+                }
+#pragma unroll
+                for (int b = 0; b < BATCH; ++b) {
+                    const int c = c0 + b, jj = c / (ACC / 4), q = c % (ACC / 4);
+                    acc[jj][4 * q] = sum[b].x; acc[jj][4 * q + 1] = sum[b].y;
+                    acc[jj][4 * q + 2] = sum[b].z; acc[jj][4 * q + 3] = sum[b].w;
                 }
             }
-            wgmma_fence();
-#pragma unroll
-            for (int kk = k0; kk < k0 + STEPS_PER_MMA_GROUP; ++kk) {
-                const u64 db = wgmma_desc_sw128(x_s + kk * 32, 16, 1024);
-#pragma unroll
-                for (int jj = 0; jj < NT; ++jj)
-                    WgmmaRS<MT, T>::run(acc[jj], afrag[kk][jj], db, (kt != kt_begin) | kk);
-            }
-            wgmma_commit();
-            wgmma_wait<1>();  // the previous group is done: its A registers (and smem) are free
-            if (k0 == 0 && prev >= 0) release(prev);  // ... which was the previous stage's last
+            if (ctid == 0) store_relaxed(counters + tile, 0);  // all contributors are in: ready for the next launch
         }
-        prev = s;
-        if (++s == STAGES) { s = 0; phase ^= 1; }
-    }
-    wgmma_wait<0>();
 
-    // Split k: fp32 partials in fragment order, the last CTA to arrive sums them in slice order.
-    if (slices > 1) {
-        constexpr int CHUNKS = NT * ACC / 4;  // float4 per thread
-        float4* ws = reinterpret_cast<float4*>(workspace) + (size_t)tile * slices * CHUNKS * CT;
-        float4* mine = ws + (size_t)slice * CHUNKS * CT + ctid;
+        // Epilogue: acc[jj][4 cc + 2 h + e] is y[m0 + 8 cc + 2 t + e, col(jj, h)] (the accumulator
+        // is y^T: its rows are W rows = columns of y). Per-channel scale and bias in fp32, then the
+        // tile goes through shared memory: stmatrix.trans turns each 8 (n) x 8 (m) fragment block
+        // into 8 rows of y (16 contiguous bytes each; rows padded by 16 bytes, so the 8 rows of a
+        // block hit 8 different bank groups), and the consumers copy whole rows out with 16-byte
+        // coalesced stores. Storing 2-byte values straight from the fragments cost ~10% at k = 4096.
+        named_barrier_sync(1, CT);  // every consumer warp is done with the staging area (pipeline / last tile)
+        {
+            float sc[NT][2], bi[NT][2];
 #pragma unroll
-        for (int jj = 0; jj < NT; ++jj)
+            for (int jj = 0; jj < NT; ++jj)
 #pragma unroll
-            for (int q = 0; q < ACC / 4; ++q)
-                __stcg(mine + (jj * (ACC / 4) + q) * CT,
-                       make_float4(acc[jj][4 * q], acc[jj][4 * q + 1], acc[jj][4 * q + 2], acc[jj][4 * q + 3]));
-        __threadfence();
-        named_barrier_sync(1, CT);
-        if (ctid == 0) s_is_last = atomic_add_acq_rel(counters + tile, 1) == slices - 1;
-        named_barrier_sync(1, CT);
-        if (!s_is_last) return;
-        __threadfence();
-#pragma unroll
-        for (int jj = 0; jj < NT; ++jj)
-#pragma unroll
-            for (int q = 0; q < ACC / 4; ++q) {
-                const float4* src = ws + (jj * (ACC / 4) + q) * CT + ctid;
-                float4 sum = __ldcg(src);
-                for (int sl = 1; sl < slices; ++sl) {
-                    const float4 v = __ldcg(src + (size_t)sl * CHUNKS * CT);
-                    sum.x += v.x; sum.y += v.y; sum.z += v.z; sum.w += v.w;
+                for (int h = 0; h < 2; ++h) {
+                    const int col = n0 + strip * 64 + 16 * (word0 + jj) + 8 * h + g;
+                    sc[jj][h] = 1.f;
+                    bi[jj][h] = 0.f;
+                    if constexpr (GROUP == 0) sc[jj][h] = to_float(scales[col]);
+                    if (bias != nullptr) bi[jj][h] = to_float(bias[col]);
                 }
-                acc[jj][4 * q] = sum.x; acc[jj][4 * q + 1] = sum.y; acc[jj][4 * q + 2] = sum.z; acc[jj][4 * q + 3] = sum.w;
+            // Matrix f = (2 jj + h) * MT/8 + cc covers n block strip * 64 + 16 (word0 + jj) + 8 h and
+            // m block 8 cc; one x4 stores matrices f0 .. f0+3. Lane 8i + j addresses row j (m = 8 cc
+            // + j) of matrix f0 + i.
+            constexpr int CB = MT / 8, MATRICES = NT * 2 * CB;
+            static_assert(MATRICES % 4 == 0, "whole stmatrix.x4 groups");
+            const int mi = lane >> 3, mj = lane & 7;
+#pragma unroll
+            for (int f0 = 0; f0 < MATRICES; f0 += 4) {
+                u32 r[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int f = f0 + i, jj = f / (2 * CB), h = (f / CB) % 2, cc = f % CB;
+                    typename V2::type v = V2::make(acc[jj][4 * cc + 2 * h] * sc[jj][h] + bi[jj][h],
+                                                   acc[jj][4 * cc + 2 * h + 1] * sc[jj][h] + bi[jj][h]);
+                    r[i] = *reinterpret_cast<u32*>(&v);
+                }
+                const int f = f0 + mi, jj = f / (2 * CB), h = (f / CB) % 2, cc = f % CB;
+                const int n_local = strip * 64 + 16 * (word0 + jj) + 8 * h;
+                stmatrix_x4_trans(staging + (8 * cc + mj) * ROW + n_local * 2, r);
             }
-        if (ctid == 0) store_relaxed(counters + tile, 0);  // all slices are in: ready for the next launch
-    }
-
-    // Epilogue: acc[jj][4 cc + 2 h + e] is y[m0 + 8 cc + 2 t + e, col(jj, h)] (the accumulator is
-    // y^T: its rows are W rows = columns of y). Per-channel scale and bias in fp32, then the tile
-    // goes through shared memory: stmatrix.trans turns each 8 (n) x 8 (m) fragment block into 8
-    // rows of y (16 contiguous bytes each; rows padded by 16 bytes, so the 8 rows of a block hit
-    // 8 different bank groups), and the consumers copy whole rows out with 16-byte coalesced
-    // stores. Storing 2-byte values straight from the fragments cost ~10% at k = 4096.
-    constexpr int ROW = BN * 2 + 16;  // bytes per staged row of y
-    static_assert(MT * ROW <= STAGES * (L::X_BYTES + L::W_BYTES + L::S_BYTES + L::Z_BYTES),
-                  "the staged tile fits in the (drained) pipeline buffers");
-    named_barrier_sync(1, CT);  // every consumer warp is done with the pipeline's shared memory
-    unsigned char* stage = smem;
-    {
-        float sc[NT][2], bi[NT][2];
-#pragma unroll
-        for (int jj = 0; jj < NT; ++jj)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int col = n0 + strip * 64 + 16 * (word0 + jj) + 8 * h + g;
-                sc[jj][h] = 1.f;
-                bi[jj][h] = 0.f;
-                if constexpr (GROUP == 0) sc[jj][h] = to_float(scales[col]);
-                if (bias != nullptr) bi[jj][h] = to_float(bias[col]);
-            }
-        // Matrix f = (2 jj + h) * MT/8 + cc covers n block strip * 64 + 16 (word0 + jj) + 8 h and m
-        // block 8 cc; one x4 stores matrices f0 .. f0+3. Lane 8i + j addresses row j (m = 8 cc + j)
-        // of matrix f0 + i.
-        constexpr int CB = MT / 8, MATRICES = NT * 2 * CB;
-        static_assert(MATRICES % 4 == 0, "whole stmatrix.x4 groups");
-        const int mi = lane >> 3, mj = lane & 7;
-#pragma unroll
-        for (int f0 = 0; f0 < MATRICES; f0 += 4) {
-            u32 r[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int f = f0 + i, jj = f / (2 * CB), h = (f / CB) % 2, cc = f % CB;
-                typename V2::type v = V2::make(acc[jj][4 * cc + 2 * h] * sc[jj][h] + bi[jj][h],
-                                               acc[jj][4 * cc + 2 * h + 1] * sc[jj][h] + bi[jj][h]);
-                r[i] = *reinterpret_cast<u32*>(&v);
-            }
-            const int f = f0 + mi, jj = f / (2 * CB), h = (f / CB) % 2, cc = f % CB;
-            const int n_local = strip * 64 + 16 * (word0 + jj) + 8 * h;
-            stmatrix_x4_trans(stage + (8 * cc + mj) * ROW + n_local * 2, r);
         }
-    }
-    named_barrier_sync(1, CT);
-    constexpr int CHUNKS_PER_ROW = BN / 8;
-    const int rows = min(MT, m - m0);
-    for (int c16 = ctid; c16 < rows * CHUNKS_PER_ROW; c16 += CT) {
-        const int row = c16 / CHUNKS_PER_ROW, col8 = c16 % CHUNKS_PER_ROW;
-        const uint4 v = *reinterpret_cast<const uint4*>(stage + row * ROW + col8 * 16);
-        *reinterpret_cast<uint4*>(out + (size_t)(m0 + row) * n + n0 + col8 * 8) = v;
+        named_barrier_sync(1, CT);
+        constexpr int CHUNKS_PER_ROW = BN / 8;
+        const int rows = min(MT, m - m0);
+        for (int c16 = ctid; c16 < rows * CHUNKS_PER_ROW; c16 += CT) {
+            const int row = c16 / CHUNKS_PER_ROW, col8 = c16 % CHUNKS_PER_ROW;
+            const uint4 v = *reinterpret_cast<const uint4*>(staging + row * ROW + col8 * 16);
+            *reinterpret_cast<uint4*>(out + (size_t)(m0 + row) * n + n0 + col8 * 8) = v;
+        }
+        if constexpr (!SK) break;  // one segment: tell the compiler
     }
 }
