@@ -113,15 +113,22 @@ class TestGPU:
         b = _rand(n, k, dtype=dtype, seed=1) if b_transposed else _rand(k, n, dtype=dtype, seed=1)
         ref = _ref(a, b, b_transposed)
         for cfg in [ops.TUNED["07_wgmma_tma"], ops.TUNED_SMALL["07_wgmma_tma"],
-                    HgemmConfig.of("07_wgmma_tma", BM=64, BN=64, STAGES=2, GROUP_M=3, CLUSTER=1),
-                    HgemmConfig.of("07_wgmma_tma", BM=128, BN=128, STAGES=3, GROUP_M=5, CLUSTER=2),
-                    HgemmConfig.of("07_wgmma_tma", BM=64, BN=256, STAGES=5, GROUP_M=8, CLUSTER=2)]:
+                    HgemmConfig.of("07_wgmma_tma", BM=64, BN=64, STAGES=2, GROUP_M=3, CLUSTER=1, PINGPONG=0),
+                    HgemmConfig.of("07_wgmma_tma", BM=128, BN=128, STAGES=3, GROUP_M=5, CLUSTER=2, PINGPONG=0),
+                    HgemmConfig.of("07_wgmma_tma", BM=64, BN=256, STAGES=5, GROUP_M=8, CLUSTER=2, PINGPONG=0),
+                    # ping-pong: stages fewer / more than k stages, odd tile counts per CTA, clusters
+                    HgemmConfig.of("07_wgmma_tma", BM=128, BN=128, STAGES=6, GROUP_M=8, CLUSTER=1, PINGPONG=1),
+                    HgemmConfig.of("07_wgmma_tma", BM=128, BN=128, STAGES=5, GROUP_M=8, CLUSTER=2, PINGPONG=1),
+                    HgemmConfig.of("07_wgmma_tma", BM=64, BN=256, STAGES=5, GROUP_M=3, CLUSTER=2, PINGPONG=1),
+                    HgemmConfig.of("07_wgmma_tma", BM=64, BN=64, STAGES=2, GROUP_M=3, CLUSTER=1, PINGPONG=1)]:
             _check(_run_poisoned(a, b, cfg, b_transposed), ref, dtype)
         # K smaller than one stage, and a single k stage
+        pingpong = HgemmConfig.of("07_wgmma_tma", BM=128, BN=128, STAGES=6, GROUP_M=8, CLUSTER=2, PINGPONG=1)
         for k in (8, 64):
             a = _rand(300, k, dtype=dtype)
             b = _rand(n, k, dtype=dtype, seed=2) if b_transposed else _rand(k, n, dtype=dtype, seed=2)
             _check(_run_poisoned(a, b, "07_wgmma_tma", b_transposed), _ref(a, b, b_transposed), dtype)
+            _check(_run_poisoned(a, b, pingpong, b_transposed), _ref(a, b, b_transposed), dtype)
 
     def test_wgmma_many_launches_changing_shapes(self):
         """Barrier phases and the persistent loop start fresh every launch: shapes change, results hold."""
@@ -262,7 +269,9 @@ def test_configs_are_consistent():
     assert ops.select(4096, 4096, "auto", 132, 80).step == ops.AUTO_STEP == "06_rasterized"
     assert ops.select(16, 4096, "auto", 132, 80) == ops.TUNED_SMALL[ops.AUTO_STEP]
     assert ops.select(4096, 4096, "auto", 132, 90) == ops.TUNED["07_wgmma_tma"]
-    assert ops.select(16, 4096, "auto", 132, 90) == ops.TUNED_SMALL["07_wgmma_tma"]
+    assert ops.select(16, 4096, "auto", 132, 90) == ops.WGMMA_NARROW  # decode: one 64-row tile row
+    assert ops.select(256, 4096, "auto", 132, 90) == ops.TUNED_SMALL["07_wgmma_tma"]
+    assert ops.TUNED_SMALL["07_wgmma_tma"].PINGPONG == 1 and ops.WGMMA_NARROW.PINGPONG == 1
     # rounds of 132 tiles: 1024 x 14336 has 448 big tiles (3.4 rounds), so the 128 x 128 tile wins
     assert ops.select(1024, 14336, "auto", 132, 90) == ops.WGMMA_MID
     # step 07: a persistent grid, one producer + BM/64 consumer warpgroups
@@ -270,12 +279,16 @@ def test_configs_are_consistent():
     assert w.grid(4096, 4096, 132) == 132 and w.grid(128, 256, 132) == w.CLUSTER
     assert w.grid(4096, 4096, 132, max_clusters=60) == 60 * w.CLUSTER
     assert w.threads == (w.BM // 64 + 1) * 128
+    assert HgemmConfig.of("07_wgmma_tma", BM=64, BN=256, STAGES=5, GROUP_M=8, CLUSTER=1, PINGPONG=1).threads == 384
     assert w.grid(4096, 4096, 132) % w.CLUSTER == 0
-    assert HgemmConfig("07_wgmma_tma", (192, 256, 4, 8, 1)).problem() is not None
-    assert HgemmConfig("07_wgmma_tma", (128, 256, 5, 8, 1)).problem() == "dynamic smem > 227 KB"
-    assert HgemmConfig("07_wgmma_tma", (128, 64, 4, 8, 2)).problem() is not None
+    assert HgemmConfig("07_wgmma_tma", (192, 256, 4, 8, 1, 0)).problem() is not None
+    assert HgemmConfig("07_wgmma_tma", (128, 256, 5, 8, 1, 0)).problem() == "dynamic smem > 227 KB"
+    assert HgemmConfig("07_wgmma_tma", (128, 64, 4, 8, 2, 0)).problem() is not None
+    assert "128 x 128" in HgemmConfig("07_wgmma_tma", (128, 256, 3, 8, 1, 1)).problem()
+    assert HgemmConfig("07_wgmma_tma", (128, 128, 6, 8, 1, 2)).problem() is not None
+    assert HgemmConfig("07_wgmma_tma", (128, 256, 4, 8, 1)).problem() == "bad parameter list"
     # a cluster of 2 takes two vertically adjacent tiles: an odd tile-row count still fills whole clusters
-    c2 = HgemmConfig.of("07_wgmma_tma", BM=128, BN=256, STAGES=4, GROUP_M=8, CLUSTER=2)
+    c2 = HgemmConfig.of("07_wgmma_tma", BM=128, BN=256, STAGES=4, GROUP_M=8, CLUSTER=2, PINGPONG=0)
     assert c2.grid(3 * 128, 256, 132) == 4 and c2.grid(128, 256, 132) == 2
     # step 06: a 1-D grouped grid with one block per output tile; step 05: a 2-D grid of tiles
     p6, p5 = ops.TUNED["06_rasterized"].params, ops.TUNED["05_multistage"].params

@@ -76,7 +76,8 @@ STEPS: dict[str, Step] = {s.name: s for s in (
     Step("04_swizzled", "hgemm_swizzled", _BLK),
     Step("05_multistage", "hgemm_multistage", _BLK + ("STAGES",), dynamic_smem=True),
     Step("06_rasterized", "hgemm_rasterized", _BLK + ("STAGES", "GROUP_M"), dynamic_smem=True),
-    Step("07_wgmma_tma", "hgemm_wgmma", ("BM", "BN", "STAGES", "GROUP_M", "CLUSTER"), dynamic_smem=True, min_sm=90),
+    Step("07_wgmma_tma", "hgemm_wgmma", ("BM", "BN", "STAGES", "GROUP_M", "CLUSTER", "PINGPONG"), dynamic_smem=True,
+         min_sm=90),
 )}
 KERNELS: tuple[str, ...] = tuple(STEPS)
 AUTO_STEP = "06_rasterized"        # before Hopper
@@ -122,8 +123,9 @@ class HgemmConfig:
         if not p:
             return "16x8 per warp"
         if self.info.hopper:
-            return (f"{p['BM']}x{p['BN']}x{WGMMA_BK} wg{p['BM'] // 64}+1 s{p['STAGES']} g{p['GROUP_M']}"
-                    + (f" c{p['CLUSTER']}" if p["CLUSTER"] > 1 else ""))
+            return (f"{p['BM']}x{p['BN']}x{WGMMA_BK} wg{2 if p['PINGPONG'] else p['BM'] // 64}+1 s{p['STAGES']} "
+                    f"g{p['GROUP_M']}" + (f" c{p['CLUSTER']}" if p["CLUSTER"] > 1 else "")
+                    + (" pingpong" if p["PINGPONG"] else ""))
         s = f"{p['BM']}x{p['BN']}x{p['BK']} w{p['WM']}x{p['WN']}"
         if "STAGES" in p:
             s += f" s{p['STAGES']}"
@@ -139,8 +141,8 @@ class HgemmConfig:
     @property
     def threads(self) -> int:
         p = self.params
-        if self.info.hopper:  # one producer warpgroup + one consumer warpgroup per 64 rows
-            return (p["BM"] // 64 + 1) * 128
+        if self.info.hopper:  # a producer warpgroup + a consumer per 64 rows (ping-pong: two whole-tile consumers)
+            return ((2 if p["PINGPONG"] else p["BM"] // 64) + 1) * 128
         return 32 if not p else (p["BM"] // p["WM"]) * (p["BN"] // p["WN"]) * 32
 
     @property
@@ -149,8 +151,8 @@ class HgemmConfig:
         p = self.params
         if not p:
             return (16 * 16 + 16 * 8) * 2
-        if self.info.hopper:  # the ring, its 2 x STAGES mbarriers, 1 KB slack for 1024-byte alignment
-            return (p["BM"] + p["BN"]) * WGMMA_BK * 2 * p["STAGES"] + 16 * p["STAGES"] + 1024
+        if self.info.hopper:  # the ring, its 2 x STAGES + 2 mbarriers, 1 KB slack for 1024-byte alignment
+            return (p["BM"] + p["BN"]) * WGMMA_BK * 2 * p["STAGES"] + 16 * p["STAGES"] + 16 + 1024
         bm, bn, bk = p["BM"], p["BN"], p["BK"]
         if self.step == "03_padded":  # max over the two B layouts
             return (bm * (bk + 8) + max(bk * (bn + 8), bn * (bk + 8))) * 2
@@ -188,7 +190,7 @@ class HgemmConfig:
             return "bad parameter list"
         if not p:
             return None
-        if min(self.values) <= 0:
+        if min(v for k, v in p.items() if k != "PINGPONG") <= 0:
             return "parameters must be positive"
         if self.info.hopper:
             if p["BM"] not in (64, 128):
@@ -201,6 +203,10 @@ class HgemmConfig:
                 return "CLUSTER must be 1 or 2"
             if (p["BN"] // 64) % p["CLUSTER"]:
                 return "BN / 64 must split over the cluster (multicast halves of B)"
+            if p["PINGPONG"] not in (0, 1):
+                return "PINGPONG must be 0 (cooperative) or 1 (ping-pong)"
+            if p["PINGPONG"] and p["BM"] * p["BN"] > 128 * 128:
+                return "ping-pong: one consumer holds the whole BM x BN tile, so BM x BN <= 128 x 128"
             if self.smem_bytes > _DYN_SMEM_LIMIT:
                 return "dynamic smem > 227 KB"
             return None
@@ -253,13 +259,13 @@ TUNED: dict[str, HgemmConfig] = {
     "04_swizzled": _cfg("04_swizzled", 128, 128, 32, 64, 32),
     "05_multistage": _cfg("05_multistage", 128, 128, 64, 64, 64, 3),
     "06_rasterized": _cfg("06_rasterized", 128, 128, 64, 64, 64, 3, 8),
-    "07_wgmma_tma": _cfg("07_wgmma_tma", 128, 256, 4, 8, 2),
+    "07_wgmma_tma": _cfg("07_wgmma_tma", 128, 256, 4, 8, 2, 0),
 }
 # Used instead of TUNED[step] when TUNED's tile gives fewer blocks than SMs (small M x N, decode).
 TUNED_SMALL: dict[str, HgemmConfig] = {
     "05_multistage": _cfg("05_multistage", 64, 64, 64, 32, 32, 4),
     "06_rasterized": _cfg("06_rasterized", 64, 64, 64, 32, 32, 4, 8),
-    "07_wgmma_tma": _cfg("07_wgmma_tma", 128, 128, 6, 8, 1),
+    "07_wgmma_tma": _cfg("07_wgmma_tma", 128, 128, 6, 8, 1, 1),  # ping-pong (WGMMA_MID below)
 }
 
 
@@ -276,6 +282,8 @@ _BLOCK_SHAPES = (
 
 # Step 07: (BM, BN, STAGES) -- the ring as deep as 227 KB allows for each tile.
 _WGMMA_SHAPES = ((128, 256, 4), (128, 256, 3), (128, 128, 6), (128, 128, 4), (64, 256, 5), (64, 128, 8))
+# Ping-pong: (BM, BN, STAGES), a consumer holding the whole tile.
+_WGMMA_PINGPONG_SHAPES = ((128, 128, 6), (128, 128, 5), (64, 256, 5))
 
 
 def variant_configs(step: str | None = None, sm90: bool = False) -> list[HgemmConfig]:
@@ -287,7 +295,9 @@ def variant_configs(step: str | None = None, sm90: bool = False) -> list[HgemmCo
         if st not in STEPS:
             raise ValueError(f"unknown HGEMM step {st!r}; one of {KERNELS}")
         if STEPS[st].hopper:
-            out += [HgemmConfig(st, (bm, bn, stages, g, cl)) for (bm, bn, stages) in _WGMMA_SHAPES
+            out += [HgemmConfig(st, (bm, bn, stages, g, cl, 0)) for (bm, bn, stages) in _WGMMA_SHAPES
+                    for g in (8, 16) for cl in (1, 2)]
+            out += [HgemmConfig(st, (bm, bn, stages, g, cl, 1)) for (bm, bn, stages) in _WGMMA_PINGPONG_SHAPES
                     for g in (8, 16) for cl in (1, 2)]
             out.append(TUNED_SMALL[st])
             continue
@@ -315,9 +325,9 @@ def variant_specs() -> list[KernelSpec]:
 
 
 def dispatch_specs() -> list[KernelSpec]:
-    """Every KernelSpec `hgemm` can launch: TUNED + TUNED_SMALL of every step (+ step 07's mid
-    tile) x dtype x B layout."""
-    return _all_specs(list(TUNED.values()) + list(TUNED_SMALL.values()) + [WGMMA_MID])
+    """Every KernelSpec `hgemm` can launch: TUNED + TUNED_SMALL of every step (+ step 07's mid and
+    narrow tiles) x dtype x B layout."""
+    return _all_specs(list(TUNED.values()) + list(TUNED_SMALL.values()) + [WGMMA_MID, WGMMA_NARROW])
 
 
 def _dedup(items) -> list:
@@ -384,10 +394,16 @@ def auto_step(cc: int) -> str:
 
 # Step 07 on large problems: the persistent grid works in rounds of `sm_count` tiles, so a tile
 # count just above a multiple of it wastes most of a round (1024 x 14336: 448 tiles of 128 x 256 =
-# 3.4 rounds -> 4, 85% busy). The smaller tile is slightly less efficient per FLOP (658 vs 679
-# TFLOP/s at 4096^3 fp16, bench/results/h200/hgemm_variants.json) but quantizes finer; pick the
-# one with the higher (busy fraction x per-tile efficiency).
-WGMMA_MID = _cfg("07_wgmma_tma", 128, 128, 6, 8, 2)
+# 3.4 rounds -> 4, 85% busy). The smaller tile is slightly less efficient per FLOP but quantizes
+# finer; pick the one with the higher (busy fraction x per-tile efficiency). The 128 x 128 tile runs
+# ping-pong (two consumers on alternate tiles): on the H200 it beat the cooperative 128 x 128 tile
+# at every shape where either was picked (e.g. 3072^3 0.84 vs 0.77 of cuBLAS, 512 x 14336 x 4096
+# 0.94 vs 0.87; docs/hgemm.md).
+WGMMA_MID = _cfg("07_wgmma_tma", 128, 128, 6, 8, 1, 1)
+# Fewer tiles than SMs: one 64 x 256 ping-pong tile a consumer for m <= 64 (decode: 0.88-1.01 of
+# cuBLAS against 0.58-0.76 for the 128 x 128 tile, which wastes half its rows), else TUNED_SMALL.
+WGMMA_NARROW = _cfg("07_wgmma_tma", 64, 256, 5, 8, 1, 1)
+NARROW_MAX_M = 64
 _WGMMA_TILE_EFFICIENCY = {(128, 256): 1.0, (128, 128): 0.97}
 
 
@@ -401,7 +417,7 @@ def _tuned_for(step: str, m: int, n: int, sm_count: int) -> HgemmConfig:
     cfg = TUNED[step]
     small = TUNED_SMALL.get(step)
     if small is not None and cfg.blocks(m, n) < sm_count:
-        return small
+        return WGMMA_NARROW if step == AUTO_STEP_SM90 and m <= NARROW_MAX_M else small
     if step == AUTO_STEP_SM90 and cfg.tile in _WGMMA_TILE_EFFICIENCY:
         return max((cfg, WGMMA_MID), key=lambda c: _round_efficiency(c, m, n, sm_count))
     return cfg

@@ -30,21 +30,30 @@
 // arrive on the empty barrier of every CTA in the cluster.
 // Edges: TMA zero-fills boxes past M, N or K, so only the stores are predicated (a cluster's
 // second tile may lie wholly below M: it loads zeros, multicasts its half of B, stores nothing).
-// Limits: the epilogue stores fragments straight from registers (no smem staging) while the
-// consumers' tensor work pauses; both consumers share one tile (cooperative schedule).
+// Schedules (PINGPONG):
+//   0 cooperative: both consumers share each BM x BN tile (64 rows each); their tensor work pauses
+//     while they store it.
+//   1 ping-pong: each consumer owns whole tiles (BM rows: BM / 64 m64 wgmmas per k16 step), the
+//     two taking alternate tiles of the CTA's sequence. The ring holds the tiles' stages in that
+//     sequence, so one consumer's epilogue runs while the other's tile streams through the tensor
+//     cores. Tile j of the CTA owns ring positions j KT .. j KT + KT - 1.
 #include "common/wgmma.cuh"
 #include "hgemm/epilogue.cuh"
 
-template <typename T, bool B_NK, int BM, int BN, int STAGES, int GROUP_M, int CLUSTER>
-__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
+template <typename T, bool B_NK, int BM, int BN, int STAGES, int GROUP_M, int CLUSTER, int PINGPONG>
+__global__ void __launch_bounds__(((PINGPONG ? 2 : BM / 64) + 1) * 128, 1)
 hgemm_wgmma(const __grid_constant__ tf::TmaDesc tma_a, const __grid_constant__ tf::TmaDesc tma_b,
             T* __restrict__ C, int M, int N, int K) {
     using tf::u32;
     using tf::u64;
     constexpr int BK = 64;                        // one 128-byte swizzle row of 16-bit elements
-    constexpr int CONSUMERS = BM / 64;
+    constexpr int CONSUMERS = PINGPONG ? 2 : BM / 64;
+    constexpr int MI = PINGPONG ? BM / 64 : 1;          // m64 wgmmas per k16 step of one consumer
+    constexpr int READERS = PINGPONG ? 1 : CONSUMERS;   // consumer warpgroups reading each stage
     constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
-    static_assert(BM % 64 == 0 && (CONSUMERS == 1 || CONSUMERS == 2), "BM = 64 or 128 (one m64 warpgroup each)");
+    static_assert(BM % 64 == 0 && (BM / 64 == 1 || BM / 64 == 2), "BM = 64 or 128");
+    static_assert(PINGPONG == 0 || PINGPONG == 1, "PINGPONG: 0 cooperative, 1 ping-pong");
+    static_assert(MI * BN / 2 <= 128, "ping-pong: a consumer holds the whole tile (<= 128 accumulators a thread)");
     static_assert(BN == 64 || BN == 128 || BN == 256, "BN = 64, 128 or 256 (wgmma n, TMA box <= 256)");
     static_assert(STAGES >= 2, "at least double buffering");
     static_assert(CLUSTER == 1 || CLUSTER == 2, "clusters of 1 or 2 CTAs along M");
@@ -61,6 +70,7 @@ hgemm_wgmma(const __grid_constant__ tf::TmaDesc tma_a, const __grid_constant__ t
     unsigned char* sB = smem + STAGES * A_BYTES;
     u64* full = reinterpret_cast<u64*>(sB + STAGES * B_BYTES);
     u64* empty = full + STAGES;
+    u64* order = empty + STAGES;  // ping-pong: order[c] completes when consumer c's tile has all its stages
 
     const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
     const int cl_tiles_m = (tiles_m + CLUSTER - 1) / CLUSTER;  // tile rows in units of clusters
@@ -73,8 +83,10 @@ hgemm_wgmma(const __grid_constant__ tf::TmaDesc tma_a, const __grid_constant__ t
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             tf::mbar_init(&full[s], 1);                         // the producer's arrive.expect_tx
-            tf::mbar_init(&empty[s], CONSUMERS * 4 * CLUSTER);  // every consumer warp of the cluster
+            tf::mbar_init(&empty[s], READERS * 4 * CLUSTER);  // every reading consumer warp of the cluster
         }
+        tf::mbar_init(&order[0], 1);
+        tf::mbar_init(&order[1], 1);
         tf::fence_barrier_init();
     }
     if constexpr (CLUSTER > 1) tf::cluster_sync(); else __syncthreads();
@@ -140,9 +152,7 @@ hgemm_wgmma(const __grid_constant__ tf::TmaDesc tma_a, const __grid_constant__ t
         tf::setmaxnreg_inc<CONSUMER_REGS>();
         const int c = wg - 1;
         const int lane = threadIdx.x & 31, warp_in_wg = (threadIdx.x / 32) & 3;
-        float acc[BN / 2];
-        int s = 0;
-        u32 phase = 0;
+        float acc[MI][BN / 2];
         auto release = [&](int stage) {  // this warp no longer reads `stage`: tell every producer
             if (lane == 0) {
                 if constexpr (CLUSTER == 1) {
@@ -153,21 +163,41 @@ hgemm_wgmma(const __grid_constant__ tf::TmaDesc tma_a, const __grid_constant__ t
                 }
             }
         };
-        for (int t = cluster_id; t < cl_tiles; t += clusters) {
+        // Tile j of this CTA (j = 0, 1, ...): the cooperative consumers take every tile, ping-pong
+        // consumer c the tiles j = c, c + 2, ...; its stages sit at ring positions j KT + kt.
+        // Ping-pong order: consumer c starts tile j only once the other consumer has seen every
+        // stage of tile j - 1 arrive (order[1 - c], one phase per tile). Without it, a consumer
+        // waiting for ring round r of a stage whose round r - 1 (the other's) has not landed yet
+        // would see the parity it waits for already "complete" and read the stage early.
+        constexpr int J_STEP = PINGPONG ? 2 : 1;
+        const int j0 = PINGPONG ? c : 0;
+        for (int t = cluster_id + j0 * clusters, j = j0; t < cl_tiles; t += J_STEP * clusters, j += J_STEP) {
             int m0, n0;
             tile_origin(t, m0, n0);
+            if constexpr (PINGPONG) {
+                if (j > 0) tf::mbar_wait(&order[1 - c], ((j - 1) / 2) & 1);
+            }
+            const u32 pos = (u32)j * (u32)KT;
+            int s = (int)(pos % STAGES);
+            u32 phase = (pos / STAGES) & 1;
             int prev = -1;
             for (int kt = 0; kt < KT; ++kt) {
                 tf::mbar_wait(&full[s], phase);
-                const unsigned char* a_s = sA + s * A_BYTES + c * 64 * BK * 2;
+                if constexpr (PINGPONG) {
+                    if (kt == KT - 1 && (threadIdx.x & 127) == 0) tf::mbar_arrive(&order[c]);
+                }
+                const unsigned char* a_s = sA + s * A_BYTES + (PINGPONG ? 0 : c * 64 * BK * 2);
                 const unsigned char* b_s = sB + s * B_BYTES;
                 tf::wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < BK / 16; ++kk) {
-                    const u64 da = tf::wgmma_desc_sw128(a_s + kk * 32, 16, 1024);
                     const u64 db = B_NK ? tf::wgmma_desc_sw128(b_s + kk * 32, 16, 1024)
                                         : tf::wgmma_desc_sw128(b_s + kk * 16 * 128, 64 * BK * 2, 1024);
-                    tf::Wgmma<BN, T>::template run<B_NK ? 0 : 1>(acc, da, db, (kt | kk) != 0);
+#pragma unroll
+                    for (int mi = 0; mi < MI; ++mi) {
+                        const u64 da = tf::wgmma_desc_sw128(a_s + mi * 64 * BK * 2 + kk * 32, 16, 1024);
+                        tf::Wgmma<BN, T>::template run<B_NK ? 0 : 1>(acc[mi], da, db, (kt | kk) != 0);
+                    }
                 }
                 tf::wgmma_commit();
                 tf::wgmma_wait<1>();          // stage kt-1's wgmmas are done (kt's may still run) ...
@@ -177,10 +207,13 @@ hgemm_wgmma(const __grid_constant__ tf::TmaDesc tma_a, const __grid_constant__ t
             }
             tf::wgmma_wait<0>();
             if (prev >= 0) release(prev);
-            const int row0 = m0 + c * 64 + warp_in_wg * 16;
 #pragma unroll
-            for (int j = 0; j < BN / 8; ++j)
-                hg::store_frag<T>(C, M, N, row0, n0 + 8 * j, *reinterpret_cast<const float(*)[4]>(&acc[4 * j]));
+            for (int mi = 0; mi < MI; ++mi) {
+                const int row0 = m0 + (PINGPONG ? mi * 64 : c * 64) + warp_in_wg * 16;
+#pragma unroll
+                for (int jn = 0; jn < BN / 8; ++jn)
+                    hg::store_frag<T>(C, M, N, row0, n0 + 8 * jn, *reinterpret_cast<const float(*)[4]>(&acc[mi][4 * jn]));
+            }
         }
     }
     // A CTA must outlive its peers' multicasts into its smem and their arrivals on its barriers.
