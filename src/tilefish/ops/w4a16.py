@@ -854,11 +854,11 @@ def _launch_hopper(cfg: HopperConfig, x2: torch.Tensor, w: W4A16Weight, bias: to
     asym = w.zeros is not None
     n_tiles, m_tiles, k_stages = w.n // cfg.bn, -(-m // cfg.mt), w.k // HOPPER_BK
     tiles = n_tiles * m_tiles
+    units = tiles * k_stages
+    if units >= 2**31:
+        raise ValueError(f"m={m}, n={w.n}, k={w.k}: {units} (tile, k stage) units exceed the wgmma kernel's "
+                         "32-bit unit index; split m into several calls")
     if cfg.sk:
-        units = tiles * k_stages
-        if units >= 2**31:
-            raise ValueError(f"m={m}, n={w.n}, k={w.k}: {units} (tile, k stage) units exceed the stream-K "
-                             "kernel's 32-bit unit index; split m into several calls")
         slices = max(1, min(slices or info.sm_count * cfg.ctas_per_sm(w.group_size, asym), units, 2**31 - 1))
         grid, ws_floats = slices, slices * 2 * cfg.mt * cfg.bn
     else:
