@@ -1,6 +1,6 @@
-// W4A16 building blocks shared by the mma.sync kernel (gemm.cu) and the Hopper kernel (wgmma.cu):
-// lop3 int4 -> fp16/bf16 conversion of one packed word into four half2 fragment registers, and
-// small dtype helpers. The packed word layout is in ops/w4a16.py and docs/w4a16.md.
+// W4A16 building blocks shared by the kernels (gemm.cu, wgmma.cu, skinny.cu): lop3 int4 ->
+// fp16/bf16 conversion of one packed word into four half2 fragment registers, small dtype
+// helpers, and the stream-K unit split. The packed word layout is in ops/w4a16.py and docs/w4a16.md.
 #pragma once
 #include "common/ptx.cuh"
 
@@ -64,5 +64,15 @@ template <> struct Vec2<__nv_bfloat16> {
     static __device__ __forceinline__ float2 to_float2(type v) { return __bfloat1622float2(v); }
     static __device__ __forceinline__ __nv_bfloat16 one(float v) { return __float2bfloat16_rn(v); }
 };
+
+// Stream-K: G CTAs split U units evenly, CTA b taking [unit_begin(b), unit_begin(b + 1)).
+// 64-bit products: U x G may pass 2^31 on huge weights.
+__device__ __forceinline__ int unit_begin(int b, int units, int ctas) {
+    return (int)((long long)b * units / ctas);
+}
+// The CTA whose range holds unit u: the largest b with unit_begin(b) <= u.
+__device__ __forceinline__ int cta_of_unit(int u, int units, int ctas) {
+    return (int)(((long long)(u + 1) * ctas - 1) / units);
+}
 
 }  // namespace tf

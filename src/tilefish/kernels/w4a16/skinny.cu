@@ -48,15 +48,6 @@ struct Layout {
     static constexpr int RED = (WK - 1) * NS * ACC * 32 * 4;          // cross-warp k reduction
 };
 
-// CTA b's first unit (64-bit product: U * G may pass 2^31 on huge weights).
-__device__ __forceinline__ int unit_begin(int b, int units, int ctas) {
-    return (int)((long long)b * units / ctas);
-}
-// The CTA whose range holds unit u: the largest b with unit_begin(b) <= u.
-__device__ __forceinline__ int cta_of_unit(int u, int units, int ctas) {
-    return (int)(((long long)(u + 1) * ctas - 1) / units);
-}
-
 }  // namespace w4s
 
 // CPS: CTAs per SM the launch plans for (the register budget: 2 x 9 warps leave 96 a thread).

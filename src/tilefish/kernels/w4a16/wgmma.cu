@@ -71,15 +71,6 @@ template <> struct Words<2> { static __device__ __forceinline__ void load(const 
 template <> struct Words<1> { static __device__ __forceinline__ void load(const unsigned char* p, u32 (&w)[1]) {
     w[0] = *reinterpret_cast<const u32*>(p); } };
 
-// Stream-K: CTA b's first unit (64-bit product: U x G may pass 2^31).
-__device__ __forceinline__ int unit_begin(int b, int units, int ctas) {
-    return (int)((long long)b * units / ctas);
-}
-// The CTA whose range holds unit u: the largest b with unit_begin(b) <= u.
-__device__ __forceinline__ int cta_of_unit(int u, int units, int ctas) {
-    return (int)(((long long)(u + 1) * ctas - 1) / units);
-}
-
 }  // namespace w4h
 
 template <typename T, int MT, int NT, int CONS, int STAGES, int GROUP, bool ASYM, bool SK>
