@@ -107,7 +107,11 @@ def test_hopper_config_rejects_impossible_shapes():
         with pytest.raises(ValueError, match="HopperConfig"):
             ops.HopperConfig(**{**dict(mt=64, nt=4, cons=2, stages=4), **bad})
     for cfg in ops.HOPPER_CONFIGS:  # the shipped design space stays valid
-        ops.HopperConfig(cfg.mt, cfg.nt, cfg.cons, cfg.stages)
+        ops.HopperConfig(cfg.mt, cfg.nt, cfg.cons, cfg.stages, cfg.sk)
+    # stream-K adds the epilogue's own staging area: a 64 x 512 tile no longer fits 6 stages
+    ops.HopperConfig(64, 4, 2, 6)
+    with pytest.raises(ValueError, match="HopperConfig .*-sk needs"):
+        ops.HopperConfig(64, 4, 2, 6, True)
 
 
 def test_hopper_kernel_sass(tmp_path, monkeypatch):
