@@ -114,6 +114,19 @@ def test_hopper_config_rejects_impossible_shapes():
         ops.HopperConfig(64, 4, 2, 6, True)
 
 
+def test_matmul_rejects_bad_slices():
+    """slices (k splits, or the stream-K CTA count) must be a positive int: 0, negatives, bools and
+    floats are refused before any launch (on CPU tensors too)."""
+    from tilefish.quant.int4 import quantize_rtn
+
+    p = ops.pack(quantize_rtn(torch.randn(128, 256), 128, True, scale_dtype=torch.float16, clip_search=False))
+    x = torch.randn(3, 256, dtype=torch.float16)
+    for bad in (0, -2, True, 2.0):
+        with pytest.raises(ValueError, match="slices must be a positive int"):
+            ops.matmul_impl(x, p, slices=bad)
+    assert ops.matmul_impl(x, p, slices=3).shape == (3, 128)
+
+
 def test_hopper_kernel_sass(tmp_path, monkeypatch):
     """wgmma with the A operand in registers, TMA for x, bulk copies for weights, no local memory."""
     from test_hgemm import _sass

@@ -604,6 +604,8 @@ def matmul_impl(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = Non
     """slices: k splits for the tile kernels, the CTA count for the stream-K ones (skinny, wgmma sk);
     None: the dispatcher's choice. cfg: a configuration to force (sweeps, tests)."""
     _validate(x, w, bias)
+    if slices is not None and (isinstance(slices, bool) or not isinstance(slices, int) or slices < 1):
+        raise ValueError(f"slices must be a positive int or None, got {slices!r}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k)
     if w.perm is not None:
