@@ -2,9 +2,13 @@
 current dispatch, m <= 32 (H200). Each configuration is checked against the float64 reference
 once per (shape, m) before it is timed.
 
-Usage: python scripts/sweep_w4a16_skinny.py OUT.json [fp16|bf16] [group]
+Besides cuBLAS and the dispatch's pick it times the two kernels the skinny one competes with at
+these m: the mma.sync kernel's own plan (m <= 16) and the wgmma kernel's model plan (m >= 9).
+
+Usage: python scripts/sweep_w4a16_skinny.py OUT.json [fp16|bf16] [group]   (env MS=1,8,16 limits m)
 """
 import json
+import os
 import sys
 
 import torch
@@ -16,7 +20,7 @@ from tilefish.reference import w4a16_matmul
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (8192, 8192),
           (8192, 57344), (28672, 8192)]
-MS = [1, 2, 4, 8, 16, 32]
+MS = [int(v) for v in os.environ.get("MS", "1,2,4,8,16,32").split(",")]
 CTA_FACTORS = (None, 1)
 
 
@@ -40,6 +44,14 @@ def main():
             ref = w4a16_matmul(x, q)
             t_cublas = time_cuda(lambda: torch.nn.functional.linear(x, deq), reps=30).median_ms
             t_auto = time_cuda(lambda: ops.matmul_impl(x, p), reps=30).median_ms
+            peers = {}
+            if m <= 16:
+                mma = ops.choose_mma_config(m, n, k, sms)
+                peers["mma"] = (mma.label(), time_cuda(lambda: ops.matmul_impl(x, p, cfg=mma), reps=30).median_ms * 1e3)
+            if m >= ops.HOPPER_MIN_M:
+                hcfg, hsl = ops.choose_hopper_plan(m, n, k, sms)
+                peers["wgmma"] = (f"{hcfg.label()} s{hsl}",
+                                  time_cuda(lambda: ops.matmul_impl(x, p, cfg=hcfg, slices=hsl), reps=30).median_ms * 1e3)
             rows = []
             for cfg in ops.SKINNY_CONFIGS:
                 if m > cfg.mt or n % cfg.bn or (cfg.mt > 8 and m <= cfg.mt // 2 and cfg.mt != 16):
@@ -54,12 +66,12 @@ def main():
             auto_cfg = ops.choose_config(m, n, k, sms, 90)
             worst = max(r[3] for r in rows)
             rec = {"k": k, "n": n, "m": m, "group": group, "dtype": str(dt), "cublas_us": t_cublas * 1e3,
-                   "auto_us": t_auto * 1e3, "auto": auto_cfg.label(), "worst_rel_err": worst,
+                   "auto_us": t_auto * 1e3, "auto": auto_cfg.label(), "peers": peers, "worst_rel_err": worst,
                    "all": [(t * 1e3, lab, f, e) for t, lab, f, e in rows]}
             results.append(rec)
             best = " | ".join(f"{lab} x{f} {t * 1e3:.1f} ({t_cublas / t:.2f}x)" for t, lab, f, _ in rows[:3])
             print(f"k{k} n{n} m{m}: cuBLAS {t_cublas * 1e3:.1f}; auto {auto_cfg.label()} {t_auto * 1e3:.1f} "
-                  f"({t_cublas / t_auto:.2f}x); best {best}; max err {worst:.1e}", flush=True)
+                  f"({t_cublas / t_auto:.2f}x); {' '.join(f'{a} {b} {c:.1f}' for a, (b, c) in peers.items())}; best {best}; max err {worst:.1e}", flush=True)
         del dense, p, deq, q
     json.dump(results, open(out_path, "w"), indent=1)
 

@@ -257,51 +257,73 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
         }
 
         const bool whole = seg_begin == tile * KS && seg_end == (tile + 1) * KS;
-        bool store = whole;
         if (!whole) {
             // Partial: slot 0 holds a CTA's first segment, slot 1 its last (middle tiles are whole).
+            // A slot is the tile's valid rows, row-major MT x BN fp32: rows past m are neither
+            // written nor read (at m = 1 that is 1/8 of an 8-row tile).
             const int first_b = cta_of_unit(tile * KS, units, ctas);
             const int last_b = cta_of_unit((tile + 1) * KS - 1, units, ctas);
             auto slot = [&](int cb) {
                 const int which = unit_begin(cb, units, ctas) / KS == tile ? 0 : 1;
-                return reinterpret_cast<float4*>(workspace) + ((size_t)cb * 2 + which) * (NS * ACC / 4) * 32;
+                return workspace + ((size_t)cb * 2 + which) * (MT * BN);
             };
             if (kw == 0) {
-                float4* dst = slot(b) + si * (ACC / 4) * 32 + lane;
+                float* dst = slot(b) + si * 64;
 #pragma unroll
-                for (int q = 0; q < ACC / 4; ++q) {
-                    const int a = q / 4, j = q % 4;
-                    __stcg(dst + q * 32, make_float4(acc[a][j][0], acc[a][j][1], acc[a][j][2], acc[a][j][3]));
-                }
+                for (int a = 0; a < NB; ++a)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+#pragma unroll
+                        for (int c = 0; c < 4; ++c) {
+                            const int row = 8 * a + 2 * t + (c & 1);
+                            if (row < m) __stcg(dst + row * BN + 16 * j + g + 8 * (c >> 1), acc[a][j][c]);
+                        }
             }
             __threadfence();
             named_barrier_sync(1, CT);
             if (threadIdx.x == 0) s_is_last = atomic_add_acq_rel(counters + tile, 1) == last_b - first_b;
             named_barrier_sync(1, CT);
-            store = s_is_last;
-            if (store) {
+            if (s_is_last) {
                 __threadfence();
-                if (kw == 0) {
+                // The last arriver sums the slots in CTA order (deterministic) with every consumer
+                // thread, a float4 of one valid row each, FIX slots' loads in flight at once: the
+                // fixup is a few L2 round trips, not one per slot (a tile spans ~16 CTAs on the
+                // small weights, where a serial chain cost most of the kernel's time).
+                constexpr int FIX = CPS == 2 && ASYM ? 4 : 8;  // 8 spilled 8-16 B at the 96-register budget with zero points
+                const int rows = min(MT, m), nslots = last_b - first_b + 1;
+                for (int e = threadIdx.x; e < rows * (BN / 4); e += CT) {
+                    const int row = e / (BN / 4), c4 = e % (BN / 4);
+                    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 1
-                    for (int cb = first_b; cb <= last_b; ++cb) {
-                        const float4* src = slot(cb) + si * (ACC / 4) * 32 + lane;
+                    for (int c0 = 0; c0 < nslots; c0 += FIX) {
+                        float4 v[FIX];
 #pragma unroll
-                        for (int q = 0; q < ACC / 4; ++q) {
-                            const int a = q / 4, j = q % 4;
-                            const float4 v = __ldcg(src + q * 32);
-                            if (cb == first_b) {
-                                acc[a][j][0] = v.x; acc[a][j][1] = v.y; acc[a][j][2] = v.z; acc[a][j][3] = v.w;
-                            } else {
-                                acc[a][j][0] += v.x; acc[a][j][1] += v.y; acc[a][j][2] += v.z; acc[a][j][3] += v.w;
+                        for (int i = 0; i < FIX; ++i)
+                            if (c0 + i < nslots)
+                                v[i] = __ldcg(reinterpret_cast<const float4*>(slot(first_b + c0 + i) + row * BN) + c4);
+#pragma unroll
+                        for (int i = 0; i < FIX; ++i)
+                            if (c0 + i < nslots) {
+                                sum.x += v[i].x; sum.y += v[i].y; sum.z += v[i].z; sum.w += v[i].w;
                             }
-                        }
                     }
+                    const int col = tile * BN + 4 * c4;
+                    float r[4] = {sum.x, sum.y, sum.z, sum.w};
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        if constexpr (GROUP == 0) r[q] *= to_float(scales[col + q]);
+                        if (bias != nullptr) r[q] += to_float(bias[col + q]);
+                    }
+                    typename V2::type* o = reinterpret_cast<typename V2::type*>(out + (size_t)row * n + col);
+                    o[0] = V2::make(r[0], r[1]);
+                    o[1] = V2::make(r[2], r[3]);
                 }
                 if (threadIdx.x == 0) store_relaxed(counters + tile, 0);  // all segments are in: reset for the next launch
             }
+            continue;
         }
         // Epilogue: acc[a][j][c] is y[8 a + 2 t + (c & 1), column 16 j + g + 8 (c >> 1) of the strip].
-        if (store && kw == 0) {
+        if (kw == 0) {
 #pragma unroll
             for (int j = 0; j < 4; ++j)
 #pragma unroll
