@@ -305,9 +305,8 @@ SKINNY_CONFIGS = [SkinnyConfig(8, 4, 2, 4, 2), SkinnyConfig(8, 2, 4, 8, 2), Skin
                   SkinnyConfig(16, 2, 4, 8, 1), SkinnyConfig(32, 4, 2, 6, 1), SkinnyConfig(32, 2, 4, 8, 1)]
 
 # sm_90 dispatch. m <= 8: the mma.sync swap kernel or the skinny kernel (choose_skinny_config).
-# m = 9..16 on big weights (n k >= SKINNY_BIG_NK): the skinny kernel. Otherwise, for m below
-# MODEL_MAX_M, the (wgmma configuration, k split or stream-K) plan of least predicted time under
-# HOPPER_TIME_MODEL; from MODEL_MAX_M up, the older per-range rule (_choose_hopper_config), which the
+# From m = 9 (HOPPER_MIN_M) below MODEL_MAX_M, the (wgmma configuration, k split or stream-K) plan
+# of least predicted time under HOPPER_TIME_MODEL; from MODEL_MAX_M up, the older per-range rule (_choose_hopper_config), which the
 # model's sweep does not cover.
 HOPPER_MIN_M = 9
 MODEL_MAX_M = 2048
@@ -450,10 +449,9 @@ def choose_hopper_slices(cfg: HopperConfig, m: int, n: int, k: int, sm_count: in
 # The skinny kernel on sm_90 (H200 sweeps, scripts/sweep_w4a16_skinny.py, docs/w4a16.md). m <= 8:
 # where a time model says the mma.sync kernel's grid quantizes badly; its fitted constants (us,
 # bytes / s): skinny 13.5 + weight bytes / 4.3e12, mma.sync 8 + bytes / 3.9e12 / wave efficiency.
-# m = 9..16: big weights (n k >= 2e8), where it stays ahead of the wgmma kernel's 16-row tiles.
-# From m = 17 the wgmma kernel with a k split wins every benchmark shape (streamk sweep).
-SKINNY_MAX_M = 16
-SKINNY_BIG_NK = 200_000_000
+# From m = 9 the wgmma kernel's 16-row tiles with a k split or stream-K win every benchmark shape
+# (w4a16_skinny_sweep_*.json at m = 16: by 3-35%, the largest at k 28672 x n 8192).
+SKINNY_MAX_M = 8
 
 
 def _mma_wave_efficiency(m: int, n: int, k: int, sm_count: int) -> float:
@@ -469,10 +467,6 @@ def choose_skinny_config(m: int, n: int, k: int, sm_count: int) -> SkinnyConfig 
     if m > SKINNY_MAX_M or n % 128:
         return None
     wide = n % 256 == 0
-    if m > 8:
-        if n * k < SKINNY_BIG_NK:
-            return None
-        return SkinnyConfig(16, 4, 1, 4, 2) if wide else SkinnyConfig(16, 2, 2, 6, 2)
     weight_bytes = n * k / 2
     t_skinny = 13.5 + weight_bytes / 4.3e6
     t_mma = 8.0 + weight_bytes / 3.9e6 / _mma_wave_efficiency(m, n, k, sm_count)
