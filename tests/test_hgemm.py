@@ -113,17 +113,22 @@ class TestGPU:
         b = _rand(n, k, dtype=dtype, seed=1) if b_transposed else _rand(k, n, dtype=dtype, seed=1)
         ref = _ref(a, b, b_transposed)
         for cfg in [ops.TUNED["07_wgmma_tma"], ops.TUNED_SMALL["07_wgmma_tma"],
-                    HgemmConfig.of("07_wgmma_tma", BM=64, BN=64, STAGES=2, GROUP_M=3, CLUSTER=1, PINGPONG=0),
-                    HgemmConfig.of("07_wgmma_tma", BM=128, BN=128, STAGES=3, GROUP_M=5, CLUSTER=2, PINGPONG=0),
-                    HgemmConfig.of("07_wgmma_tma", BM=64, BN=256, STAGES=5, GROUP_M=8, CLUSTER=2, PINGPONG=0),
+                    HgemmConfig.of("07_wgmma_tma", BM=64, BN=64, STAGES=2, GROUP_M=3, CLUSTER=1, PINGPONG=0, TMA_STORE=0),
+                    HgemmConfig.of("07_wgmma_tma", BM=128, BN=128, STAGES=3, GROUP_M=5, CLUSTER=2, PINGPONG=0, TMA_STORE=0),
+                    HgemmConfig.of("07_wgmma_tma", BM=64, BN=256, STAGES=5, GROUP_M=8, CLUSTER=2, PINGPONG=0, TMA_STORE=0),
                     # ping-pong: stages fewer / more than k stages, odd tile counts per CTA, clusters
-                    HgemmConfig.of("07_wgmma_tma", BM=128, BN=128, STAGES=6, GROUP_M=8, CLUSTER=1, PINGPONG=1),
-                    HgemmConfig.of("07_wgmma_tma", BM=128, BN=128, STAGES=5, GROUP_M=8, CLUSTER=2, PINGPONG=1),
-                    HgemmConfig.of("07_wgmma_tma", BM=64, BN=256, STAGES=5, GROUP_M=3, CLUSTER=2, PINGPONG=1),
-                    HgemmConfig.of("07_wgmma_tma", BM=64, BN=64, STAGES=2, GROUP_M=3, CLUSTER=1, PINGPONG=1)]:
+                    HgemmConfig.of("07_wgmma_tma", BM=128, BN=128, STAGES=6, GROUP_M=8, CLUSTER=1, PINGPONG=1, TMA_STORE=0),
+                    HgemmConfig.of("07_wgmma_tma", BM=128, BN=128, STAGES=5, GROUP_M=8, CLUSTER=2, PINGPONG=1, TMA_STORE=0),
+                    HgemmConfig.of("07_wgmma_tma", BM=64, BN=256, STAGES=5, GROUP_M=3, CLUSTER=2, PINGPONG=1, TMA_STORE=0),
+                    HgemmConfig.of("07_wgmma_tma", BM=64, BN=64, STAGES=2, GROUP_M=3, CLUSTER=1, PINGPONG=1, TMA_STORE=0),
+                    # TMA-store epilogue: M and N edges clipped by the TMA unit, every tile width
+                    HgemmConfig.of("07_wgmma_tma", BM=64, BN=64, STAGES=2, GROUP_M=3, CLUSTER=1, PINGPONG=1, TMA_STORE=1),
+                    HgemmConfig.of("07_wgmma_tma", BM=64, BN=128, STAGES=3, GROUP_M=3, CLUSTER=2, PINGPONG=0, TMA_STORE=1),
+                    HgemmConfig.of("07_wgmma_tma", BM=128, BN=256, STAGES=3, GROUP_M=5, CLUSTER=1, PINGPONG=0, TMA_STORE=1),
+                    HgemmConfig.of("07_wgmma_tma", BM=64, BN=256, STAGES=4, GROUP_M=3, CLUSTER=2, PINGPONG=1, TMA_STORE=1)]:
             _check(_run_poisoned(a, b, cfg, b_transposed), ref, dtype)
         # K smaller than one stage, and a single k stage
-        pingpong = HgemmConfig.of("07_wgmma_tma", BM=128, BN=128, STAGES=6, GROUP_M=8, CLUSTER=2, PINGPONG=1)
+        pingpong = HgemmConfig.of("07_wgmma_tma", BM=128, BN=128, STAGES=6, GROUP_M=8, CLUSTER=2, PINGPONG=1, TMA_STORE=0)
         for k in (8, 64):
             a = _rand(300, k, dtype=dtype)
             b = _rand(n, k, dtype=dtype, seed=2) if b_transposed else _rand(k, n, dtype=dtype, seed=2)
@@ -280,16 +285,22 @@ def test_configs_are_consistent():
     assert w.grid(4096, 4096, 132) == 132 and w.grid(128, 256, 132) == w.CLUSTER
     assert w.grid(4096, 4096, 132, max_clusters=60) == 60 * w.CLUSTER
     assert w.threads == (w.BM // 64 + 1) * 128
-    assert HgemmConfig.of("07_wgmma_tma", BM=64, BN=256, STAGES=5, GROUP_M=8, CLUSTER=1, PINGPONG=1).threads == 384
+    assert HgemmConfig.of("07_wgmma_tma", BM=64, BN=256, STAGES=5, GROUP_M=8, CLUSTER=1, PINGPONG=1, TMA_STORE=0).threads == 384
     assert w.grid(4096, 4096, 132) % w.CLUSTER == 0
-    assert HgemmConfig("07_wgmma_tma", (192, 256, 4, 8, 1, 0)).problem() is not None
-    assert HgemmConfig("07_wgmma_tma", (128, 256, 5, 8, 1, 0)).problem() == "dynamic smem > 227 KB"
-    assert HgemmConfig("07_wgmma_tma", (128, 64, 4, 8, 2, 0)).problem() is not None
-    assert "128 x 128" in HgemmConfig("07_wgmma_tma", (128, 256, 3, 8, 1, 1)).problem()
-    assert HgemmConfig("07_wgmma_tma", (128, 128, 6, 8, 1, 2)).problem() is not None
-    assert HgemmConfig("07_wgmma_tma", (128, 256, 4, 8, 1)).problem() == "bad parameter list"
+    assert HgemmConfig("07_wgmma_tma", (192, 256, 4, 8, 1, 0, 0)).problem() is not None
+    assert HgemmConfig("07_wgmma_tma", (128, 256, 5, 8, 1, 0, 0)).problem() == "dynamic smem > 227 KB"
+    assert HgemmConfig("07_wgmma_tma", (128, 64, 4, 8, 2, 0, 0)).problem() is not None
+    assert "128 x 128" in HgemmConfig("07_wgmma_tma", (128, 256, 3, 8, 1, 1, 0)).problem()
+    assert HgemmConfig("07_wgmma_tma", (128, 128, 6, 8, 1, 2, 0)).problem() is not None
+    assert HgemmConfig("07_wgmma_tma", (128, 128, 6, 8, 1, 1, 2)).problem() is not None
+    assert HgemmConfig("07_wgmma_tma", (128, 256, 4, 8, 1, 0)).problem() == "bad parameter list"
+    # the TMA-store epilogue's staging (2 x 8 KB a consumer) counts against the 227 KB
+    assert HgemmConfig("07_wgmma_tma", (64, 256, 5, 8, 1, 1, 1)).problem() == "dynamic smem > 227 KB"
+    assert (HgemmConfig("07_wgmma_tma", (128, 256, 4, 8, 2, 0, 1)).smem_bytes
+            == HgemmConfig("07_wgmma_tma", (128, 256, 4, 8, 2, 0, 0)).smem_bytes + 2 * 16384)
+    assert ops.TUNED["07_wgmma_tma"].TMA_STORE == 1 and ops.WGMMA_MID.TMA_STORE == 1
     # a cluster of 2 takes two vertically adjacent tiles: an odd tile-row count still fills whole clusters
-    c2 = HgemmConfig.of("07_wgmma_tma", BM=128, BN=256, STAGES=4, GROUP_M=8, CLUSTER=2, PINGPONG=0)
+    c2 = HgemmConfig.of("07_wgmma_tma", BM=128, BN=256, STAGES=4, GROUP_M=8, CLUSTER=2, PINGPONG=0, TMA_STORE=0)
     assert c2.grid(3 * 128, 256, 132) == 4 and c2.grid(128, 256, 132) == 2
     # step 06: a 1-D grouped grid with one block per output tile; step 05: a 2-D grid of tiles
     p6, p5 = ops.TUNED["06_rasterized"].params, ops.TUNED["05_multistage"].params
@@ -375,7 +386,8 @@ def _sass(spec, tmp_path) -> str:
 
 def test_wgmma_step_uses_hgmma_tma_sass(tmp_cache, tmp_path):
     """Step 07 multiplies with HGMMA (wgmma, fp32 accumulate) fed by UTMALDG (TMA) through mbarriers
-    (SYNCS), reallocates registers (USETMAXREG), and has no mma.sync or ldmatrix left."""
+    (SYNCS), reallocates registers (USETMAXREG), stores C with STSM + UTMASTG (TMA store) and has
+    no mma.sync or ldmatrix left."""
     for dtype in DTYPES:
         for b_nk in (False, True):
             sass = _sass(ops.TUNED["07_wgmma_tma"].spec(dtype, b_nk), tmp_path)
@@ -384,6 +396,8 @@ def test_wgmma_step_uses_hgmma_tma_sass(tmp_cache, tmp_path):
             assert "SYNCS" in sass, "expected mbarrier operations"
             assert "USETMAXREG" in sass, "expected setmaxnreg (warp specialization)"
             assert "HMMA" not in sass.replace("HGMMA", "") and "LDSM" not in sass
+            # the TMA-store epilogue: stmatrix into the staging buffers, then TMA 2-D stores
+            assert "STSM" in sass and "UTMASTG.2D" in sass, "expected stmatrix + TMA store epilogue"
 
 
 def test_swizzled_step_uses_ldsm_sass(tmp_cache, tmp_path):

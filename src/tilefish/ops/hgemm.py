@@ -76,13 +76,15 @@ STEPS: dict[str, Step] = {s.name: s for s in (
     Step("04_swizzled", "hgemm_swizzled", _BLK),
     Step("05_multistage", "hgemm_multistage", _BLK + ("STAGES",), dynamic_smem=True),
     Step("06_rasterized", "hgemm_rasterized", _BLK + ("STAGES", "GROUP_M"), dynamic_smem=True),
-    Step("07_wgmma_tma", "hgemm_wgmma", ("BM", "BN", "STAGES", "GROUP_M", "CLUSTER", "PINGPONG"), dynamic_smem=True,
+    Step("07_wgmma_tma", "hgemm_wgmma", ("BM", "BN", "STAGES", "GROUP_M", "CLUSTER", "PINGPONG", "TMA_STORE"),
+         dynamic_smem=True,
          min_sm=90),
 )}
 KERNELS: tuple[str, ...] = tuple(STEPS)
 AUTO_STEP = "06_rasterized"        # before Hopper
 AUTO_STEP_SM90 = "07_wgmma_tma"    # on sm_90
 WGMMA_BK = 64                      # step 07: one 128-byte swizzle row of k per stage
+WGMMA_STAGING_BYTES = 2 * 64 * 64 * 2  # step 07, TMA_STORE = 1: two 64 x 64 boxes of C per consumer
 HOT_FROM = 4  # steps >= 04 are hot: the compile test rejects spills
 
 
@@ -125,7 +127,7 @@ class HgemmConfig:
         if self.info.hopper:
             return (f"{p['BM']}x{p['BN']}x{WGMMA_BK} wg{2 if p['PINGPONG'] else p['BM'] // 64}+1 s{p['STAGES']} "
                     f"g{p['GROUP_M']}" + (f" c{p['CLUSTER']}" if p["CLUSTER"] > 1 else "")
-                    + (" pingpong" if p["PINGPONG"] else ""))
+                    + (" pingpong" if p["PINGPONG"] else "") + (" tmastore" if p["TMA_STORE"] else ""))
         s = f"{p['BM']}x{p['BN']}x{p['BK']} w{p['WM']}x{p['WN']}"
         if "STAGES" in p:
             s += f" s{p['STAGES']}"
@@ -151,8 +153,10 @@ class HgemmConfig:
         p = self.params
         if not p:
             return (16 * 16 + 16 * 8) * 2
-        if self.info.hopper:  # the ring, its 2 x STAGES + 2 mbarriers, 1 KB slack for 1024-byte alignment
-            return (p["BM"] + p["BN"]) * WGMMA_BK * 2 * p["STAGES"] + 16 * p["STAGES"] + 16 + 1024
+        if self.info.hopper:  # the ring, C staging (TMA_STORE: two 64 x 64 boxes a consumer), its
+            # 2 x STAGES + 2 mbarriers, 1 KB slack for 1024-byte alignment
+            staging = (2 if p["PINGPONG"] else p["BM"] // 64) * WGMMA_STAGING_BYTES if p["TMA_STORE"] else 0
+            return (p["BM"] + p["BN"]) * WGMMA_BK * 2 * p["STAGES"] + staging + 16 * p["STAGES"] + 16 + 1024
         bm, bn, bk = p["BM"], p["BN"], p["BK"]
         if self.step == "03_padded":  # max over the two B layouts
             return (bm * (bk + 8) + max(bk * (bn + 8), bn * (bk + 8))) * 2
@@ -190,7 +194,7 @@ class HgemmConfig:
             return "bad parameter list"
         if not p:
             return None
-        if min(v for k, v in p.items() if k != "PINGPONG") <= 0:
+        if min(v for k, v in p.items() if k not in ("PINGPONG", "TMA_STORE")) <= 0:
             return "parameters must be positive"
         if self.info.hopper:
             if p["BM"] not in (64, 128):
@@ -205,6 +209,8 @@ class HgemmConfig:
                 return "BN / 64 must split over the cluster (multicast halves of B)"
             if p["PINGPONG"] not in (0, 1):
                 return "PINGPONG must be 0 (cooperative) or 1 (ping-pong)"
+            if p["TMA_STORE"] not in (0, 1):
+                return "TMA_STORE must be 0 (direct stores) or 1 (smem staging + TMA store)"
             if p["PINGPONG"] and p["BM"] * p["BN"] > 128 * 128:
                 return "ping-pong: one consumer holds the whole BM x BN tile, so BM x BN <= 128 x 128"
             if self.smem_bytes > _DYN_SMEM_LIMIT:
@@ -259,13 +265,13 @@ TUNED: dict[str, HgemmConfig] = {
     "04_swizzled": _cfg("04_swizzled", 128, 128, 32, 64, 32),
     "05_multistage": _cfg("05_multistage", 128, 128, 64, 64, 64, 3),
     "06_rasterized": _cfg("06_rasterized", 128, 128, 64, 64, 64, 3, 8),
-    "07_wgmma_tma": _cfg("07_wgmma_tma", 128, 256, 4, 8, 2, 0),
+    "07_wgmma_tma": _cfg("07_wgmma_tma", 128, 256, 4, 8, 2, 0, 1),
 }
 # Used instead of TUNED[step] when TUNED's tile gives fewer blocks than SMs (small M x N, decode).
 TUNED_SMALL: dict[str, HgemmConfig] = {
     "05_multistage": _cfg("05_multistage", 64, 64, 64, 32, 32, 4),
     "06_rasterized": _cfg("06_rasterized", 64, 64, 64, 32, 32, 4, 8),
-    "07_wgmma_tma": _cfg("07_wgmma_tma", 128, 128, 6, 8, 1, 1),  # ping-pong (WGMMA_MID below)
+    "07_wgmma_tma": _cfg("07_wgmma_tma", 128, 128, 6, 8, 1, 1, 1),  # ping-pong (WGMMA_MID below)
 }
 
 
@@ -295,10 +301,9 @@ def variant_configs(step: str | None = None, sm90: bool = False) -> list[HgemmCo
         if st not in STEPS:
             raise ValueError(f"unknown HGEMM step {st!r}; one of {KERNELS}")
         if STEPS[st].hopper:
-            out += [HgemmConfig(st, (bm, bn, stages, g, cl, 0)) for (bm, bn, stages) in _WGMMA_SHAPES
-                    for g in (8, 16) for cl in (1, 2)]
-            out += [HgemmConfig(st, (bm, bn, stages, g, cl, 1)) for (bm, bn, stages) in _WGMMA_PINGPONG_SHAPES
-                    for g in (8, 16) for cl in (1, 2)]
+            for pp, shapes in ((0, _WGMMA_SHAPES), (1, _WGMMA_PINGPONG_SHAPES)):
+                out += [cfg for (bm, bn, stages) in shapes for g in (8, 16) for cl in (1, 2) for tma_store in (0, 1)
+                        if (cfg := HgemmConfig(st, (bm, bn, stages, g, cl, pp, tma_store))).problem() is None]
             out.append(TUNED_SMALL[st])
             continue
         if not STEPS[st].dynamic_smem:
@@ -327,7 +332,8 @@ def variant_specs() -> list[KernelSpec]:
 def dispatch_specs() -> list[KernelSpec]:
     """Every KernelSpec `hgemm` can launch: TUNED + TUNED_SMALL of every step (+ step 07's mid and
     narrow tiles) x dtype x B layout."""
-    return _all_specs(list(TUNED.values()) + list(TUNED_SMALL.values()) + [WGMMA_MID, WGMMA_NARROW])
+    cfgs = list(TUNED.values()) + list(TUNED_SMALL.values()) + [WGMMA_MID, WGMMA_NARROW]
+    return _all_specs(cfgs + [_direct_store(c) for c in cfgs if c.info.hopper])
 
 
 def _dedup(items) -> list:
@@ -399,10 +405,10 @@ def auto_step(cc: int) -> str:
 # ping-pong (two consumers on alternate tiles): on the H200 it beat the cooperative 128 x 128 tile
 # at every shape where either was picked (e.g. 3072^3 0.84 vs 0.77 of cuBLAS, 512 x 14336 x 4096
 # 0.94 vs 0.87; docs/hgemm.md).
-WGMMA_MID = _cfg("07_wgmma_tma", 128, 128, 6, 8, 1, 1)
+WGMMA_MID = _cfg("07_wgmma_tma", 128, 128, 6, 8, 1, 1, 1)
 # Fewer tiles than SMs: one 64 x 256 ping-pong tile a consumer for m <= 64 (decode: 0.88-1.01 of
 # cuBLAS against 0.58-0.76 for the 128 x 128 tile, which wastes half its rows), else TUNED_SMALL.
-WGMMA_NARROW = _cfg("07_wgmma_tma", 64, 256, 5, 8, 1, 1)
+WGMMA_NARROW = _cfg("07_wgmma_tma", 64, 256, 5, 8, 1, 1, 0)
 NARROW_MAX_M = 64
 _WGMMA_TILE_EFFICIENCY = {(128, 256): 1.0, (128, 128): 0.97}
 
@@ -465,18 +471,27 @@ def launch_config(cfg: HgemmConfig, a: torch.Tensor, b: torch.Tensor, c: torch.T
     return c
 
 
+def _direct_store(cfg: HgemmConfig) -> HgemmConfig:
+    """Step 07 with the direct-store epilogue (TMA_STORE = 0): the fallback for N % 8 != 0."""
+    return HgemmConfig(cfg.step, cfg.values[:-1] + (0,))
+
+
 def _launch_wgmma(cfg: HgemmConfig, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, b_nk: bool) -> torch.Tensor:
     """Step 07: TMA maps for A (BM x 64 boxes) and B (BN x 64 K-major boxes for [N, K], 64 x 64
-    N-major boxes for [K, N]), 128-byte swizzle; a persistent grid of min(tiles, SMs) blocks."""
+    N-major boxes for [K, N]), 128-byte swizzle, and for the TMA-store epilogue C (64 x 64 boxes);
+    a persistent grid of min(tiles, SMs) blocks."""
     m, k = a.shape
     n = c.shape[1]
+    if cfg.TMA_STORE and n % 8:  # C's rows are not 16-byte multiples: no tensor map for C
+        cfg = _direct_store(cfg)
     info = device_info(a.device.index)
     kern = get_kernel(cfg.spec(a.dtype, b_nk), a.device)
     map_a = tensor_map_2d(a, cfg.BM, WGMMA_BK)
     # B [N, K]: with a cluster each CTA loads (and multicasts) BN / CLUSTER rows of the box
     map_b = tensor_map_2d(b, cfg.BN // cfg.CLUSTER, WGMMA_BK) if b_nk else tensor_map_2d(b, WGMMA_BK, 64)
+    map_c = tensor_map_2d(c, 64, 64) if cfg.TMA_STORE else map_a  # unused by TMA_STORE = 0
     fit = kern.max_active_clusters(cfg.CLUSTER, cfg.threads, cfg.dynamic_smem)
-    launch(kern, cfg.grid(m, n, info.sm_count, fit), cfg.threads, map_a, map_b, c.data_ptr(), i32(m), i32(n),
+    launch(kern, cfg.grid(m, n, info.sm_count, fit), cfg.threads, map_a, map_b, map_c, c.data_ptr(), i32(m), i32(n),
            i32(k), smem=cfg.dynamic_smem, cluster=cfg.CLUSTER)
     return c
 

@@ -72,6 +72,24 @@ __device__ __forceinline__ void bulk_load(void* smem_dst, const void* gmem_src, 
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  :: "r"(smem_addr(smem_dst)), "l"(gmem_src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }
+// TMA store: a whole 2-D box shared -> global in the map's swizzle; the parts of the box past the
+// tensor's edges are not written (so M/N edges need no predication). The copy reads shared memory
+// asynchronously: the source may be overwritten only after bulk_wait_group_read says so, and the
+// writes must first be made visible to the async proxy (fence_proxy_async_smem).
+__device__ __forceinline__ void tma_store_2d(const TmaDesc* map, const void* smem_src, int c0, int c1) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];"
+                 :: "l"(reinterpret_cast<u64>(map)), "r"(smem_addr(smem_src)), "r"(c0), "r"(c1) : "memory");
+}
+// This thread's bulk stores issued since the last commit form one group.
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Wait until at most N of this thread's committed groups still read their shared-memory source.
+template <int N> __device__ __forceinline__ void bulk_wait_group_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(N) : "memory");
+}
+// Wait until at most N of this thread's committed groups are still incomplete (writes done).
+template <int N> __device__ __forceinline__ void bulk_wait_group() {
+    asm volatile("cp.async.bulk.wait_group %0;" :: "n"(N) : "memory");
+}
 // Pull the descriptor into the constant cache before the first copy needs it.
 __device__ __forceinline__ void tma_prefetch_desc(const TmaDesc* map) {
     asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<u64>(map)) : "memory");

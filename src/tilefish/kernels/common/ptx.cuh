@@ -145,6 +145,10 @@ __device__ __forceinline__ void ldmatrix_x2_trans(u32 (&r)[2], const void* smem_
 // stmatrix (sm_90): the inverse of ldmatrix. Four 8x8 b16 matrices, r[i] = (row lane/4, cols
 // 2 (lane%4) .. +1) of matrix i; lane 8i + j gives the address of row j of matrix i. .trans stores
 // each matrix transposed (row j of smem gets column j of the fragment).
+__device__ __forceinline__ void stmatrix_x4(void* smem_row, const u32 (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
+                 :: "r"(smem_addr(smem_row)), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
 __device__ __forceinline__ void stmatrix_x4_trans(void* smem_row, const u32 (&r)[4]) {
     asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
                  :: "r"(smem_addr(smem_row)), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");

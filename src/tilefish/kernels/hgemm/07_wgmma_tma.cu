@@ -37,13 +37,21 @@
 //     two taking alternate tiles of the CTA's sequence. The ring holds the tiles' stages in that
 //     sequence, so one consumer's epilogue runs while the other's tile streams through the tensor
 //     cores. Tile j of the CTA owns ring positions j KT .. j KT + KT - 1.
+// Epilogues (TMA_STORE):
+//   0 each thread stores its fragments straight to global memory (4-byte stores, 16 bytes a row
+//     per warp instruction: half-sector writes, 64 store instructions a thread for 64 x 256).
+//   1 the fragments go through shared memory: per 64 x 64 box, stmatrix into a 128-byte-swizzled
+//     staging buffer (4 instructions a thread), then one thread hands the box to the TMA unit and
+//     the consumer moves on. Two 8 KB buffers a consumer, so writing box i overlaps the TMA's read
+//     of box i - 1; the TMA clips rows and columns past M and N. Needs N % 8 == 0 (16-byte rows of
+//     C for the tensor map); the launcher falls back to TMA_STORE = 0 otherwise.
 #include "common/wgmma.cuh"
 #include "hgemm/epilogue.cuh"
 
-template <typename T, bool B_NK, int BM, int BN, int STAGES, int GROUP_M, int CLUSTER, int PINGPONG>
+template <typename T, bool B_NK, int BM, int BN, int STAGES, int GROUP_M, int CLUSTER, int PINGPONG, int TMA_STORE>
 __global__ void __launch_bounds__(((PINGPONG ? 2 : BM / 64) + 1) * 128, 1)
 hgemm_wgmma(const __grid_constant__ tf::TmaDesc tma_a, const __grid_constant__ tf::TmaDesc tma_b,
-            T* __restrict__ C, int M, int N, int K) {
+            const __grid_constant__ tf::TmaDesc tma_c, T* __restrict__ C, int M, int N, int K) {
     using tf::u32;
     using tf::u64;
     constexpr int BK = 64;                        // one 128-byte swizzle row of 16-bit elements
@@ -58,6 +66,8 @@ hgemm_wgmma(const __grid_constant__ tf::TmaDesc tma_a, const __grid_constant__ t
     static_assert(STAGES >= 2, "at least double buffering");
     static_assert(CLUSTER == 1 || CLUSTER == 2, "clusters of 1 or 2 CTAs along M");
     static_assert(B_NK || (BN / 64) % CLUSTER == 0, "B [K, N]: whole 64-wide boxes per CTA");
+    static_assert(TMA_STORE == 0 || TMA_STORE == 1, "TMA_STORE: 0 direct stores, 1 smem + TMA store");
+    constexpr int STAGING = 2 * 64 * 64 * 2;  // per consumer: two 64 x 64 boxes of C
     // Register split: 128 * PRODUCER_REGS + CONSUMERS * 128 * CONSUMER_REGS <= 64K.
     constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = CONSUMERS == 1 ? 256 : 232;
 
@@ -68,7 +78,8 @@ hgemm_wgmma(const __grid_constant__ tf::TmaDesc tma_a, const __grid_constant__ t
     unsigned char* smem = smem_raw + ((1024 - (tf::smem_addr(smem_raw) & 1023)) & 1023);
     unsigned char* sA = smem;
     unsigned char* sB = smem + STAGES * A_BYTES;
-    u64* full = reinterpret_cast<u64*>(sB + STAGES * B_BYTES);
+    unsigned char* staging = sB + STAGES * B_BYTES;  // TMA_STORE: CONSUMERS x STAGING bytes
+    u64* full = reinterpret_cast<u64*>(staging + (TMA_STORE ? CONSUMERS * STAGING : 0));
     u64* empty = full + STAGES;
     u64* order = empty + STAGES;  // ping-pong: order[c] completes when consumer c's tile has all its stages
 
@@ -207,13 +218,52 @@ hgemm_wgmma(const __grid_constant__ tf::TmaDesc tma_a, const __grid_constant__ t
             }
             tf::wgmma_wait<0>();
             if (prev >= 0) release(prev);
+            if constexpr (TMA_STORE) {
+                // Box i (64 rows of row block mi x 64 columns) goes to buffer i % 2. Before writing a
+                // buffer, its previous box (the one before last, possibly of the previous tile) must
+                // have been read by the TMA unit: at most one group may still be reading.
+                unsigned char* stage_c = staging + c * STAGING;
+                const bool issuer = (threadIdx.x & 127) == 0;
+                const u32 bar_id = 2 + c;  // named barrier of this consumer's 128 threads (0: __syncthreads)
+                // stmatrix x4 lane roles: matrix q = lane / 8 (rows +8 (q & 1), column block +(q >> 1)),
+                // row lane % 8 of it; 128-byte swizzle: 16-byte chunk j of row r sits at j ^ (r % 8).
+                const int q = lane >> 3, r = warp_in_wg * 16 + (lane & 7) + 8 * (q & 1);
 #pragma unroll
-            for (int mi = 0; mi < MI; ++mi) {
-                const int row0 = m0 + (PINGPONG ? mi * 64 : c * 64) + warp_in_wg * 16;
+                for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
-                for (int jn = 0; jn < BN / 8; ++jn)
-                    hg::store_frag<T>(C, M, N, row0, n0 + 8 * jn, *reinterpret_cast<const float(*)[4]>(&acc[mi][4 * jn]));
+                    for (int cb = 0; cb < BN / 64; ++cb) {
+                        unsigned char* buf = stage_c + ((mi * (BN / 64) + cb) & 1) * (64 * 64 * 2);
+                        if (issuer) tf::bulk_wait_group_read<1>();
+                        tf::named_barrier_sync(bar_id, 128);
+#pragma unroll
+                        for (int jp = 0; jp < 4; ++jp) {  // column blocks 2 jp, 2 jp + 1 of the box
+                            const float* f = &acc[mi][4 * (8 * cb + 2 * jp)];
+                            const u32 regs[4] = {hg::Conv<T>::pack(f[0], f[1]), hg::Conv<T>::pack(f[2], f[3]),
+                                                 hg::Conv<T>::pack(f[4], f[5]), hg::Conv<T>::pack(f[6], f[7])};
+                            tf::stmatrix_x4(buf + r * 128 + (((2 * jp + (q >> 1)) ^ (r & 7)) << 4), regs);
+                        }
+                        tf::fence_proxy_async_smem();  // generic-proxy writes -> visible to the TMA read
+                        tf::named_barrier_sync(bar_id, 128);
+                        if (issuer) {
+                            const int row = m0 + (PINGPONG ? mi * 64 : c * 64);
+                            tf::tma_store_2d(&tma_c, buf, n0 + 64 * cb, row);
+                            tf::bulk_commit_group();
+                        }
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi) {
+                    const int row0 = m0 + (PINGPONG ? mi * 64 : c * 64) + warp_in_wg * 16;
+#pragma unroll
+                    for (int jn = 0; jn < BN / 8; ++jn)
+                        hg::store_frag<T>(C, M, N, row0, n0 + 8 * jn, *reinterpret_cast<const float(*)[4]>(&acc[mi][4 * jn]));
+                }
             }
+        }
+        // The staging buffers must outlive the TMA unit's reads of them.
+        if constexpr (TMA_STORE) {
+            if ((threadIdx.x & 127) == 0) tf::bulk_wait_group<0>();
         }
     }
     // A CTA must outlive its peers' multicasts into its smem and their arrivals on its barriers.
