@@ -84,3 +84,19 @@ def test_compile_all_dispatchable_kernels(arch, tmp_cache):
         if spec.hot:
             assert not ck.resources.spills, f"{spec.name} spills on {arch}: {ck.resources}"
             assert ck.resources.stack_bytes == 0, f"{spec.name} uses a stack frame on {arch}"
+
+
+@pytest.mark.gpu
+def test_time_paired_alternates_and_pools():
+    """bench.timing.time_paired: (fn, peer) Timings pooled over the rounds, each the right length."""
+    import torch
+
+    from tilefish.bench.timing import time_paired
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    long_fn = lambda: torch.cuda._sleep(200_000)  # noqa: E731 -- ~100 us
+    short_fn = lambda: torch.cuda._sleep(20_000)  # noqa: E731
+    t_long, t_short = time_paired(long_fn, short_fn, rounds=3, reps=12, warmup=1, min_reps=4)
+    assert t_long.reps == t_short.reps == 12
+    assert t_long.median_ms > 3 * t_short.median_ms > 0

@@ -52,6 +52,32 @@ def time_cuda(fn, *, reps: int = 50, warmup: int = 5, flush: bool = True, min_re
     Warm-up calls run first (compilation, allocator, cuBLAS handles stay out of the numbers).
     The rep count shrinks for slow kernels so one measurement stays under `max_seconds`.
     """
+    return _timing(_samples_ms(fn, reps, warmup, flush, min_reps, max_seconds))
+
+
+def time_paired(fn, peer, *, rounds: int = 3, reps: int = 50, warmup: int = 5, flush: bool = True,
+                min_reps: int = 10, max_seconds: float = 5.0) -> tuple[Timing, Timing]:
+    """fn and peer timed in alternating rounds (peer, fn, peer, fn, ...), about reps / rounds calls
+    each a round, samples pooled: (fn's Timing, peer's Timing).
+
+    For kernels long enough to heat the GPU (an 8192^3 GEMM draws full power): its clocks fall as
+    it warms up, so timing all of one and then all of the other compares two clock states, and
+    whichever runs later loses (cuBLAS at 8192^3 measured 632-793 TFLOP/s on one day)."""
+    per = max(min_reps, -(-reps // rounds))
+    a: list[float] = []
+    b: list[float] = []
+    for _ in range(rounds):
+        b += _samples_ms(peer, per, warmup, flush, min(min_reps, per), max_seconds / rounds)
+        a += _samples_ms(fn, per, warmup, flush, min(min_reps, per), max_seconds / rounds)
+    return _timing(a), _timing(b)
+
+
+def _timing(ms: list[float]) -> Timing:
+    ms = sorted(ms)
+    return Timing(statistics.median(ms), ms[0], ms[int(0.9 * (len(ms) - 1))], len(ms))
+
+
+def _samples_ms(fn, reps: int, warmup: int, flush: bool, min_reps: int, max_seconds: float) -> list[float]:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -73,8 +99,7 @@ def time_cuda(fn, *, reps: int = 50, warmup: int = 5, flush: bool = True, min_re
         fn()
         ends[i].record()
     torch.cuda.synchronize()
-    ms = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
-    return Timing(statistics.median(ms), ms[0], ms[int(0.9 * (len(ms) - 1))], reps)
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
 
 def host_overhead_us(fn, calls: int = 2000) -> float:
