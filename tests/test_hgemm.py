@@ -299,6 +299,10 @@ def test_configs_are_consistent():
     assert (HgemmConfig("07_wgmma_tma", (128, 256, 4, 8, 2, 0, 1)).smem_bytes
             == HgemmConfig("07_wgmma_tma", (128, 256, 4, 8, 2, 0, 0)).smem_bytes + 2 * 16384)
     assert ops.TUNED["07_wgmma_tma"].TMA_STORE == 1 and ops.WGMMA_MID.TMA_STORE == 1
+    # N % 8 != 0 (no tensor map for C): the same configuration with the direct epilogue
+    direct = ops._direct_store(ops.TUNED["07_wgmma_tma"])
+    assert direct.TMA_STORE == 0 and {**direct.params, "TMA_STORE": 1} == ops.TUNED["07_wgmma_tma"].params
+    assert direct.spec(torch.float16) in ops.dispatch_specs()
     # a cluster of 2 takes two vertically adjacent tiles: an odd tile-row count still fills whole clusters
     c2 = HgemmConfig.of("07_wgmma_tma", BM=128, BN=256, STAGES=4, GROUP_M=8, CLUSTER=2, PINGPONG=0, TMA_STORE=0)
     assert c2.grid(3 * 128, 256, 132) == 4 and c2.grid(128, 256, 132) == 2

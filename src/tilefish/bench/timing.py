@@ -63,6 +63,8 @@ def time_paired(fn, peer, *, rounds: int = 3, reps: int = 50, warmup: int = 5, f
     For kernels long enough to heat the GPU (an 8192^3 GEMM draws full power): its clocks fall as
     it warms up, so timing all of one and then all of the other compares two clock states, and
     whichever runs later loses (cuBLAS at 8192^3 measured 632-793 TFLOP/s on one day)."""
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"time_paired needs rounds >= 1, got {rounds!r}")
     per = max(min_reps, -(-reps // rounds))
     a: list[float] = []
     b: list[float] = []

@@ -141,10 +141,15 @@ class HgemmConfig:
         return (16, 8) if not p else (p["BM"], p["BN"])
 
     @property
+    def consumers(self) -> int:
+        """Step 07's consumer warpgroups: two whole-tile consumers (ping-pong) or one per 64 rows."""
+        return 2 if self.params["PINGPONG"] else self.params["BM"] // 64
+
+    @property
     def threads(self) -> int:
         p = self.params
         if self.info.hopper:  # a producer warpgroup + a consumer per 64 rows (ping-pong: two whole-tile consumers)
-            return ((2 if p["PINGPONG"] else p["BM"] // 64) + 1) * 128
+            return (self.consumers + 1) * 128
         return 32 if not p else (p["BM"] // p["WM"]) * (p["BN"] // p["WN"]) * 32
 
     @property
@@ -155,7 +160,7 @@ class HgemmConfig:
             return (16 * 16 + 16 * 8) * 2
         if self.info.hopper:  # the ring, C staging (TMA_STORE: two 64 x 64 boxes a consumer), its
             # 2 x STAGES + 2 mbarriers, 1 KB slack for 1024-byte alignment
-            staging = (2 if p["PINGPONG"] else p["BM"] // 64) * WGMMA_STAGING_BYTES if p["TMA_STORE"] else 0
+            staging = self.consumers * WGMMA_STAGING_BYTES if p["TMA_STORE"] else 0
             return (p["BM"] + p["BN"]) * WGMMA_BK * 2 * p["STAGES"] + staging + 16 * p["STAGES"] + 16 + 1024
         bm, bn, bk = p["BM"], p["BN"], p["BK"]
         if self.step == "03_padded":  # max over the two B layouts
@@ -473,7 +478,7 @@ def launch_config(cfg: HgemmConfig, a: torch.Tensor, b: torch.Tensor, c: torch.T
 
 def _direct_store(cfg: HgemmConfig) -> HgemmConfig:
     """Step 07 with the direct-store epilogue (TMA_STORE = 0): the fallback for N % 8 != 0."""
-    return HgemmConfig(cfg.step, cfg.values[:-1] + (0,))
+    return HgemmConfig.of(cfg.step, **{**cfg.params, "TMA_STORE": 0})
 
 
 def _launch_wgmma(cfg: HgemmConfig, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, b_nk: bool) -> torch.Tensor:
