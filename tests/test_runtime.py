@@ -86,6 +86,17 @@ def test_compile_all_dispatchable_kernels(arch, tmp_cache):
             assert ck.resources.stack_bytes == 0, f"{spec.name} uses a stack frame on {arch}"
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_ceiling_probes_compile(arch, tmp_cache):
+    """The probes behind the measured ceilings (scripts/bench_probes.py) build without spills."""
+    for spec in (KernelSpec("probes/mma_sync_peak.cu", "mma_sync_peak<__half, 8>"),
+                 KernelSpec("probes/mma_sync_peak.cu", "mma_sync_peak<__nv_bfloat16, 4>"),
+                 KernelSpec("probes/read_stream.cu", "read_stream<4, true>"),
+                 KernelSpec("probes/read_stream.cu", "read_stream<8, false>")):
+        ck = compile_kernel(spec, arch)
+        assert ck.resources.registers > 0 and not ck.resources.spills, (spec.name, ck.resources)
+
+
 @pytest.mark.gpu
 def test_time_paired_alternates_and_pools():
     """bench.timing.time_paired: (fn, peer) Timings pooled over the rounds, each the right length."""
