@@ -50,6 +50,7 @@ def test_skinny_dispatch_follows_the_sweep():
     pick = lambda m, n, k: ops.choose_config(m, n, k, 132, 90)  # noqa: E731
     assert isinstance(pick(1, 10240, 8192), ops.SkinnyConfig)    # mma.sync grid: 280 CTAs on 264 slots
     assert isinstance(pick(4, 57344, 8192), ops.SkinnyConfig)
+    assert pick(1, 57344, 8192).wk == 1 and pick(8, 57344, 8192).wk == 2  # one warp a strip up to m = 4
     assert isinstance(pick(1, 8192, 8192), ops.GemmConfig)       # 256 CTAs: the mma.sync kernel's shorter ramp wins
     assert isinstance(pick(1, 4096, 4096), ops.GemmConfig)
     for n, k in ((4096, 4096), (4096, 14336), (8192, 8192), (6144, 4096), (10240, 8192),

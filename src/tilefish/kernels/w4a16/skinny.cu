@@ -67,6 +67,8 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
     constexpr int RPW = 8 / WK;                // k16 rows a warp takes from each stage
     constexpr int NB = MT / 8;                 // 8-row blocks of x
     constexpr int BN = L::BN, ACC = L::ACC;
+    // Registers a thread gets: one SM sub-partition's 16 K registers over the warps it hosts.
+    constexpr int kRegBudget = 16384 / (((CPS * (CW + 1) + 3) / 4) * 32);
 
     extern __shared__ unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // swizzle atoms
@@ -74,6 +76,22 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
     u64* empty = full + STAGES;
     float* red = reinterpret_cast<float*>(empty + STAGES);
     __shared__ int s_is_last;
+#ifdef TF_TIMELINE
+    // Debug builds only: per-CTA %globaltimer stamps after the workspace slots (8 a CTA).
+    long long* tl = reinterpret_cast<long long*>(workspace + (size_t)gridDim.x * 2 * MT * L::BN) + blockIdx.x * 8;
+    auto stamp = [&](int i) {
+        if (threadIdx.x == 0) {
+            long long t;
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+            tl[i] = t;
+        }
+    };
+    stamp(0);
+    if (threadIdx.x == 0) { int sm; asm volatile("mov.u32 %0, %%smid;" : "=r"(sm)); tl[7] = sm; }
+#define TF_STAMP(i) stamp(i)
+#else
+#define TF_STAMP(i)
+#endif
 
     const int KS = k / kBK;
     const int tiles = n / BN;
@@ -89,6 +107,7 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
         fence_barrier_init();
     }
     __syncthreads();
+    TF_STAMP(1);
 
     const size_t strip_uint4 = (size_t)(k / 16) * 32;  // one strip's whole k run
     if (warp == CW) {  // producer
@@ -153,6 +172,9 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
 
         for (; u < seg_end; ++u) {
             mbar_wait(&full[s], phase);
+#ifdef TF_TIMELINE
+            if (u == u0) TF_STAMP(2);
+#endif
             const unsigned char* st = smem + s * L::STAGE;
             const uint4* wv = reinterpret_cast<const uint4*>(st + L::X_BYTES + si * L::W_STRIP) + lane;
             uint4 words[RPW];
@@ -178,8 +200,50 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
                 }
             };
             constexpr int ROWS_PER_GROUP = GROUP > 0 && GROUP < kBK ? GROUP / 16 : 8;
+            // One 8-row block (MT = 8, the m <= 8 dispatch) whose RPW k16 rows share one group:
+            // the scales multiply fp32 partial sums instead of the fragments. Per subtile pair j
+            // the rows accumulate unscaled (q - z) x products (the first mma adds to zero), then
+            // one FFMA per accumulator applies the scale: 1 FFMA a word instead of 4 HMUL2, and
+            // no fp16 rounding of q x s. j is the outer loop so only one partial (4 registers)
+            // is live at a time. It needs >= 128 registers a thread: at 96 (5 warps on one SM
+            // sub-partition's 64 KB register file) the x fragments of all RPW rows spill.
+            constexpr bool kAccScale = GROUP > 0 && NB == 1 && GROUP >= 16 * RPW && kRegBudget >= 128;
+            if constexpr (kAccScale) {
+                float scf[8];
+                {
+                    const int offset = (((kw * RPW) / ROWS_PER_GROUP) * BN + si * 64 + g * 8) * 2;
+                    const uint4 v = *reinterpret_cast<const uint4*>(st + L::X_BYTES + L::W_BYTES + offset);
+                    const T* p = reinterpret_cast<const T*>(&v);
 #pragma unroll
-            for (int i = 0; i < RPW; ++i) {
+                    for (int j = 0; j < 8; ++j) scf[j] = to_float(p[j]);
+                }
+                if constexpr (ASYM) load_group((kw * RPW) / ROWS_PER_GROUP);
+                u32 xb[RPW][2];
+#pragma unroll
+                for (int i = 0; i < RPW; ++i) {
+                    const int r16 = kw * RPW + i;
+                    const int chunk = ((r16 & 3) << 1) + x_hi;
+                    ldmatrix_x2(xb[i], st + (r16 >> 2) * L::X_HALF + x_row * 128 + ((chunk ^ (x_row & 7)) << 4));
+                }
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    float part[4];
+#pragma unroll
+                    for (int i = 0; i < RPW; ++i) {
+                        const u32 wj = j == 0 ? words[i].x : j == 1 ? words[i].y : j == 2 ? words[i].z : words[i].w;
+                        u32 f[4];
+                        DQ::run(wj, ASYM ? zs[2 * j] : zsym, ASYM ? zs[2 * j + 1] : zsym, f);
+                        const u32 a[4] = {f[0], f[2], f[1], f[3]};
+                        if (i == 0) Mma<T>::run_c0(part, a, xb[i][0], xb[i][1]);
+                        else Mma<T>::run(part, a, xb[i][0], xb[i][1]);
+                    }
+#pragma unroll
+                    for (int c = 0; c < 4; ++c)  // c0, c1: column g of subtile pair j; c2, c3: g + 8
+                        acc[0][j][c] = fmaf(part[c], scf[2 * j + (c >> 1)], acc[0][j][c]);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < (kAccScale ? 0 : RPW); ++i) {
                 const int r16 = kw * RPW + i;  // k16 row within the stage
                 if constexpr (GROUP > 0 || ASYM) {
                     if (i == 0 || r16 % ROWS_PER_GROUP == 0) load_group(GROUP > 0 && GROUP < kBK ? r16 / ROWS_PER_GROUP : 0);
@@ -229,6 +293,7 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
             if (++s == STAGES) { s = 0; phase ^= 1; }
         }
 
+        TF_STAMP(3);
         // ---- end of this CTA's segment of `tile`: sum the WK warps of each strip (warp kw = 0 keeps it)
         if constexpr (WK > 1) {
             named_barrier_sync(1, CT);  // the previous segment's readers are done with `red`
@@ -285,28 +350,43 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
             named_barrier_sync(1, CT);
             if (s_is_last) {
                 __threadfence();
-                // The last arriver sums the slots in CTA order (deterministic) with every consumer
-                // thread, a float4 of one valid row each, FIX slots' loads in flight at once: the
-                // fixup is a few L2 round trips, not one per slot (a tile spans ~16 CTAs on the
-                // small weights, where a serial chain cost most of the kernel's time).
-                constexpr int FIX = CPS == 2 && ASYM ? 4 : 8;  // 8 spilled 8-16 B at the 96-register budget with zero points
+                // The last arriver sums the slots with every consumer thread, a float4 of one valid
+                // row each. When there are fewer float4s than threads (m = 1: 64 against 128-256),
+                // P adjacent lanes share one: lane p sums slots p, p + P, ... and the P partial sums
+                // meet by shuffles in a fixed order, so the result stays bitwise deterministic.
+                // Up to FIX loads a thread are in flight at once: the fixup is one or two L2 round
+                // trips, not one per slot (a tile spans ~16 CTAs on the small weights).
+                constexpr int FIX = kRegBudget >= 128 && NB == 1 ? 16 : (CPS == 2 && ASYM ? 4 : 8);  // more spill elsewhere
                 const int rows = min(MT, m), nslots = last_b - first_b + 1;
-                for (int e = threadIdx.x; e < rows * (BN / 4); e += CT) {
-                    const int row = e / (BN / 4), c4 = e % (BN / 4);
+                const int elems = rows * (BN / 4);
+                int P = 1;
+                while (P < 32 && elems * P * 2 <= CT) P *= 2;
+                const int p = threadIdx.x % P;
+                for (int e0 = 0; e0 < elems; e0 += CT / P) {  // uniform trip count: shuffles need whole warps
+                    const int e = e0 + threadIdx.x / P;
+                    const bool valid = e < elems;
+                    const int row = valid ? e / (BN / 4) : 0, c4 = e % (BN / 4);
                     float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 1
-                    for (int c0 = 0; c0 < nslots; c0 += FIX) {
+                    for (int c0 = p; c0 < nslots; c0 += FIX * P) {
                         float4 v[FIX];
 #pragma unroll
                         for (int i = 0; i < FIX; ++i)
-                            if (c0 + i < nslots)
-                                v[i] = __ldcg(reinterpret_cast<const float4*>(slot(first_b + c0 + i) + row * BN) + c4);
+                            if (valid && c0 + i * P < nslots)
+                                v[i] = __ldcg(reinterpret_cast<const float4*>(slot(first_b + c0 + i * P) + row * BN) + c4);
 #pragma unroll
                         for (int i = 0; i < FIX; ++i)
-                            if (c0 + i < nslots) {
+                            if (valid && c0 + i * P < nslots) {
                                 sum.x += v[i].x; sum.y += v[i].y; sum.z += v[i].z; sum.w += v[i].w;
                             }
                     }
+                    for (int off = P / 2; off > 0; off >>= 1) {
+                        sum.x += __shfl_down_sync(0xffffffffu, sum.x, off);
+                        sum.y += __shfl_down_sync(0xffffffffu, sum.y, off);
+                        sum.z += __shfl_down_sync(0xffffffffu, sum.z, off);
+                        sum.w += __shfl_down_sync(0xffffffffu, sum.w, off);
+                    }
+                    if (!valid || p != 0) continue;
                     const int col = tile * BN + 4 * c4;
                     float r[4] = {sum.x, sum.y, sum.z, sum.w};
 #pragma unroll
@@ -342,4 +422,6 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
                 }
         }
     }
+    TF_STAMP(4);
+#undef TF_STAMP
 }
