@@ -356,7 +356,8 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
                 // meet by shuffles in a fixed order, so the result stays bitwise deterministic.
                 // Up to FIX loads a thread are in flight at once: the fixup is one or two L2 round
                 // trips, not one per slot (a tile spans ~16 CTAs on the small weights).
-                constexpr int FIX = kRegBudget >= 128 && NB == 1 ? 16 : (CPS == 2 && ASYM ? 4 : 8);  // more spill elsewhere
+                // 16 only where registers allow (128-register, 8-row builds); 8 spilled at 96 with zero points.
+                constexpr int FIX = kRegBudget >= 128 && NB == 1 ? 16 : (CPS == 2 && ASYM ? 4 : 8);
                 const int rows = min(MT, m), nslots = last_b - first_b + 1;
                 const int elems = rows * (BN / 4);
                 int P = 1;
