@@ -350,44 +350,28 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
             named_barrier_sync(1, CT);
             if (s_is_last) {
                 __threadfence();
-                // The last arriver sums the slots with every consumer thread, a float4 of one valid
-                // row each. When there are fewer float4s than threads (m = 1: 64 against 128-256),
-                // P adjacent lanes share one: lane p sums slots p, p + P, ... and the P partial sums
-                // meet by shuffles in a fixed order, so the result stays bitwise deterministic.
-                // Up to FIX loads a thread are in flight at once: the fixup is one or two L2 round
-                // trips, not one per slot (a tile spans ~16 CTAs on the small weights).
-                // 16 only where registers allow (128-register, 8-row builds); 8 spilled at 96 with zero points.
-                constexpr int FIX = kRegBudget >= 128 && NB == 1 ? 16 : (CPS == 2 && ASYM ? 4 : 8);
+                // The last arriver sums the slots in CTA order (deterministic) with every consumer
+                // thread, a float4 of one valid row each, FIX slots' loads in flight at once: the
+                // fixup is a few L2 round trips, not one per slot (a tile spans ~16 CTAs on the
+                // small weights, where a serial chain cost most of the kernel's time).
+                constexpr int FIX = CPS == 2 && ASYM ? 4 : 8;  // 8 spilled 8-16 B at the 96-register budget with zero points
                 const int rows = min(MT, m), nslots = last_b - first_b + 1;
-                const int elems = rows * (BN / 4);
-                int P = 1;
-                while (P < 32 && elems * P * 2 <= CT) P *= 2;
-                const int p = threadIdx.x % P;
-                for (int e0 = 0; e0 < elems; e0 += CT / P) {  // uniform trip count: shuffles need whole warps
-                    const int e = e0 + threadIdx.x / P;
-                    const bool valid = e < elems;
-                    const int row = valid ? e / (BN / 4) : 0, c4 = e % (BN / 4);
+                for (int e = threadIdx.x; e < rows * (BN / 4); e += CT) {
+                    const int row = e / (BN / 4), c4 = e % (BN / 4);
                     float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 1
-                    for (int c0 = p; c0 < nslots; c0 += FIX * P) {
+                    for (int c0 = 0; c0 < nslots; c0 += FIX) {
                         float4 v[FIX];
 #pragma unroll
                         for (int i = 0; i < FIX; ++i)
-                            if (valid && c0 + i * P < nslots)
-                                v[i] = __ldcg(reinterpret_cast<const float4*>(slot(first_b + c0 + i * P) + row * BN) + c4);
+                            if (c0 + i < nslots)
+                                v[i] = __ldcg(reinterpret_cast<const float4*>(slot(first_b + c0 + i) + row * BN) + c4);
 #pragma unroll
                         for (int i = 0; i < FIX; ++i)
-                            if (valid && c0 + i * P < nslots) {
+                            if (c0 + i < nslots) {
                                 sum.x += v[i].x; sum.y += v[i].y; sum.z += v[i].z; sum.w += v[i].w;
                             }
                     }
-                    for (int off = P / 2; off > 0; off >>= 1) {
-                        sum.x += __shfl_down_sync(0xffffffffu, sum.x, off);
-                        sum.y += __shfl_down_sync(0xffffffffu, sum.y, off);
-                        sum.z += __shfl_down_sync(0xffffffffu, sum.z, off);
-                        sum.w += __shfl_down_sync(0xffffffffu, sum.w, off);
-                    }
-                    if (!valid || p != 0) continue;
                     const int col = tile * BN + 4 * c4;
                     float r[4] = {sum.x, sum.y, sum.z, sum.w};
 #pragma unroll
