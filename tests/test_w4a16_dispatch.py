@@ -48,11 +48,14 @@ def test_hopper_dispatch_is_consistent():
 def test_skinny_dispatch_follows_the_sweep():
     """Where the H200 sweeps measured the skinny kernel ahead (docs/w4a16.md), and where not."""
     pick = lambda m, n, k: ops.choose_config(m, n, k, 132, 90)  # noqa: E731
-    assert isinstance(pick(1, 10240, 8192), ops.SkinnyConfig)    # mma.sync grid: 280 CTAs on 264 slots
-    assert isinstance(pick(4, 57344, 8192), ops.SkinnyConfig)
-    assert pick(1, 57344, 8192).wk == 1 and pick(8, 57344, 8192).wk == 2  # one warp a strip up to m = 4
-    assert isinstance(pick(1, 8192, 8192), ops.GemmConfig)       # 256 CTAs: the mma.sync kernel's shorter ramp wins
-    assert isinstance(pick(1, 4096, 4096), ops.GemmConfig)
+    for n, k in ((10240, 8192), (57344, 8192), (8192, 8192), (8192, 28672), (4096, 14336), (28672, 4096),
+                 (6144, 4096)):
+        for m in (1, 2, 4, 8):
+            assert isinstance(pick(m, n, k), ops.SkinnyConfig), (m, n, k)
+    assert pick(1, 57344, 8192).wk == 1 and pick(2, 57344, 8192).wk == 1  # one warp a strip up to m = 2
+    assert pick(4, 57344, 8192).ctas_per_sm == 1 and pick(8, 8192, 28672).wk == 2
+    assert isinstance(pick(1, 4096, 4096), ops.GemmConfig)       # the smallest weight: the mma.sync kernel's ramp
+    assert isinstance(pick(8, 4096, 4096), ops.SkinnyConfig)
     for n, k in ((4096, 4096), (4096, 14336), (8192, 8192), (6144, 4096), (10240, 8192),
                  (8192, 28672), (57344, 8192)):  # the wgmma kernel from m = 9 (skinny sweep at m = 16)
         for m in (9, 16):

@@ -185,7 +185,8 @@ def test_skinny_groups_zero_points_dtypes(group, sym, dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_skinny_fixup_many_slots(dtype):
     """One tile split over up to 64 CTAs: the last arriver's fixup sums more slots than it has loads
-    in flight (several batches), with 2-4 lanes sharing a float4 at m = 1-2 (shuffle reduction)."""
+    in flight (several batches); run by the finisher warp mid-stream or by the consumers at the
+    end, whichever segment happens to arrive last."""
     q, p = _case(8192, 256, 128, True, dtype)
     for cfg in (ops.SkinnyConfig(8, 4, 2, 4, 2), ops.SkinnyConfig(8, 4, 1, 4, 2)):
         for m in (1, 2, 8):

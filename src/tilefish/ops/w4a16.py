@@ -248,7 +248,9 @@ class SkinnyConfig:
         self.check_smem(32, True)  # the heaviest format (4 scale and 4 zero-point rows a stage)
 
     def smem_limit(self) -> int:
-        return 227 * 1024 if self.ctas_per_sm == 1 else 113 * 1024  # 228 KiB an SM, 1 KiB reserved a CTA
+        # 228 KiB an SM, 1 KiB reserved a CTA, and the kernel's static __shared__ (< 256 B: the finisher's
+        # hand-off records and barriers) beside the dynamic bytes counted here.
+        return (227 * 1024 if self.ctas_per_sm == 1 else 113 * 1024) - 256
 
     def check_smem(self, group_size: int, asym: bool) -> None:
         need = self.smem_bytes(group_size, asym)
@@ -267,7 +269,7 @@ class SkinnyConfig:
 
     @property
     def threads(self) -> int:
-        return (self.ns * self.wk + 1) * 32
+        return (self.ns * self.wk + 2) * 32  # consumers, the producer warp, the finisher warp
 
     def label(self) -> str:
         return f"sk-m{self.mt}n{self.bn}w{self.wk}s{self.stages}x{self.ctas_per_sm}"
@@ -304,7 +306,7 @@ SKINNY_CONFIGS = [SkinnyConfig(8, 4, 2, 4, 2), SkinnyConfig(8, 4, 1, 4, 2), Skin
                   SkinnyConfig(16, 4, 1, 4, 2), SkinnyConfig(16, 2, 2, 6, 2), SkinnyConfig(16, 4, 2, 8, 1),
                   SkinnyConfig(16, 2, 4, 8, 1), SkinnyConfig(32, 4, 2, 6, 1), SkinnyConfig(32, 2, 4, 8, 1)]
 
-# sm_90 dispatch. m <= 8: the mma.sync swap kernel or the skinny kernel (choose_skinny_config).
+# sm_90 dispatch. m <= 8: the skinny kernel (choose_skinny_config), on the smallest weights the mma.sync swap kernel.
 # From m = 9 (HOPPER_MIN_M) below MODEL_MAX_M, the (wgmma configuration, k split or stream-K) plan
 # of least predicted time under HOPPER_TIME_MODEL; from MODEL_MAX_M up, the older per-range rule (_choose_hopper_config), which the
 # model's sweep does not cover.
@@ -446,37 +448,25 @@ def choose_hopper_slices(cfg: HopperConfig, m: int, n: int, k: int, sm_count: in
     return _rule_slices(cfg, (n // cfg.bn) * -(-m // cfg.mt), k, sm_count)
 
 
-# The skinny kernel on sm_90 (H200 sweeps, scripts/sweep_w4a16_skinny.py, docs/w4a16.md). m <= 8:
-# where a time model says the mma.sync kernel's grid quantizes badly; its fitted constants (us,
-# bytes / s): skinny 13.5 + weight bytes / 4.3e12, mma.sync 8 + bytes / 3.9e12 / wave efficiency.
-# From m = 9 the wgmma kernel's 16-row tiles with a k split or stream-K win every benchmark shape
-# (w4a16_skinny_sweep_*.json at m = 16: by 3-35%, the largest at k 28672 x n 8192).
+# The skinny kernel on sm_90 (H200 sweeps, scripts/sweep_w4a16_skinny.py, docs/w4a16.md). Since the
+# finisher warp (bench/results/h200/w4a16_skinny_sweep_fp16_g128.json) it beats the mma.sync kernel
+# at m <= 8 on every benchmark shape but the smallest weight at m <= 2 (k 4096 x n 4096: 11.0 against
+# 11.7 us; the mma.sync kernel's ramp is shorter), by 4-30% (k 8192 x n 10240, whose mma.sync grid
+# quantizes badly). The old time model (mma.sync wave efficiency) misjudged the small shapes.
 SKINNY_MAX_M = 8
-
-
-def _mma_wave_efficiency(m: int, n: int, k: int, sm_count: int) -> float:
-    cfg = choose_mma_config(m, n, k, sm_count)
-    tiles = (n // cfg.bn) * -(-m // cfg.bm)
-    ctas = tiles * choose_slices(tiles, k // BK, sm_count)
-    slots = 2 * sm_count  # 16-row tiles: two CTAs an SM
-    return ctas / (-(-ctas // slots) * slots)
+SKINNY_MMA_MAX_NK = 4096 * 4096  # at most this many weights and m <= 2: the mma.sync kernel
 
 
 def choose_skinny_config(m: int, n: int, k: int, sm_count: int) -> SkinnyConfig | None:
     """The stream-K kernel's configuration where it is expected to win on sm_90, else None."""
-    if m > SKINNY_MAX_M or n % 128:
+    if m > SKINNY_MAX_M or n % 128 or (m <= 2 and n * k <= SKINNY_MMA_MAX_NK):
         return None
-    wide = n % 256 == 0
-    weight_bytes = n * k / 2
-    t_skinny = 13.5 + weight_bytes / 4.3e6
-    t_mma = 8.0 + weight_bytes / 3.9e6 / _mma_wave_efficiency(m, n, k, sm_count)
-    if t_skinny >= t_mma:
-        return None
-    if not wide:
+    if n % 256:
         return SkinnyConfig(8, 2, 4, 8, 2)
-    # m <= 4: one warp a strip (128 registers: group scales on the fp32 partial sums, 16 fixup loads
-    # in flight), 2-11% ahead of two warps a strip at m = 1 on the n % 256 shapes; at m = 8 behind.
-    return SkinnyConfig(8, 4, 1, 4, 2) if m <= 4 else SkinnyConfig(8, 4, 2, 4, 2)
+    # m <= 2: one warp a strip, two CTAs an SM (128 registers: group scales on the fp32 partial
+    # sums); m = 3-8: two warps a strip with one CTA of 8 stages an SM (the m = 4 / 8 best on 7 of
+    # the 8 shapes of the sweep, 1-9% ahead of the two-CTA configuration).
+    return SkinnyConfig(8, 4, 1, 4, 2) if m <= 2 else SkinnyConfig(8, 4, 2, 8, 1)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -12,18 +12,23 @@
 // CTAs is finished by whichever of them arrives last (fp32 partials, summed in CTA order, so the
 // result is bitwise deterministic); no CTA ever waits for another.
 //
-// Roles: the last warp is the producer; one thread issues, per stage, two TMA boxes of x (MT x 64,
-// 128-byte swizzle, rows past m zero-filled), one 4 KB bulk copy per strip (8 k16 rows x 512 B,
-// contiguous in the strip-major packed layout) and the stage's scale / zero-point rows, all
-// counted in by the stage's full mbarrier. The other NS x WK warps consume: warp (strip si, kw)
-// takes k16 rows kw*8/WK .. of strip si, dequantizes each 32-bit word with lop3 into the A
-// fragment of mma.m16n8k16 (16 output columns x 16 k; gemm.cu's swap path) and multiplies it by
-// x^T (16 k x 8 rows of x, ldmatrix from the swizzled box) for each 8-row block of the m tile.
-// The deep ring (STAGES x NS x 4 KB per CTA, 2 CTAs per SM) keeps ~100+ KB per SM in flight.
+// Roles: the NS x WK consumer warps, then the producer warp, then the finisher warp. The
+// producer's one thread issues, per stage, two TMA boxes of x (MT x 64, 128-byte swizzle, rows
+// past m zero-filled), one 4 KB bulk copy per strip (8 k16 rows x 512 B, contiguous in the
+// strip-major packed layout) and the stage's scale / zero-point rows, all counted in by the
+// stage's full mbarrier. Consumer warp (strip si, kw) takes k16 rows kw*8/WK .. of strip si,
+// dequantizes each 32-bit word with lop3 into the A fragment of mma.m16n8k16 (16 output columns
+// x 16 k; gemm.cu's swap path) and multiplies it by x^T (16 k x 8 rows of x, ldmatrix from the
+// swizzled box) for each 8-row block of the m tile. The deep ring (STAGES x NS x 4 KB per CTA,
+// 2 CTAs per SM) keeps ~100+ KB per SM in flight.
 //
 // At the end of a tile's segment the WK warps of a strip are summed through shared memory; the
-// segment is either the whole tile (epilogue straight to y) or a partial (workspace slot
-// (b, first or last segment of b), then the tile counter; the last arriver sums and stores).
+// segment is either the whole tile (epilogue straight to y) or a partial: the consumers store it
+// to a workspace slot (b, first or last segment of b) and hand it to the finisher warp, which
+// does the fence and the tile counter (the last arriver sums the slots and stores) while the
+// consumers go on streaming. Done by the consumers themselves, those round trips stalled them
+// mid-stream with the ring full: the per-CTA timeline's "stragglers" (k 28672 x n 8192, m = 1:
+// main loops ending up to 7 us after the median; 43 -> 36.5 us with the finisher).
 #include "common/hopper.cuh"
 #include "w4a16/dequant.cuh"
 
@@ -51,8 +56,9 @@ struct Layout {
 }  // namespace w4s
 
 // CPS: CTAs per SM the launch plans for (the register budget: 2 x 9 warps leave 96 a thread).
+// counters: one per tile, left at zero after every launch.
 template <typename T, int MT, int NS, int WK, int STAGES, int CPS, int GROUP, bool ASYM>
-__global__ void __launch_bounds__((NS * WK + 1) * 32, CPS)
+__global__ void __launch_bounds__((NS * WK + 2) * 32, CPS)
 w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__ w, const T* __restrict__ scales,
              const T* __restrict__ zeros, const T* __restrict__ bias, T* __restrict__ out,
              float* __restrict__ workspace, int* __restrict__ counters, int m, int n, int k) {
@@ -68,48 +74,142 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
     constexpr int NB = MT / 8;                 // 8-row blocks of x
     constexpr int BN = L::BN, ACC = L::ACC;
     // Registers a thread gets: one SM sub-partition's 16 K registers over the warps it hosts.
-    constexpr int kRegBudget = 16384 / (((CPS * (CW + 1) + 3) / 4) * 32);
+    constexpr int kRegBudget = 16384 / (((CPS * (CW + 2) + 3) / 4) * 32);
 
     extern __shared__ unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // swizzle atoms
     u64* full = reinterpret_cast<u64*>(smem + STAGES * L::STAGE);
     u64* empty = full + STAGES;
     float* red = reinterpret_cast<float*>(empty + STAGES);
-    __shared__ int s_is_last;
-#ifdef TF_TIMELINE
-    // Debug builds only: per-CTA %globaltimer stamps after the workspace slots (8 a CTA).
-    long long* tl = reinterpret_cast<long long*>(workspace + (size_t)gridDim.x * 2 * MT * L::BN) + blockIdx.x * 8;
-    auto stamp = [&](int i) {
-        if (threadIdx.x == 0) {
-            long long t;
-            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-            tl[i] = t;
-        }
-    };
-    stamp(0);
-    if (threadIdx.x == 0) { int sm; asm volatile("mov.u32 %0, %%smid;" : "=r"(sm)); tl[7] = sm; }
-#define TF_STAMP(i) stamp(i)
-#else
-#define TF_STAMP(i)
-#endif
+    // Consumers -> finisher hand-off of finished partial segments (a ring of 2): (tile or -1, final).
+    __shared__ int2 s_seg[2];
+    __shared__ __align__(8) u64 seg_full[2], seg_empty[2], fix_ready;
+    __shared__ int s_fix_tile;  // finisher -> consumers: the tile whose fixup they run at the end, or -1
 
     const int KS = k / kBK;
     const int tiles = n / BN;
     const int units = tiles * KS, ctas = gridDim.x, b = blockIdx.x;
     const int u0 = unit_begin(b, units, ctas), u1 = unit_begin(b + 1, units, ctas);
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+#ifdef TF_TIMELINE
+    // Debug builds only: per-CTA %globaltimer stamps after the workspace slots (8 a CTA).
+    long long* tl = reinterpret_cast<long long*>(workspace + (size_t)ctas * 2 * MT * L::BN) + blockIdx.x * 8;
+    auto stamp = [&](int i) {
+        long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        tl[i] = t;
+    };
+    if (threadIdx.x == 0) stamp(0);
+    if (threadIdx.x == 0) { int sm; asm volatile("mov.u32 %0, %%smid;" : "=r"(sm)); tl[7] = sm; }
+#define TF_STAMP(i) if (threadIdx.x == 0) stamp(i)
+#else
+#define TF_STAMP(i)
+#endif
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(&full[s], 1);
             mbar_init(&empty[s], CW);  // every consumer warp
         }
+        for (int i = 0; i < 2; ++i) {
+            mbar_init(&seg_full[i], CW);
+            mbar_init(&seg_empty[i], 1);
+        }
+        mbar_init(&fix_ready, 1);
         fence_barrier_init();
     }
     __syncthreads();
     TF_STAMP(1);
 
+    // Workspace slots: CTA c's first segment in slot 2 c, its last in 2 c + 1 (middle tiles are whole).
+    // A slot is the tile's valid rows, row-major MT x BN fp32: rows past m are neither written nor
+    // read (at m = 1 that is 1/8 of an 8-row tile).
+    auto slot_ptr = [&](int c, int which) { return workspace + ((size_t)c * 2 + which) * (MT * BN); };
+    // The fixup of a split tile, by `nthr` threads from `tid`: the last arriver sums the slots of the
+    // tile's CTAs in CTA order (bitwise deterministic), a float4 of one valid row a thread, FIX
+    // slots' loads in flight at once (a few L2 round trips, not one a slot), then scales / bias / store.
+    auto fixup = [&](int tile, int tid, int nthr) {
+        constexpr int FIX = CPS == 2 && ASYM ? 4 : 8;  // 8 spilled 8-16 B at the 96-register budget with zero points
+        const int first_c = cta_of_unit(tile * KS, units, ctas);
+        const int nslots = cta_of_unit((tile + 1) * KS - 1, units, ctas) - first_c + 1;
+        // Only the first CTA can have started in the tile before (then this is its last segment).
+        const bool first_split = unit_begin(first_c, units, ctas) < tile * KS;
+        const int rows = min(MT, m);
+        for (int e = tid; e < rows * (BN / 4); e += nthr) {
+            const int row = e / (BN / 4), c4 = e % (BN / 4);
+            float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 1
+            for (int c0 = 0; c0 < nslots; c0 += FIX) {
+                float4 v[FIX];
+#pragma unroll
+                for (int i = 0; i < FIX; ++i)
+                    if (c0 + i < nslots)
+                        v[i] = __ldcg(reinterpret_cast<const float4*>(
+                                   slot_ptr(first_c + c0 + i, c0 + i == 0 && first_split) + row * BN) + c4);
+#pragma unroll
+                for (int i = 0; i < FIX; ++i)
+                    if (c0 + i < nslots) {
+                        sum.x += v[i].x; sum.y += v[i].y; sum.z += v[i].z; sum.w += v[i].w;
+                    }
+            }
+            const int col = tile * BN + 4 * c4;
+            float r[4] = {sum.x, sum.y, sum.z, sum.w};
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                if constexpr (GROUP == 0) r[q] *= to_float(scales[col + q]);
+                if (bias != nullptr) r[q] += to_float(bias[col + q]);
+            }
+            typename V2::type* o = reinterpret_cast<typename V2::type*>(out + (size_t)row * n + col);
+            o[0] = V2::make(r[0], r[1]);
+            o[1] = V2::make(r[2], r[3]);
+        }
+    };
+
     const size_t strip_uint4 = (size_t)(k / 16) * 32;  // one strip's whole k run
+    if (warp == CW + 1) {
+        // The finisher: takes each finished partial segment off the consumers' hands (the fence and
+        // the tile counter's round trips, which would otherwise stall the consumers while the ring
+        // sits full) and, for a tile whose last segment it sees, runs the fixup. For the consumers'
+        // final segment it does not: they are idle by then, so they get the tile back and run the
+        // fixup with all their threads (the one fixup on the kernel's critical path).
+        int hs = 0;
+        u32 hph = 0;
+        while (true) {
+            mbar_wait(&seg_full[hs], hph);
+            const int2 rec = s_seg[hs];
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&seg_empty[hs]);
+            if (++hs == 2) { hs = 0; hph ^= 1; }
+            bool last = false;
+            if (rec.x >= 0) {
+                const int tile = rec.x;
+                int is_last = 0;
+                if (lane == 0) {
+                    __threadfence();
+                    const int span = cta_of_unit((tile + 1) * KS - 1, units, ctas) - cta_of_unit(tile * KS, units, ctas);
+                    is_last = atomic_add_acq_rel(counters + tile, 1) == span;
+                }
+                last = __shfl_sync(0xffffffffu, is_last, 0) != 0;
+                if (last && !rec.y) {
+                    __threadfence();
+                    fixup(tile, lane, 32);
+                    __syncwarp();
+                    if (lane == 0) store_relaxed(counters + tile, 0);  // all segments are in: reset for the next launch
+                }
+            }
+            if (rec.y) {  // the consumers' final record: tell them whether the fixup is theirs
+                if (lane == 0) {
+                    s_fix_tile = last ? rec.x : -1;
+                    mbar_arrive(&fix_ready);
+                }
+                break;
+            }
+        }
+#ifdef TF_TIMELINE
+        if (lane == 0) stamp(4);
+#endif
+        return;
+    }
     if (warp == CW) {  // producer
         if (lane == 0) {
             tma_prefetch_desc(&tma_x);
@@ -159,10 +259,30 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
     float acc[NB][4][4];
     int s = 0;
     u32 phase = 0;
+    int hs = 0;
+    u32 hph = 0;
+    bool handed_final = false;
+    // Hand a record to the finisher (every consumer warp arrives; warp 0 writes it).
+    auto hand_off = [&](int tile, int final) {
+        __syncwarp();  // this warp's slot stores come before its arrive (release)
+        if (lane == 0) {
+            mbar_wait(&seg_empty[hs], hph ^ 1);
+            if (warp == 0) s_seg[hs] = make_int2(tile, final);
+            mbar_arrive(&seg_full[hs]);
+        }
+        __syncwarp();
+        if (++hs == 2) { hs = 0; hph ^= 1; }
+        handed_final = final != 0;
+    };
+#ifdef TF_TIMELINE
+    bool first_stage = true;
+#endif
+    // One segment (this CTA's units within one tile) per round.
     int u = u0;
     while (u < u1) {
         const int tile = u / KS;
         const int seg_begin = u, seg_end = min(u1, (tile + 1) * KS);
+        const bool final = seg_end == u1;
 #pragma unroll
         for (int a = 0; a < NB; ++a)
 #pragma unroll
@@ -173,7 +293,8 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
         for (; u < seg_end; ++u) {
             mbar_wait(&full[s], phase);
 #ifdef TF_TIMELINE
-            if (u == u0) TF_STAMP(2);
+            if (first_stage) TF_STAMP(2);
+            first_stage = false;
 #endif
             const unsigned char* st = smem + s * L::STAGE;
             const uint4* wv = reinterpret_cast<const uint4*>(st + L::X_BYTES + si * L::W_STRIP) + lane;
@@ -293,7 +414,6 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
             if (++s == STAGES) { s = 0; phase ^= 1; }
         }
 
-        TF_STAMP(3);
         // ---- end of this CTA's segment of `tile`: sum the WK warps of each strip (warp kw = 0 keeps it)
         if constexpr (WK > 1) {
             named_barrier_sync(1, CT);  // the previous segment's readers are done with `red`
@@ -323,17 +443,8 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
 
         const bool whole = seg_begin == tile * KS && seg_end == (tile + 1) * KS;
         if (!whole) {
-            // Partial: slot 0 holds a CTA's first segment, slot 1 its last (middle tiles are whole).
-            // A slot is the tile's valid rows, row-major MT x BN fp32: rows past m are neither
-            // written nor read (at m = 1 that is 1/8 of an 8-row tile).
-            const int first_b = cta_of_unit(tile * KS, units, ctas);
-            const int last_b = cta_of_unit((tile + 1) * KS - 1, units, ctas);
-            auto slot = [&](int cb) {
-                const int which = unit_begin(cb, units, ctas) / KS == tile ? 0 : 1;
-                return workspace + ((size_t)cb * 2 + which) * (MT * BN);
-            };
             if (kw == 0) {
-                float* dst = slot(b) + si * 64;
+                float* dst = slot_ptr(b, seg_begin == u0 ? 0 : 1) + si * 64;
 #pragma unroll
                 for (int a = 0; a < NB; ++a)
 #pragma unroll
@@ -344,47 +455,7 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
                             if (row < m) __stcg(dst + row * BN + 16 * j + g + 8 * (c >> 1), acc[a][j][c]);
                         }
             }
-            __threadfence();
-            named_barrier_sync(1, CT);
-            if (threadIdx.x == 0) s_is_last = atomic_add_acq_rel(counters + tile, 1) == last_b - first_b;
-            named_barrier_sync(1, CT);
-            if (s_is_last) {
-                __threadfence();
-                // The last arriver sums the slots in CTA order (deterministic) with every consumer
-                // thread, a float4 of one valid row each, FIX slots' loads in flight at once: the
-                // fixup is a few L2 round trips, not one per slot (a tile spans ~16 CTAs on the
-                // small weights, where a serial chain cost most of the kernel's time).
-                constexpr int FIX = CPS == 2 && ASYM ? 4 : 8;  // 8 spilled 8-16 B at the 96-register budget with zero points
-                const int rows = min(MT, m), nslots = last_b - first_b + 1;
-                for (int e = threadIdx.x; e < rows * (BN / 4); e += CT) {
-                    const int row = e / (BN / 4), c4 = e % (BN / 4);
-                    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 1
-                    for (int c0 = 0; c0 < nslots; c0 += FIX) {
-                        float4 v[FIX];
-#pragma unroll
-                        for (int i = 0; i < FIX; ++i)
-                            if (c0 + i < nslots)
-                                v[i] = __ldcg(reinterpret_cast<const float4*>(slot(first_b + c0 + i) + row * BN) + c4);
-#pragma unroll
-                        for (int i = 0; i < FIX; ++i)
-                            if (c0 + i < nslots) {
-                                sum.x += v[i].x; sum.y += v[i].y; sum.z += v[i].z; sum.w += v[i].w;
-                            }
-                    }
-                    const int col = tile * BN + 4 * c4;
-                    float r[4] = {sum.x, sum.y, sum.z, sum.w};
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) {
-                        if constexpr (GROUP == 0) r[q] *= to_float(scales[col + q]);
-                        if (bias != nullptr) r[q] += to_float(bias[col + q]);
-                    }
-                    typename V2::type* o = reinterpret_cast<typename V2::type*>(out + (size_t)row * n + col);
-                    o[0] = V2::make(r[0], r[1]);
-                    o[1] = V2::make(r[2], r[3]);
-                }
-                if (threadIdx.x == 0) store_relaxed(counters + tile, 0);  // all segments are in: reset for the next launch
-            }
+            hand_off(tile, final);
             continue;
         }
         // Epilogue: acc[a][j][c] is y[8 a + 2 t + (c & 1), column 16 j + g + 8 (c >> 1) of the strip].
@@ -406,7 +477,17 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
                         }
                 }
         }
+        if (final) hand_off(-1, 1);  // the final segment was whole: the finisher still needs the end
     }
-    TF_STAMP(4);
+    if (!handed_final) hand_off(-1, 1);  // no units at all (the launcher never makes such a CTA)
+    TF_STAMP(3);
+    // The fixup of the tile the CTA's final segment completed, with every consumer thread.
+    mbar_wait(&fix_ready, 0);
+    const int fix_tile = s_fix_tile;
+    if (fix_tile >= 0) {
+        __threadfence();
+        fixup(fix_tile, threadIdx.x, CT);
+        if (threadIdx.x == 0) store_relaxed(counters + fix_tile, 0);  // all segments are in: reset for the next launch
+    }
 #undef TF_STAMP
 }
