@@ -44,7 +44,9 @@
 //     staging buffer (4 instructions a thread), then one thread hands the box to the TMA unit and
 //     the consumer moves on. Two 8 KB buffers a consumer, so writing box i overlaps the TMA's read
 //     of box i - 1; the TMA clips rows and columns past M and N. Needs N % 8 == 0 (16-byte rows of
-//     C for the tensor map); the launcher falls back to TMA_STORE = 0 otherwise.
+//     C for the tensor map); the launcher falls back to TMA_STORE = 0 otherwise. Cooperative
+//     consumers pack the tile to 16 bits and store it during the next tile's first stage of
+//     wgmmas (a deferred epilogue), so their tensor-core idle time per tile is the pack only.
 #include "common/wgmma.cuh"
 #include "hgemm/epilogue.cuh"
 
@@ -164,6 +166,46 @@ hgemm_wgmma(const __grid_constant__ tf::TmaDesc tma_a, const __grid_constant__ t
         const int c = wg - 1;
         const int lane = threadIdx.x & 31, warp_in_wg = (threadIdx.x / 32) & 3;
         float acc[MI][BN / 2];
+        // The TMA-store epilogue works from the accumulators packed to 16 bits. Cooperative
+        // consumers (DEFER) keep them packed and store them while the next tile's first stage of
+        // wgmmas runs: both consumers stop issuing wgmma for their epilogue in this schedule, and
+        // storing takes ~2% of a 4096^3 tile's time (128 + 64 registers fit in the 232 a consumer has).
+        constexpr bool DEFER = TMA_STORE && !PINGPONG;
+        u32 packed[MI][BN / 4];
+        int pend_m0 = -1, pend_n0 = 0;
+        auto store_packed = [&](int m0, int n0) {
+            // Box i (64 rows of row block mi x 64 columns) goes to buffer i % 2. Before writing a
+            // buffer, its previous box (the one before last, possibly of the previous tile) must
+            // have been read by the TMA unit: at most one group may still be reading.
+            unsigned char* stage_c = staging + c * STAGING;
+            const bool issuer = (threadIdx.x & 127) == 0;
+            const u32 bar_id = 2 + c;  // named barrier of this consumer's 128 threads (0: __syncthreads)
+            // stmatrix x4 lane roles: matrix q = lane / 8 (rows +8 (q & 1), column block +(q >> 1)),
+            // row lane % 8 of it; 128-byte swizzle: 16-byte chunk j of row r sits at j ^ (r % 8).
+            const int q = lane >> 3, r = warp_in_wg * 16 + (lane & 7) + 8 * (q & 1);
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+                for (int cb = 0; cb < BN / 64; ++cb) {
+                    unsigned char* buf = stage_c + ((mi * (BN / 64) + cb) & 1) * (64 * 64 * 2);
+                    if (issuer) tf::bulk_wait_group_read<1>();
+                    tf::named_barrier_sync(bar_id, 128);
+#pragma unroll
+                    for (int jp = 0; jp < 4; ++jp) {  // column blocks 2 jp, 2 jp + 1 of the box
+                        const u32* p = &packed[mi][2 * (8 * cb + 2 * jp)];
+                        const u32 regs[4] = {p[0], p[1], p[2], p[3]};
+                        tf::stmatrix_x4(buf + r * 128 + (((2 * jp + (q >> 1)) ^ (r & 7)) << 4), regs);
+                    }
+                    tf::fence_proxy_async_smem();  // generic-proxy writes -> visible to the TMA read
+                    tf::named_barrier_sync(bar_id, 128);
+                    if (issuer) {
+                        const int row = m0 + (PINGPONG ? mi * 64 : c * 64);
+                        tf::tma_store_2d(&tma_c, buf, n0 + 64 * cb, row);
+                        tf::bulk_commit_group();
+                    }
+                }
+            }
+        };
         auto release = [&](int stage) {  // this warp no longer reads `stage`: tell every producer
             if (lane == 0) {
                 if constexpr (CLUSTER == 1) {
@@ -211,6 +253,12 @@ hgemm_wgmma(const __grid_constant__ tf::TmaDesc tma_a, const __grid_constant__ t
                     }
                 }
                 tf::wgmma_commit();
+                if constexpr (DEFER) {
+                    if (kt == 0 && pend_m0 >= 0) {  // the previous tile's stores, under this stage's wgmmas
+                        store_packed(pend_m0, pend_n0);
+                        pend_m0 = -1;
+                    }
+                }
                 tf::wgmma_wait<1>();          // stage kt-1's wgmmas are done (kt's may still run) ...
                 if (prev >= 0) release(prev);  // ... so its smem goes back to the producer(s)
                 prev = s;
@@ -219,37 +267,15 @@ hgemm_wgmma(const __grid_constant__ tf::TmaDesc tma_a, const __grid_constant__ t
             tf::wgmma_wait<0>();
             if (prev >= 0) release(prev);
             if constexpr (TMA_STORE) {
-                // Box i (64 rows of row block mi x 64 columns) goes to buffer i % 2. Before writing a
-                // buffer, its previous box (the one before last, possibly of the previous tile) must
-                // have been read by the TMA unit: at most one group may still be reading.
-                unsigned char* stage_c = staging + c * STAGING;
-                const bool issuer = (threadIdx.x & 127) == 0;
-                const u32 bar_id = 2 + c;  // named barrier of this consumer's 128 threads (0: __syncthreads)
-                // stmatrix x4 lane roles: matrix q = lane / 8 (rows +8 (q & 1), column block +(q >> 1)),
-                // row lane % 8 of it; 128-byte swizzle: 16-byte chunk j of row r sits at j ^ (r % 8).
-                const int q = lane >> 3, r = warp_in_wg * 16 + (lane & 7) + 8 * (q & 1);
 #pragma unroll
-                for (int mi = 0; mi < MI; ++mi) {
+                for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-                    for (int cb = 0; cb < BN / 64; ++cb) {
-                        unsigned char* buf = stage_c + ((mi * (BN / 64) + cb) & 1) * (64 * 64 * 2);
-                        if (issuer) tf::bulk_wait_group_read<1>();
-                        tf::named_barrier_sync(bar_id, 128);
-#pragma unroll
-                        for (int jp = 0; jp < 4; ++jp) {  // column blocks 2 jp, 2 jp + 1 of the box
-                            const float* f = &acc[mi][4 * (8 * cb + 2 * jp)];
-                            const u32 regs[4] = {hg::Conv<T>::pack(f[0], f[1]), hg::Conv<T>::pack(f[2], f[3]),
-                                                 hg::Conv<T>::pack(f[4], f[5]), hg::Conv<T>::pack(f[6], f[7])};
-                            tf::stmatrix_x4(buf + r * 128 + (((2 * jp + (q >> 1)) ^ (r & 7)) << 4), regs);
-                        }
-                        tf::fence_proxy_async_smem();  // generic-proxy writes -> visible to the TMA read
-                        tf::named_barrier_sync(bar_id, 128);
-                        if (issuer) {
-                            const int row = m0 + (PINGPONG ? mi * 64 : c * 64);
-                            tf::tma_store_2d(&tma_c, buf, n0 + 64 * cb, row);
-                            tf::bulk_commit_group();
-                        }
-                    }
+                    for (int p = 0; p < BN / 4; ++p) packed[mi][p] = hg::Conv<T>::pack(acc[mi][2 * p], acc[mi][2 * p + 1]);
+                if constexpr (DEFER) {
+                    pend_m0 = m0;
+                    pend_n0 = n0;
+                } else {
+                    store_packed(m0, n0);
                 }
             } else {
 #pragma unroll
@@ -260,6 +286,9 @@ hgemm_wgmma(const __grid_constant__ tf::TmaDesc tma_a, const __grid_constant__ t
                         hg::store_frag<T>(C, M, N, row0, n0 + 8 * jn, *reinterpret_cast<const float(*)[4]>(&acc[mi][4 * jn]));
                 }
             }
+        }
+        if constexpr (DEFER) {
+            if (pend_m0 >= 0) store_packed(pend_m0, pend_n0);  // the last tile's
         }
         // The staging buffers must outlive the TMA unit's reads of them.
         if constexpr (TMA_STORE) {
