@@ -171,6 +171,8 @@ hgemm_wgmma(const __grid_constant__ tf::TmaDesc tma_a, const __grid_constant__ t
         // wgmmas runs: both consumers stop issuing wgmma for their epilogue in this schedule, and
         // storing takes ~2% of a 4096^3 tile's time (128 + 64 registers fit in the 232 a consumer has).
         constexpr bool DEFER = TMA_STORE && !PINGPONG;
+        const u64 desc_a0 = tf::wgmma_desc_sw128(sA + (PINGPONG ? 0 : c * 64 * BK * 2), 16, 1024);
+        const u64 desc_b0 = B_NK ? tf::wgmma_desc_sw128(sB, 16, 1024) : tf::wgmma_desc_sw128(sB, 64 * BK * 2, 1024);
         u32 packed[MI][BN / 4];
         int pend_m0 = -1, pend_n0 = 0;
         auto store_packed = [&](int m0, int n0) {
@@ -239,16 +241,16 @@ hgemm_wgmma(const __grid_constant__ tf::TmaDesc tma_a, const __grid_constant__ t
                 if constexpr (PINGPONG) {
                     if (kt == KT - 1 && (threadIdx.x & 127) == 0) tf::mbar_arrive(&order[c]);
                 }
-                const unsigned char* a_s = sA + s * A_BYTES + (PINGPONG ? 0 : c * 64 * BK * 2);
-                const unsigned char* b_s = sB + s * B_BYTES;
                 tf::wgmma_fence();
+                // Descriptors advance by constants: a stage, a 64-row block or a k16 step moves only
+                // the 14-bit start-address field (bytes / 16), which never carries (smem < 256 KB).
+                const u64 sa = desc_a0 + (u64)(s * (A_BYTES >> 4)), sb = desc_b0 + (u64)(s * (B_BYTES >> 4));
 #pragma unroll
                 for (int kk = 0; kk < BK / 16; ++kk) {
-                    const u64 db = B_NK ? tf::wgmma_desc_sw128(b_s + kk * 32, 16, 1024)
-                                        : tf::wgmma_desc_sw128(b_s + kk * 16 * 128, 64 * BK * 2, 1024);
+                    const u64 db = sb + (u64)(B_NK ? kk * (32 >> 4) : kk * (16 * 128 >> 4));
 #pragma unroll
                     for (int mi = 0; mi < MI; ++mi) {
-                        const u64 da = tf::wgmma_desc_sw128(a_s + mi * 64 * BK * 2 + kk * 32, 16, 1024);
+                        const u64 da = sa + (u64)(mi * (64 * BK * 2 >> 4) + kk * (32 >> 4));
                         tf::Wgmma<BN, T>::template run<B_NK ? 0 : 1>(acc[mi], da, db, (kt | kk) != 0);
                     }
                 }
