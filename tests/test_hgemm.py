@@ -112,7 +112,7 @@ class TestGPU:
         a = _rand(m, k, dtype=dtype)
         b = _rand(n, k, dtype=dtype, seed=1) if b_transposed else _rand(k, n, dtype=dtype, seed=1)
         ref = _ref(a, b, b_transposed)
-        for cfg in [ops.TUNED["07_wgmma_tma"], ops.TUNED_SMALL["07_wgmma_tma"],
+        for cfg in [ops.TUNED["07_wgmma_tma"], ops.TUNED_SMALL["07_wgmma_tma"], ops.WGMMA_SHORT, ops.WGMMA_NARROW,
                     HgemmConfig.of("07_wgmma_tma", BM=64, BN=64, STAGES=2, GROUP_M=3, CLUSTER=1, PINGPONG=0, TMA_STORE=0),
                     HgemmConfig.of("07_wgmma_tma", BM=128, BN=128, STAGES=3, GROUP_M=5, CLUSTER=2, PINGPONG=0, TMA_STORE=0),
                     HgemmConfig.of("07_wgmma_tma", BM=64, BN=256, STAGES=5, GROUP_M=8, CLUSTER=2, PINGPONG=0, TMA_STORE=0),
@@ -276,7 +276,11 @@ def test_configs_are_consistent():
     assert ops.select(16, 4096, "auto", 132, 80) == ops.TUNED_SMALL[ops.AUTO_STEP]
     assert ops.select(4096, 4096, "auto", 132, 90) == ops.TUNED["07_wgmma_tma"]
     assert ops.select(16, 4096, "auto", 132, 90) == ops.WGMMA_NARROW  # decode: one 64-row tile row
-    assert ops.select(256, 4096, "auto", 132, 90) == ops.TUNED_SMALL["07_wgmma_tma"]
+    assert ops.select(1024, 2048, "auto", 132, 90) == ops.TUNED_SMALL["07_wgmma_tma"]  # 128 tiles
+    # at most half as many 128 x 128 tiles as SMs: the 64 x 128 tile (1024^3: 64 -> 128 tiles)
+    assert ops.select(1024, 1024, "auto", 132, 90) == ops.WGMMA_SHORT
+    assert ops.select(256, 4096, "auto", 132, 90) == ops.WGMMA_SHORT
+    assert ops.WGMMA_SHORT.tile == (64, 128) and ops.WGMMA_SHORT.spec(torch.bfloat16, True) in ops.dispatch_specs()
     assert ops.TUNED_SMALL["07_wgmma_tma"].PINGPONG == 1 and ops.WGMMA_NARROW.PINGPONG == 1
     # rounds of 132 tiles: 1024 x 14336 has 448 big tiles (3.4 rounds), so the 128 x 128 tile wins
     assert ops.select(1024, 14336, "auto", 132, 90) == ops.WGMMA_MID

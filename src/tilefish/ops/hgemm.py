@@ -27,7 +27,8 @@ Preconditions
 
 kernel="auto": step 07 on sm_90 (wgmma needs the sm_90a target, which runs on Hopper only), step 06
 elsewhere, with TUNED[step], or TUNED_SMALL[step] when TUNED's tile gives fewer blocks than the GPU
-has SMs (small M x N).  Asking for step 07 by name on another GPU raises ValueError.
+has SMs (small M x N; on sm_90 a narrower or shorter tile still where even those are few: see
+`_tuned_for`).  Asking for step 07 by name on another GPU raises ValueError.
 """
 from __future__ import annotations
 
@@ -335,9 +336,9 @@ def variant_specs() -> list[KernelSpec]:
 
 
 def dispatch_specs() -> list[KernelSpec]:
-    """Every KernelSpec `hgemm` can launch: TUNED + TUNED_SMALL of every step (+ step 07's mid and
-    narrow tiles) x dtype x B layout."""
-    cfgs = list(TUNED.values()) + list(TUNED_SMALL.values()) + [WGMMA_MID, WGMMA_NARROW]
+    """Every KernelSpec `hgemm` can launch: TUNED + TUNED_SMALL of every step (+ step 07's mid,
+    narrow and short tiles) x dtype x B layout."""
+    cfgs = list(TUNED.values()) + list(TUNED_SMALL.values()) + [WGMMA_MID, WGMMA_NARROW, WGMMA_SHORT]
     return _all_specs(cfgs + [_direct_store(c) for c in cfgs if c.info.hopper])
 
 
@@ -415,6 +416,13 @@ WGMMA_MID = _cfg("07_wgmma_tma", 128, 128, 6, 8, 1, 1, 1)
 # cuBLAS against 0.58-0.76 for the 128 x 128 tile, which wastes half its rows), else TUNED_SMALL.
 WGMMA_NARROW = _cfg("07_wgmma_tma", 64, 256, 5, 8, 1, 1, 0)
 NARROW_MAX_M = 64
+# M > 64 with at most half as many 128 x 128 tiles as SMs (1024^3: 64 tiles on 132 SMs): every
+# tile is alone on its SM, so a tile half as tall halves the time to the last store. The 64 x 128
+# cooperative tile (one consumer warpgroup, 8 stages) took 1024^3 from 0.79 / 0.78 of cuBLAS
+# (128 x 128 ping-pong) to 1.06 / 0.96 (fp16 / bf16), 1024 x 1024 x 2048 from 0.73 / 0.70 to
+# 1.00 / 0.98; with more tiles than half the SMs the 128 x 128 tile stays ahead (1024 x 2048 x
+# 1024: 1.02 against 0.96).
+WGMMA_SHORT = _cfg("07_wgmma_tma", 64, 128, 8, 8, 1, 0, 1)
 _WGMMA_TILE_EFFICIENCY = {(128, 256): 1.0, (128, 128): 0.97}
 
 
@@ -428,7 +436,11 @@ def _tuned_for(step: str, m: int, n: int, sm_count: int) -> HgemmConfig:
     cfg = TUNED[step]
     small = TUNED_SMALL.get(step)
     if small is not None and cfg.blocks(m, n) < sm_count:
-        return WGMMA_NARROW if step == AUTO_STEP_SM90 and m <= NARROW_MAX_M else small
+        if step != AUTO_STEP_SM90:
+            return small
+        if m <= NARROW_MAX_M:
+            return WGMMA_NARROW
+        return WGMMA_SHORT if 2 * small.blocks(m, n) <= sm_count else small
     if step == AUTO_STEP_SM90 and cfg.tile in _WGMMA_TILE_EFFICIENCY:
         return max((cfg, WGMMA_MID), key=lambda c: _round_efficiency(c, m, n, sm_count))
     return cfg
