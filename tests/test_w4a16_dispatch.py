@@ -57,9 +57,13 @@ def test_skinny_dispatch_follows_the_sweep():
     assert isinstance(pick(1, 4096, 4096), ops.GemmConfig)       # the smallest weight: the mma.sync kernel's ramp
     assert isinstance(pick(8, 4096, 4096), ops.SkinnyConfig)
     for n, k in ((4096, 4096), (4096, 14336), (8192, 8192), (6144, 4096), (10240, 8192),
-                 (8192, 28672), (57344, 8192)):  # the wgmma kernel from m = 9 (skinny sweep at m = 16)
-        for m in (9, 16):
-            assert isinstance(pick(m, n, k), ops.HopperConfig)
+                 (8192, 28672), (57344, 8192)):  # m = 9-16: the MT = 16 skinny configuration ...
+        for m in (9, 12, 16):
+            if m > 12 and n <= 4096:  # ... except m = 13-16 on n <= 4096 (the wgmma kernel)
+                assert isinstance(pick(m, n, k), ops.HopperConfig), (m, n, k)
+            else:
+                assert pick(m, n, k) == ops.SkinnyConfig(16, 2, 2, 6, 2), (m, n, k)
+    assert isinstance(pick(17, 57344, 8192), ops.HopperConfig)
     for n, k in ((10240, 8192), (28672, 4096), (4096, 4096)):
         assert isinstance(pick(32, n, k), ops.HopperConfig)
 

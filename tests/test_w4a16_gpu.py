@@ -201,7 +201,8 @@ def test_skinny_fresh_inputs_every_launch():
     x every launch, checked every launch, at the shape and grid that exposed it, with a bound near
     the fp16 output rounding (2.9e-4 here; the race gave 2e-3 .. 4e-3)."""
     q, p = _case(8192, 57344, 128, True, torch.float16)
-    for cfg in (ops.SkinnyConfig(16, 4, 1, 4, 2), ops.SkinnyConfig(8, 4, 2, 4, 2), ops.SkinnyConfig(8, 4, 1, 4, 2)):
+    for cfg in (ops.SkinnyConfig(16, 4, 1, 4, 2), ops.SkinnyConfig(16, 2, 2, 6, 2), ops.SkinnyConfig(8, 4, 2, 4, 2),
+                ops.SkinnyConfig(8, 4, 1, 4, 2)):
         for _ in range(6):
             x = torch.randn(cfg.mt, 8192, device="cuda", dtype=torch.float16)
             out = ops.matmul_impl(x, p, cfg=cfg)

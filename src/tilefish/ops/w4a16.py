@@ -306,8 +306,8 @@ SKINNY_CONFIGS = [SkinnyConfig(8, 4, 2, 4, 2), SkinnyConfig(8, 4, 1, 4, 2), Skin
                   SkinnyConfig(16, 4, 1, 4, 2), SkinnyConfig(16, 2, 2, 6, 2), SkinnyConfig(16, 4, 2, 8, 1),
                   SkinnyConfig(16, 2, 4, 8, 1), SkinnyConfig(32, 4, 2, 6, 1), SkinnyConfig(32, 2, 4, 8, 1)]
 
-# sm_90 dispatch. m <= 8: the skinny kernel (choose_skinny_config), on the smallest weights the mma.sync swap kernel.
-# From m = 9 (HOPPER_MIN_M) below MODEL_MAX_M, the (wgmma configuration, k split or stream-K) plan
+# sm_90 dispatch. m <= 16: the skinny kernel where choose_skinny_config takes it (m <= 2 on the smallest
+# weights: the mma.sync swap kernel). Otherwise from m = 9 (HOPPER_MIN_M) below MODEL_MAX_M, the (wgmma configuration, k split or stream-K) plan
 # of least predicted time under HOPPER_TIME_MODEL; from MODEL_MAX_M up, the older per-range rule (_choose_hopper_config), which the
 # model's sweep does not cover.
 HOPPER_MIN_M = 9
@@ -453,14 +453,21 @@ def choose_hopper_slices(cfg: HopperConfig, m: int, n: int, k: int, sm_count: in
 # at m <= 8 on every benchmark shape but the smallest weight at m <= 2 (k 4096 x n 4096: 11.0 against
 # 11.7 us; the mma.sync kernel's ramp is shorter), by 4-30% (k 8192 x n 10240, whose mma.sync grid
 # quantizes badly). The old time model (mma.sync wave efficiency) misjudged the small shapes.
-SKINNY_MAX_M = 8
+# m = 9-16 (bench/results/h200/w4a16_skinny_sweep_m16_fp16_g128.json, since the group scales of
+# two 8-row blocks also go on the fp32 partial sums): sk-m16n128w2s6x2 beats the wgmma plan by
+# 2-12% at m = 12 on all 8 shapes and at m = 16 on 6 (k 28672 x n 8192: 44.3 against 50.4 us);
+# at m = 13-16 with n <= 4096 the wgmma kernel stays 0-3% ahead.
+SKINNY_MAX_M = 16
 SKINNY_MMA_MAX_NK = 4096 * 4096  # at most this many weights and m <= 2: the mma.sync kernel
+SKINNY_M16_MIN_N = 4097          # m = 13-16: the skinny kernel from this n up
 
 
 def choose_skinny_config(m: int, n: int, k: int, sm_count: int) -> SkinnyConfig | None:
     """The stream-K kernel's configuration where it is expected to win on sm_90, else None."""
     if m > SKINNY_MAX_M or n % 128 or (m <= 2 and n * k <= SKINNY_MMA_MAX_NK):
         return None
+    if m > 8:
+        return SkinnyConfig(16, 2, 2, 6, 2) if m <= 12 or n >= SKINNY_M16_MIN_N else None
     if n % 256:
         return SkinnyConfig(8, 2, 4, 8, 2)
     # m <= 2: one warp a strip, two CTAs an SM (128 registers: group scales on the fp32 partial

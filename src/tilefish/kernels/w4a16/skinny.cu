@@ -321,61 +321,12 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
                 }
             };
             constexpr int ROWS_PER_GROUP = GROUP > 0 && GROUP < kBK ? GROUP / 16 : 8;
-            // One 8-row block (MT = 8, the m <= 8 dispatch) whose RPW k16 rows share one group:
-            // the scales multiply fp32 partial sums instead of the fragments. Per subtile pair j
-            // the rows accumulate unscaled (q - z) x products (the first mma adds to zero), then
-            // one FFMA per accumulator applies the scale: 1 FFMA a word instead of 4 HMUL2, and
-            // no fp16 rounding of q x s. j is the outer loop so only one partial (4 registers)
-            // is live at a time. It needs >= 128 registers a thread: at 96 (5 warps on one SM
-            // sub-partition's 64 KB register file) the x fragments of all RPW rows spill.
-            constexpr bool kAccScale = GROUP > 0 && NB == 1 && GROUP >= 16 * RPW && kRegBudget >= 128;
-            if constexpr (kAccScale) {
-                float scf[8];
-                {
-                    const int offset = (((kw * RPW) / ROWS_PER_GROUP) * BN + si * 64 + g * 8) * 2;
-                    const uint4 v = *reinterpret_cast<const uint4*>(st + L::X_BYTES + L::W_BYTES + offset);
-                    const T* p = reinterpret_cast<const T*>(&v);
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) scf[j] = to_float(p[j]);
-                }
-                if constexpr (ASYM) load_group((kw * RPW) / ROWS_PER_GROUP);
-                u32 xb[RPW][2];
-#pragma unroll
-                for (int i = 0; i < RPW; ++i) {
-                    const int r16 = kw * RPW + i;
-                    const int chunk = ((r16 & 3) << 1) + x_hi;
-                    ldmatrix_x2(xb[i], st + (r16 >> 2) * L::X_HALF + x_row * 128 + ((chunk ^ (x_row & 7)) << 4));
-                }
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    float part[4];
-#pragma unroll
-                    for (int i = 0; i < RPW; ++i) {
-                        const u32 wj = j == 0 ? words[i].x : j == 1 ? words[i].y : j == 2 ? words[i].z : words[i].w;
-                        u32 f[4];
-                        DQ::run(wj, ASYM ? zs[2 * j] : zsym, ASYM ? zs[2 * j + 1] : zsym, f);
-                        const u32 a[4] = {f[0], f[2], f[1], f[3]};
-                        if (i == 0) Mma<T>::run_c0(part, a, xb[i][0], xb[i][1]);
-                        else Mma<T>::run(part, a, xb[i][0], xb[i][1]);
-                    }
-#pragma unroll
-                    for (int c = 0; c < 4; ++c)  // c0, c1: column g of subtile pair j; c2, c3: g + 8
-                        acc[0][j][c] = fmaf(part[c], scf[2 * j + (c >> 1)], acc[0][j][c]);
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < (kAccScale ? 0 : RPW); ++i) {
-                const int r16 = kw * RPW + i;  // k16 row within the stage
-                if constexpr (GROUP > 0 || ASYM) {
-                    if (i == 0 || r16 % ROWS_PER_GROUP == 0) load_group(GROUP > 0 && GROUP < kBK ? r16 / ROWS_PER_GROUP : 0);
-                }
+            // This x fragment pair of k16 row r16: 8-row blocks 0..NB-1 (ldmatrix x2, or x4 for two blocks).
+            auto load_x = [&](int r16, u32 (&xb)[NB][2]) {
                 const unsigned char* xh = st + (r16 >> 2) * L::X_HALF;
                 const int chunk = ((r16 & 3) << 1) + x_hi;
-                u32 xb[NB][2];
                 if constexpr (NB == 1) {
-                    u32 r[2];
-                    ldmatrix_x2(r, xh + x_row * 128 + ((chunk ^ (x_row & 7)) << 4));
-                    xb[0][0] = r[0]; xb[0][1] = r[1];
+                    ldmatrix_x2(xb[0], xh + x_row * 128 + ((chunk ^ (x_row & 7)) << 4));
                 } else {
 #pragma unroll
                     for (int p = 0; p < NB / 2; ++p) {
@@ -386,6 +337,59 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
                         xb[2 * p + 1][0] = r[2]; xb[2 * p + 1][1] = r[3];
                     }
                 }
+            };
+            // When the warp's RPW k16 rows share one group, the scales multiply fp32 partial sums
+            // instead of the fragments. Per subtile pair j the rows accumulate unscaled (q - z) x
+            // products (the first mma adds to zero), then one FFMA per accumulator applies the
+            // scale: NB x 4 / RPW FFMA a word instead of 4 HMUL2 (m <= 8: 1 instead of 4; m <= 16
+            // with two warps a strip: 2), and no fp16 rounding of q x s. j is the outer loop so only
+            // NB partials (4 registers each) are live at a time. It needs >= 128 registers a thread
+            // and at most two 8-row blocks: at 96 (5 warps on one SM sub-partition's 64 KB register
+            // file) the x fragments of all RPW rows spill, and so do four blocks' at 168.
+            constexpr bool kAccScale = GROUP > 0 && NB <= 2 && GROUP >= 16 * RPW && kRegBudget >= 128;
+            if constexpr (kAccScale) {
+                float scf[8];
+                {
+                    const int offset = (((kw * RPW) / ROWS_PER_GROUP) * BN + si * 64 + g * 8) * 2;
+                    const uint4 v = *reinterpret_cast<const uint4*>(st + L::X_BYTES + L::W_BYTES + offset);
+                    const T* p = reinterpret_cast<const T*>(&v);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) scf[j] = to_float(p[j]);
+                }
+                if constexpr (ASYM) load_group((kw * RPW) / ROWS_PER_GROUP);
+                u32 xb[RPW][NB][2];
+#pragma unroll
+                for (int i = 0; i < RPW; ++i) load_x(kw * RPW + i, xb[i]);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    float part[NB][4];
+#pragma unroll
+                    for (int i = 0; i < RPW; ++i) {
+                        const u32 wj = j == 0 ? words[i].x : j == 1 ? words[i].y : j == 2 ? words[i].z : words[i].w;
+                        u32 f[4];
+                        DQ::run(wj, ASYM ? zs[2 * j] : zsym, ASYM ? zs[2 * j + 1] : zsym, f);
+                        const u32 a[4] = {f[0], f[2], f[1], f[3]};
+#pragma unroll
+                        for (int nb = 0; nb < NB; ++nb) {
+                            if (i == 0) Mma<T>::run_c0(part[nb], a, xb[i][nb][0], xb[i][nb][1]);
+                            else Mma<T>::run(part[nb], a, xb[i][nb][0], xb[i][nb][1]);
+                        }
+                    }
+#pragma unroll
+                    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+                        for (int c = 0; c < 4; ++c)  // c0, c1: column g of subtile pair j; c2, c3: g + 8
+                            acc[nb][j][c] = fmaf(part[nb][c], scf[2 * j + (c >> 1)], acc[nb][j][c]);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < (kAccScale ? 0 : RPW); ++i) {
+                const int r16 = kw * RPW + i;  // k16 row within the stage
+                if constexpr (GROUP > 0 || ASYM) {
+                    if (i == 0 || r16 % ROWS_PER_GROUP == 0) load_group(GROUP > 0 && GROUP < kBK ? r16 / ROWS_PER_GROUP : 0);
+                }
+                u32 xb[NB][2];
+                load_x(r16, xb);
                 const u32 wd[4] = {words[i].x, words[i].y, words[i].z, words[i].w};
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
