@@ -291,6 +291,7 @@ def test_configs_are_consistent():
     assert w.threads == (w.BM // 64 + 1) * 128
     assert HgemmConfig.of("07_wgmma_tma", BM=64, BN=256, STAGES=5, GROUP_M=8, CLUSTER=1, PINGPONG=1, TMA_STORE=0).threads == 384
     assert w.grid(4096, 4096, 132) % w.CLUSTER == 0
+    assert "multiple of 32" in HgemmConfig("05_multistage", (128, 128, 16, 64, 64, 4)).problem()
     assert HgemmConfig("07_wgmma_tma", (192, 256, 4, 8, 1, 0, 0)).problem() is not None
     assert HgemmConfig("07_wgmma_tma", (128, 256, 5, 8, 1, 0, 0)).problem() == "dynamic smem > 227 KB"
     assert HgemmConfig("07_wgmma_tma", (128, 64, 4, 8, 2, 0, 0)).problem() is not None

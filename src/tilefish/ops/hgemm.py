@@ -239,6 +239,8 @@ class HgemmConfig:
         if self.info.dynamic_smem:
             if p["STAGES"] < 2:
                 return "STAGES >= 2"
+            if bk % 32:
+                return "BK must be a multiple of 32 (k16 step 0 of every stage uses fragment buffer 0)"
             if self.smem_bytes > _DYN_SMEM_LIMIT:
                 return "dynamic smem > 227 KB"
             if p.get("GROUP_M", 1) < 1:
@@ -261,16 +263,17 @@ def _cfg(step: str, *values: int) -> HgemmConfig:
     return cfg
 
 
-# Chosen configuration per step: steps 05-06 from the H200 variant sweep at 4096^3 fp16
-# (bench/results/h200/hgemm_variants.json: 128x128x64, 64x64 warps, 3 stages, 50% of cuBLAS);
+# Chosen configuration per step: steps 05-06 from the H200 variant sweep at 4096^3 fp16 after the
+# fragment double buffer crossed stage boundaries (bench/results/h200/hgemm_variants_05_06.json:
+# 128x256x64, 8 warps of 64x64, 3 stages, 0.56-0.57 of cuBLAS; 256x128x64 within 1%);
 # steps 02-04 keep the classic 128 x 128 x 32 / 8-warp tiling of the teaching ladder.
 TUNED: dict[str, HgemmConfig] = {
     "01_mma_naive": _cfg("01_mma_naive"),
     "02_block_ldmatrix": _cfg("02_block_ldmatrix", 128, 128, 32, 64, 32),
     "03_padded": _cfg("03_padded", 128, 128, 32, 64, 32),
     "04_swizzled": _cfg("04_swizzled", 128, 128, 32, 64, 32),
-    "05_multistage": _cfg("05_multistage", 128, 128, 64, 64, 64, 3),
-    "06_rasterized": _cfg("06_rasterized", 128, 128, 64, 64, 64, 3, 8),
+    "05_multistage": _cfg("05_multistage", 128, 256, 64, 64, 64, 3),
+    "06_rasterized": _cfg("06_rasterized", 128, 256, 64, 64, 64, 3, 8),
     "07_wgmma_tma": _cfg("07_wgmma_tma", 128, 256, 4, 8, 2, 0, 1),
 }
 # Used instead of TUNED[step] when TUNED's tile gives fewer blocks than SMs (small M x N, decode).

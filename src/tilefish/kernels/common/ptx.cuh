@@ -78,6 +78,12 @@ __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* smem_row) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(smem_row)));
 }
+// The same from a shared-window address (u32): kernels that keep their tile addresses as 32-bit
+// offsets need no 64-bit generic pointer per fragment.
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 smem_row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_row));
+}
 
 // Two 8x8 b16 matrices (lanes 0-7 and 8-15 give the row addresses; lanes 16-31 are ignored but
 // must hold valid shared addresses): the B fragment of mma.m16n8k16 when the 8x8 matrices are
@@ -168,6 +174,10 @@ __device__ __forceinline__ void stmatrix_x4_trans(void* smem_row, const u32 (&r)
 __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* smem_row) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(smem_row)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 smem_row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_row));
 }
 
 }  // namespace tf

@@ -3,7 +3,7 @@
 // (B_NK = true, nn.Linear weights), T = __half or __nv_bfloat16, fp32 accumulation, C in T.
 //
 // Tiling (template parameters, dispatch defaults in ops/hgemm.py): a block of (BM/WM) x (BN/WN)
-// warps owns a BM x BN tile of C (e.g. 128 x 128, warps 2 x 4 of 64 x 32) and walks K in
+// warps owns a BM x BN tile of C (e.g. 128 x 256, warps 2 x 4 of 64 x 64) and walks K in
 // BK-deep chunks (32 or 64) through a ring of STAGES (2..4) shared-memory buffers, dynamic
 // shared memory, STAGES * (BM + BN) * BK * 2 bytes, XOR-swizzled as in step 4.
 //
@@ -11,20 +11,24 @@
 //   * cp.async.cg (16 bytes, L2 only) copies global -> shared directly: no registers hold data
 //     in flight and no LDG -> STS dependency stalls the warp. Out-of-range chunks use the
 //     zero-fill form (src-size 0). Per-chunk pointers and predicates are computed once per block.
-//   * Pipeline: the prologue issues stages 0..STAGES-2 (one commit group each). Iteration kt
-//     waits for stage kt (cp.async.wait_group STAGES-2); one __syncthreads publishes it to the
-//     block and proves every warp finished stage kt-1, whose buffer is refilled at once with
-//     stage kt+STAGES-1 -- so STAGES-1 chunks of copy are always in flight under the mmas, and
-//     there is one barrier per chunk instead of two. STAGES = 2 is classic double buffering.
+//   * Pipeline: the prologue fills all STAGES buffers (one commit group each). The last k16 step
+//     of stage kt waits for stage kt+1 (cp.async.wait_group STAGES-2); one __syncthreads
+//     publishes it to the block and proves every warp has read all of stage kt, whose buffer is
+//     refilled at once with stage kt+STAGES -- so STAGES-1 chunks of copy are always in flight
+//     under the mmas, and there is one barrier per chunk. STAGES = 2 is classic double buffering.
 //   * Fragments are double-buffered in registers: the ldmatrix of k step kk+1 is issued before
-//     the mmas of k step kk, so shared-memory latency hides behind tensor-core work in a warp.
+//     the mmas of k step kk, across stage boundaries too (stage kt+1's first fragments load
+//     before stage kt's last mmas), so shared-memory latency and the barrier's skew between
+//     warps hide behind tensor-core work.
+//   * ldmatrix addresses are a per-lane base plus compile-time offsets (the swizzle's XOR is
+//     split out once per thread), not a swizzle computed per fragment.
 //   * B fragments come two n8 tiles per ldmatrix.x4(.trans) (half the ldmatrix issues of x2).
 //
 // Limits: the grid walks tiles in launch order (all N tiles of one M row, then the next), so
 // consecutive blocks share A but each sweeps all of B: at large N, B falls out of L2 between
-// uses (step 6). The register double buffer does not cross k-tile boundaries. The epilogue
-// stores fragments straight from registers (16 bytes per row quad; no smem-staged 16-byte
-// stores). mma.sync on Hopper issues at well under the wgmma rate (~65 % of peak at best).
+// uses (step 6). The epilogue stores fragments straight from registers (16 bytes per row quad;
+// no smem-staged 16-byte stores). mma.sync on Hopper issues at well under the wgmma rate (~65 %
+// of peak at best), and a 64 x 64 warp tile reads 128 bytes of shared memory per mma.
 // Edges: any M, N (predicated); K % 8 == 0 and, for B [K, N], N % 8 == 0; 16-byte aligned rows.
 #include "common/ptx.cuh"
 #include "hgemm/epilogue.cuh"
@@ -40,6 +44,14 @@ template <int COLS> __device__ __forceinline__ int soff(int r, int c) {
     constexpr int SW = CPR >= 8 ? 8 : CPR;       // swizzle span in chunks
     static_assert((CPR & (CPR - 1)) == 0, "power-of-two chunks per row");
     return r * COLS + ((((c >> 3) ^ ((r / RPL) % SW))) << 3) + (c & 7);
+}
+// The XOR pattern of row r: it repeats every 8 rows, so rows that differ by a multiple of 8 (the
+// i / j / kk offsets of a warp's fragments) share it, and it can be computed once from the lane.
+template <int COLS> __device__ __forceinline__ int swz_phase(int r) {
+    constexpr int CPR = COLS / 8;
+    constexpr int RPL = CPR >= 8 ? 1 : 8 / CPR;
+    constexpr int SW = CPR >= 8 ? 8 : CPR;
+    return (r / RPL) % SW;
 }
 
 // One operand's share of a pipeline stage for this thread: ITERS 16-byte chunks of a ROWS x COLS
@@ -77,7 +89,10 @@ struct TileCopy {
         for (int i = 0; i < ITERS; ++i) {
             const int r = r0 + i * RSTEP;
             const bool v = KROWS ? (bound != 0 && k0 + r < K) : (i * RSTEP < bound && k0 + c < K);
-            tf::cp_async16(&s[soff<COLS>(r, c)], v ? p + i * stride : g, v);
+            // Rows r0 + i RSTEP share r0's swizzle when RSTEP is a multiple of its 8-row period:
+            // one offset for all chunks instead of a swizzle per chunk (registers, instructions).
+            const int off = RSTEP % 8 == 0 ? soff<COLS>(r0, c) + i * RSTEP * COLS : soff<COLS>(r, c);
+            tf::cp_async16(&s[off], v ? p + i * stride : g, v);
         }
     }
 };
@@ -111,10 +126,10 @@ hgemm_multistage(const T* __restrict__ A, const T* __restrict__ B, T* __restrict
     const BCopy cb = B_NK ? BCopy(B, K, n0, N, 0, K, tid) : BCopy(B, N, 0, K, n0, N, tid);
     const int ldb = B_NK ? K : N;
 
-    // Prologue: stages 0 .. STAGES-2 in flight, one commit group each (empty groups past KT
-    // keep the group count uniform, so wait_group<STAGES-2> always means "stage kt landed").
+    // Prologue: all STAGES stages in flight, one commit group each (empty groups past KT keep the
+    // group count uniform, so the wait_group counts below always mean "stage kt+1 landed").
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
+    for (int s = 0; s < STAGES; ++s) {
         if (s < KT) {
             ca.copy(sA + s * A_STAGE, A, K, s, K);
             cb.copy(sB + s * B_STAGE, B, ldb, s, K);
@@ -130,50 +145,87 @@ hgemm_multistage(const T* __restrict__ A, const T* __restrict__ B, T* __restrict
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
 
-    u32 af[2][MI][4], bf[2][NI][2];  // register double buffer: k step kk+1 loads under kk's mmas
-    int rs = 0, ws = STAGES - 1;     // read / write stage of the ring (no modulo in the loop)
+    // Register double buffer: the fragments of the next k16 step are ldmatrix'ed into one half while
+    // the mmas of this step read the other. It runs across stage boundaries: the last k16 step of
+    // a stage waits for the next stage (wait_group + the one barrier per stage) and loads that
+    // stage's first fragments *before* issuing its own mmas, so the barrier skew between warps and
+    // the ldmatrix latency hide under that step's tensor work instead of stalling every warp at
+    // the top of each stage.
+    static_assert(KSTEPS % 2 == 0, "BK a multiple of 32: k16 step 0 of every stage uses fragment buffer 0");
+    u32 af[2][MI][4], bf[2][NI][2];
+    // ldmatrix addresses: a lane-dependent part computed once here, plus compile-time offsets per
+    // (i / j, kk). Recomputing soff() for every fragment made the compiler redo the swizzle per
+    // address (~200 integer instructions per 128 HMMAs) and, with the stage-crossing buffer,
+    // pushed the 64 x 64 warp tiles past 255 registers.
+    //   A rows wm + 16 i + (lane & 15), 16-byte chunk 2 kk + (lane >> 4) (k 0-7 / 8-15);
+    //   B [N, K]: rows wn + 8 j + (lane & 7) + 8 (lane >> 4), chunk 2 kk + ((lane >> 3) & 1);
+    //   B [K, N]: rows 16 kk + (lane & 7) + 8 ((lane >> 3) & 1), chunk wn / 8 + j + (lane >> 4).
+    // For A and B [N, K] the chunk's XOR splits: (2 kk + h) ^ p = 2 kk ^ (h ^ p) for h in {0, 1}.
+    const u32 sA_u = tf::smem_addr(sA), sB_u = tf::smem_addr(sB);
+    const int a_row = (wm + (lane & 15)) * BK;
+    const int a_x = (lane >> 4) ^ swz_phase<BK>(lane & 15);
+    int b_row, b_x;
+    if constexpr (B_NK) {
+        b_row = (wn + (lane & 7) + ((lane >> 4) << 3)) * BK;
+        b_x = ((lane >> 3) & 1) ^ swz_phase<BK>(lane & 7);
+    } else {
+        b_row = ((lane & 7) + (((lane >> 3) & 1) << 3)) * BN + (WN == 64 ? wn : 0);  // b_col below
+        b_x = swz_phase<BN>(lane & 7);
+    }
+    // B [K, N] columns of tile pair j: chunk (wn / 8 + j + (lane >> 4)) ^ b_x. With 64-wide warp
+    // tiles wn / 8 is a multiple of 8 and j + (lane >> 4) < 8, so the XOR stays in the low 3 bits
+    // and splits like A's: one base register instead of one per j (NVRTC 13.5 spilled otherwise).
+    const int b_xh = (lane >> 4) ^ b_x;
+    auto b_col = [&](int j) {
+        if constexpr (WN == 64) return (j ^ b_xh) << 3;  // + wn, folded into b_row
+        else return (((wn >> 3) + j + (lane >> 4)) ^ b_x) << 3;
+    };
+    auto load_frags = [&](u32 a_s, u32 b_s, int kk, int buf) {  // a_s / b_s: the stage's smem addresses
+#pragma unroll
+        for (int i = 0; i < MI; ++i)  // lanes 0-15: rows at k, lanes 16-31: rows at k+8
+            tf::ldmatrix_x4(af[buf][i], a_s + 2 * (a_row + i * 16 * BK + (((2 * kk) ^ a_x) << 3)));
+#pragma unroll
+        for (int j = 0; j < NI; j += 2) {  // one x4 = b0,b1 of two adjacent n8 tiles
+            u32 r[4];
+            if constexpr (B_NK)  // matrices: (n0-7,k0-7) (n0-7,k8-15) (n8-15,k0-7) (n8-15,k8-15)
+                tf::ldmatrix_x4(r, b_s + 2 * (b_row + j * 8 * BK + (((2 * kk) ^ b_x) << 3)));
+            else                 // k rows; .trans: (k0-7,n0-7) (k8-15,n0-7) (k0-7,n8-15) (k8-15,n8-15)
+                tf::ldmatrix_x4_trans(r, b_s + 2 * (b_row + kk * 16 * BN + b_col(j)));
+            bf[buf][j][0] = r[0]; bf[buf][j][1] = r[1];
+            bf[buf][j + 1][0] = r[2]; bf[buf][j + 1][1] = r[3];
+        }
+    };
+    int rs = 0;                       // the ring buffer being read (no modulo in the loop)
+    tf::cp_async_wait<STAGES - 1>();  // this thread's copies of stage 0 have landed ...
+    __syncthreads();                  // ... and everyone's
+    load_frags(sA_u, sB_u, 0, 0);
     for (int kt = 0; kt < KT; ++kt) {
-        tf::cp_async_wait<STAGES - 2>();  // this thread's copies of stage kt have landed
-        __syncthreads();                  // ... everyone's have, and stage kt-1 is free to refill
-        if (kt + STAGES - 1 < KT) {
-            ca.copy(sA + ws * A_STAGE, A, K, kt + STAGES - 1, K);
-            cb.copy(sB + ws * B_STAGE, B, ldb, kt + STAGES - 1, K);
-        }
-        tf::cp_async_commit();
-        ws = ws + 1 == STAGES ? 0 : ws + 1;
-
-        const T* a_s = sA + rs * A_STAGE;
-        const T* b_s = sB + rs * B_STAGE;
+        const u32 a_s = sA_u + rs * (A_STAGE * 2), b_s = sB_u + rs * (B_STAGE * 2);
 #pragma unroll
-        for (int kk = 0; kk <= KSTEPS; ++kk) {
-            if (kk < KSTEPS) {  // fragments of k step kk into buffer kk & 1
-                const int buf = kk & 1;
-#pragma unroll
-                for (int i = 0; i < MI; ++i)  // lanes 0-15: rows at k, lanes 16-31: rows at k+8
-                    tf::ldmatrix_x4(af[buf][i], &a_s[soff<BK>(wm + i * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8)]);
-#pragma unroll
-                for (int j = 0; j < NI; j += 2) {  // one x4 = b0,b1 of two adjacent n8 tiles
-                    u32 r[4];
-                    if constexpr (B_NK)  // matrices: (n0-7,k0-7) (n0-7,k8-15) (n8-15,k0-7) (n8-15,k8-15)
-                        tf::ldmatrix_x4(r, &b_s[soff<BK>(wn + j * 8 + (lane & 7) + (lane >> 4) * 8,
-                                                         kk * 16 + ((lane >> 3) & 1) * 8)]);
-                    else                 // k rows; .trans: (k0-7,n0-7) (k8-15,n0-7) (k0-7,n8-15) (k8-15,n8-15)
-                        tf::ldmatrix_x4_trans(r, &b_s[soff<BN>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                               wn + j * 8 + (lane >> 4) * 8)]);
-                    bf[buf][j][0] = r[0]; bf[buf][j][1] = r[1];
-                    bf[buf][j + 1][0] = r[2]; bf[buf][j + 1][1] = r[3];
+        for (int kk = 0; kk < KSTEPS; ++kk) {
+            if (kk == KSTEPS - 1) {
+                // Stage kt+1: this thread's copies have landed (wait_group); the barrier says
+                // everyone's have, and that every warp has read all of stage kt (its last
+                // fragments were loaded one step ago), so its buffer takes stage kt+STAGES now.
+                tf::cp_async_wait<STAGES - 2>();
+                __syncthreads();
+                if (kt + STAGES < KT) {
+                    ca.copy(sA + rs * A_STAGE, A, K, kt + STAGES, K);
+                    cb.copy(sB + rs * B_STAGE, B, ldb, kt + STAGES, K);
                 }
+                tf::cp_async_commit();
+                rs = rs + 1 == STAGES ? 0 : rs + 1;
+                if (kt + 1 < KT) load_frags(sA_u + rs * (A_STAGE * 2), sB_u + rs * (B_STAGE * 2), 0, 0);
+            } else {
+                load_frags(a_s, b_s, kk + 1, (kk + 1) & 1);
             }
-            if (kk > 0) {  // mmas of k step kk-1
-                const int buf = (kk - 1) & 1;
+            const int buf = kk & 1;  // mmas of k step kk
 #pragma unroll
-                for (int i = 0; i < MI; ++i)
+            for (int i = 0; i < MI; ++i)
 #pragma unroll
-                    for (int j = 0; j < NI; ++j)
-                        tf::Mma<T>::run(acc[i][j], af[buf][i], bf[buf][j][0], bf[buf][j][1]);
-            }
+                for (int j = 0; j < NI; ++j)
+                    tf::Mma<T>::run(acc[i][j], af[buf][i], bf[buf][j][0], bf[buf][j][1]);
         }
-        rs = rs + 1 == STAGES ? 0 : rs + 1;
     }
     tf::cp_async_wait<0>();  // only empty groups can remain; drain before the block retires
 

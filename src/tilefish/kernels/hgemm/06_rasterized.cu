@@ -19,8 +19,8 @@
 // The divisions run once per block, not in the loop.
 //
 // Limits: as step 5 -- mma.sync issue rate (Hopper's wgmma + TMA path is the next step), no
-// smem-staged epilogue, a k-boundary bubble in the fragment double buffer. Edges: any M, N;
-// K % 8 == 0 and, for B [K, N], N % 8 == 0; 16-byte aligned rows.
+// smem-staged epilogue. Edges: any M, N; K % 8 == 0 and, for B [K, N], N % 8 == 0; 16-byte
+// aligned rows.
 #include "common/ptx.cuh"
 #include "hgemm/epilogue.cuh"
 
@@ -35,6 +35,14 @@ template <int COLS> __device__ __forceinline__ int soff(int r, int c) {
     constexpr int SW = CPR >= 8 ? 8 : CPR;       // swizzle span in chunks
     static_assert((CPR & (CPR - 1)) == 0, "power-of-two chunks per row");
     return r * COLS + ((((c >> 3) ^ ((r / RPL) % SW))) << 3) + (c & 7);
+}
+// The XOR pattern of row r: it repeats every 8 rows, so rows that differ by a multiple of 8 (the
+// i / j / kk offsets of a warp's fragments) share it, and it can be computed once from the lane.
+template <int COLS> __device__ __forceinline__ int swz_phase(int r) {
+    constexpr int CPR = COLS / 8;
+    constexpr int RPL = CPR >= 8 ? 1 : 8 / CPR;
+    constexpr int SW = CPR >= 8 ? 8 : CPR;
+    return (r / RPL) % SW;
 }
 
 // One operand's share of a pipeline stage for this thread: ITERS 16-byte chunks of a ROWS x COLS
@@ -72,7 +80,10 @@ struct TileCopy {
         for (int i = 0; i < ITERS; ++i) {
             const int r = r0 + i * RSTEP;
             const bool v = KROWS ? (bound != 0 && k0 + r < K) : (i * RSTEP < bound && k0 + c < K);
-            tf::cp_async16(&s[soff<COLS>(r, c)], v ? p + i * stride : g, v);
+            // Rows r0 + i RSTEP share r0's swizzle when RSTEP is a multiple of its 8-row period:
+            // one offset for all chunks instead of a swizzle per chunk (registers, instructions).
+            const int off = RSTEP % 8 == 0 ? soff<COLS>(r0, c) + i * RSTEP * COLS : soff<COLS>(r, c);
+            tf::cp_async16(&s[off], v ? p + i * stride : g, v);
         }
     }
 };
@@ -98,16 +109,23 @@ hgemm_rasterized(const T* __restrict__ A, const T* __restrict__ B, T* __restrict
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = (warp / WARPS_N) * WM, wn = (warp % WARPS_N) * WN;
-    int m0, n0;
-    {   // grouped rasterization (see the header): GROUP_M tile rows per group, column-major inside
+    // Grouped rasterization (see the header): GROUP_M tile rows per group, column-major inside.
+    // Run again for the epilogue rather than kept live across the main loop: the 64 x 64 warp
+    // tiles need every register there (NVRTC 13.5 spilled 4 bytes with m0 / n0 held). The block
+    // index is read with asm volatile so the two evaluations are not merged back into one.
+    auto tile_origin = [&](int& m0, int& n0) {
+        int pid;
+        asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(pid));
         const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
-        const int pid = blockIdx.x, per_group = GROUP_M * tiles_n;
+        const int per_group = GROUP_M * tiles_n;
         const int group = pid / per_group, first_m = group * GROUP_M;
         const int rows = min(tiles_m - first_m, GROUP_M);
         const int in_group = pid - group * per_group;
         m0 = (first_m + in_group % rows) * BM;
         n0 = (in_group / rows) * BN;
-    }
+    };
+    int m0, n0;
+    tile_origin(m0, n0);
     const int KT = (K + BK - 1) / BK;  // once per block
 
     const TileCopy<T, BM, BK, NT, false> ca(A, K, m0, M, 0, K, tid);
@@ -115,10 +133,10 @@ hgemm_rasterized(const T* __restrict__ A, const T* __restrict__ B, T* __restrict
     const BCopy cb = B_NK ? BCopy(B, K, n0, N, 0, K, tid) : BCopy(B, N, 0, K, n0, N, tid);
     const int ldb = B_NK ? K : N;
 
-    // Prologue: stages 0 .. STAGES-2 in flight, one commit group each (empty groups past KT
-    // keep the group count uniform, so wait_group<STAGES-2> always means "stage kt landed").
+    // Prologue: all STAGES stages in flight, one commit group each (empty groups past KT keep the
+    // group count uniform, so the wait_group counts below always mean "stage kt+1 landed").
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
+    for (int s = 0; s < STAGES; ++s) {
         if (s < KT) {
             ca.copy(sA + s * A_STAGE, A, K, s, K);
             cb.copy(sB + s * B_STAGE, B, ldb, s, K);
@@ -134,53 +152,91 @@ hgemm_rasterized(const T* __restrict__ A, const T* __restrict__ B, T* __restrict
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
 
-    u32 af[2][MI][4], bf[2][NI][2];  // register double buffer: k step kk+1 loads under kk's mmas
-    int rs = 0, ws = STAGES - 1;     // read / write stage of the ring (no modulo in the loop)
+    // Register double buffer: the fragments of the next k16 step are ldmatrix'ed into one half while
+    // the mmas of this step read the other. It runs across stage boundaries: the last k16 step of
+    // a stage waits for the next stage (wait_group + the one barrier per stage) and loads that
+    // stage's first fragments *before* issuing its own mmas, so the barrier skew between warps and
+    // the ldmatrix latency hide under that step's tensor work instead of stalling every warp at
+    // the top of each stage.
+    static_assert(KSTEPS % 2 == 0, "BK a multiple of 32: k16 step 0 of every stage uses fragment buffer 0");
+    u32 af[2][MI][4], bf[2][NI][2];
+    // ldmatrix addresses: a lane-dependent part computed once here, plus compile-time offsets per
+    // (i / j, kk). Recomputing soff() for every fragment made the compiler redo the swizzle per
+    // address (~200 integer instructions per 128 HMMAs) and, with the stage-crossing buffer,
+    // pushed the 64 x 64 warp tiles past 255 registers.
+    //   A rows wm + 16 i + (lane & 15), 16-byte chunk 2 kk + (lane >> 4) (k 0-7 / 8-15);
+    //   B [N, K]: rows wn + 8 j + (lane & 7) + 8 (lane >> 4), chunk 2 kk + ((lane >> 3) & 1);
+    //   B [K, N]: rows 16 kk + (lane & 7) + 8 ((lane >> 3) & 1), chunk wn / 8 + j + (lane >> 4).
+    // For A and B [N, K] the chunk's XOR splits: (2 kk + h) ^ p = 2 kk ^ (h ^ p) for h in {0, 1}.
+    const u32 sA_u = tf::smem_addr(sA), sB_u = tf::smem_addr(sB);
+    const int a_row = (wm + (lane & 15)) * BK;
+    const int a_x = (lane >> 4) ^ swz_phase<BK>(lane & 15);
+    int b_row, b_x;
+    if constexpr (B_NK) {
+        b_row = (wn + (lane & 7) + ((lane >> 4) << 3)) * BK;
+        b_x = ((lane >> 3) & 1) ^ swz_phase<BK>(lane & 7);
+    } else {
+        b_row = ((lane & 7) + (((lane >> 3) & 1) << 3)) * BN + (WN == 64 ? wn : 0);  // b_col below
+        b_x = swz_phase<BN>(lane & 7);
+    }
+    // B [K, N] columns of tile pair j: chunk (wn / 8 + j + (lane >> 4)) ^ b_x. With 64-wide warp
+    // tiles wn / 8 is a multiple of 8 and j + (lane >> 4) < 8, so the XOR stays in the low 3 bits
+    // and splits like A's: one base register instead of one per j (NVRTC 13.5 spilled otherwise).
+    const int b_xh = (lane >> 4) ^ b_x;
+    auto b_col = [&](int j) {
+        if constexpr (WN == 64) return (j ^ b_xh) << 3;  // + wn, folded into b_row
+        else return (((wn >> 3) + j + (lane >> 4)) ^ b_x) << 3;
+    };
+    auto load_frags = [&](u32 a_s, u32 b_s, int kk, int buf) {  // a_s / b_s: the stage's smem addresses
+#pragma unroll
+        for (int i = 0; i < MI; ++i)  // lanes 0-15: rows at k, lanes 16-31: rows at k+8
+            tf::ldmatrix_x4(af[buf][i], a_s + 2 * (a_row + i * 16 * BK + (((2 * kk) ^ a_x) << 3)));
+#pragma unroll
+        for (int j = 0; j < NI; j += 2) {  // one x4 = b0,b1 of two adjacent n8 tiles
+            u32 r[4];
+            if constexpr (B_NK)  // matrices: (n0-7,k0-7) (n0-7,k8-15) (n8-15,k0-7) (n8-15,k8-15)
+                tf::ldmatrix_x4(r, b_s + 2 * (b_row + j * 8 * BK + (((2 * kk) ^ b_x) << 3)));
+            else                 // k rows; .trans: (k0-7,n0-7) (k8-15,n0-7) (k0-7,n8-15) (k8-15,n8-15)
+                tf::ldmatrix_x4_trans(r, b_s + 2 * (b_row + kk * 16 * BN + b_col(j)));
+            bf[buf][j][0] = r[0]; bf[buf][j][1] = r[1];
+            bf[buf][j + 1][0] = r[2]; bf[buf][j + 1][1] = r[3];
+        }
+    };
+    int rs = 0;                       // the ring buffer being read (no modulo in the loop)
+    tf::cp_async_wait<STAGES - 1>();  // this thread's copies of stage 0 have landed ...
+    __syncthreads();                  // ... and everyone's
+    load_frags(sA_u, sB_u, 0, 0);
     for (int kt = 0; kt < KT; ++kt) {
-        tf::cp_async_wait<STAGES - 2>();  // this thread's copies of stage kt have landed
-        __syncthreads();                  // ... everyone's have, and stage kt-1 is free to refill
-        if (kt + STAGES - 1 < KT) {
-            ca.copy(sA + ws * A_STAGE, A, K, kt + STAGES - 1, K);
-            cb.copy(sB + ws * B_STAGE, B, ldb, kt + STAGES - 1, K);
-        }
-        tf::cp_async_commit();
-        ws = ws + 1 == STAGES ? 0 : ws + 1;
-
-        const T* a_s = sA + rs * A_STAGE;
-        const T* b_s = sB + rs * B_STAGE;
+        const u32 a_s = sA_u + rs * (A_STAGE * 2), b_s = sB_u + rs * (B_STAGE * 2);
 #pragma unroll
-        for (int kk = 0; kk <= KSTEPS; ++kk) {
-            if (kk < KSTEPS) {  // fragments of k step kk into buffer kk & 1
-                const int buf = kk & 1;
-#pragma unroll
-                for (int i = 0; i < MI; ++i)  // lanes 0-15: rows at k, lanes 16-31: rows at k+8
-                    tf::ldmatrix_x4(af[buf][i], &a_s[soff<BK>(wm + i * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8)]);
-#pragma unroll
-                for (int j = 0; j < NI; j += 2) {  // one x4 = b0,b1 of two adjacent n8 tiles
-                    u32 r[4];
-                    if constexpr (B_NK)  // matrices: (n0-7,k0-7) (n0-7,k8-15) (n8-15,k0-7) (n8-15,k8-15)
-                        tf::ldmatrix_x4(r, &b_s[soff<BK>(wn + j * 8 + (lane & 7) + (lane >> 4) * 8,
-                                                         kk * 16 + ((lane >> 3) & 1) * 8)]);
-                    else                 // k rows; .trans: (k0-7,n0-7) (k8-15,n0-7) (k0-7,n8-15) (k8-15,n8-15)
-                        tf::ldmatrix_x4_trans(r, &b_s[soff<BN>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                               wn + j * 8 + (lane >> 4) * 8)]);
-                    bf[buf][j][0] = r[0]; bf[buf][j][1] = r[1];
-                    bf[buf][j + 1][0] = r[2]; bf[buf][j + 1][1] = r[3];
+        for (int kk = 0; kk < KSTEPS; ++kk) {
+            if (kk == KSTEPS - 1) {
+                // Stage kt+1: this thread's copies have landed (wait_group); the barrier says
+                // everyone's have, and that every warp has read all of stage kt (its last
+                // fragments were loaded one step ago), so its buffer takes stage kt+STAGES now.
+                tf::cp_async_wait<STAGES - 2>();
+                __syncthreads();
+                if (kt + STAGES < KT) {
+                    ca.copy(sA + rs * A_STAGE, A, K, kt + STAGES, K);
+                    cb.copy(sB + rs * B_STAGE, B, ldb, kt + STAGES, K);
                 }
+                tf::cp_async_commit();
+                rs = rs + 1 == STAGES ? 0 : rs + 1;
+                if (kt + 1 < KT) load_frags(sA_u + rs * (A_STAGE * 2), sB_u + rs * (B_STAGE * 2), 0, 0);
+            } else {
+                load_frags(a_s, b_s, kk + 1, (kk + 1) & 1);
             }
-            if (kk > 0) {  // mmas of k step kk-1
-                const int buf = (kk - 1) & 1;
+            const int buf = kk & 1;  // mmas of k step kk
 #pragma unroll
-                for (int i = 0; i < MI; ++i)
+            for (int i = 0; i < MI; ++i)
 #pragma unroll
-                    for (int j = 0; j < NI; ++j)
-                        tf::Mma<T>::run(acc[i][j], af[buf][i], bf[buf][j][0], bf[buf][j][1]);
-            }
+                for (int j = 0; j < NI; ++j)
+                    tf::Mma<T>::run(acc[i][j], af[buf][i], bf[buf][j][0], bf[buf][j][1]);
         }
-        rs = rs + 1 == STAGES ? 0 : rs + 1;
     }
     tf::cp_async_wait<0>();  // only empty groups can remain; drain before the block retires
 
+    tile_origin(m0, n0);
 #pragma unroll
     for (int i = 0; i < MI; ++i)
 #pragma unroll
