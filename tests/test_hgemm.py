@@ -274,6 +274,11 @@ def test_configs_are_consistent():
             assert cfg.smem_bytes <= 227 * 1024, cfg.label()
     assert ops.select(4096, 4096, "auto", 132, 80).step == ops.AUTO_STEP == "06_rasterized"
     assert ops.select(16, 4096, "auto", 132, 80) == ops.TUNED_SMALL[ops.AUTO_STEP]
+    # sm_86 / sm_89 allow 99 KB a block: the tuned 144 KB tile of steps 05-06 gives way to a 96 KB one
+    low = ops.select(4096, 4096, "auto", 84, 86, smem_limit=99 * 1024)
+    assert low == ops.TUNED_LOW_SMEM[ops.AUTO_STEP] and low.smem_bytes <= 99 * 1024
+    assert ops.select(4096, 4096, "05_multistage", 108, 80, smem_limit=163 * 1024) == ops.TUNED["05_multistage"]
+    assert all(c.spec(torch.float16) in ops.dispatch_specs() for c in ops.TUNED_LOW_SMEM.values())
     assert ops.select(4096, 4096, "auto", 132, 90) == ops.TUNED["07_wgmma_tma"]
     assert ops.select(16, 4096, "auto", 132, 90) == ops.WGMMA_NARROW  # decode: one 64-row tile row
     assert ops.select(1024, 2048, "auto", 132, 90) == ops.TUNED_SMALL["07_wgmma_tma"]  # 128 tiles

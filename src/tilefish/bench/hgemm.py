@@ -80,6 +80,7 @@ def _compare(report, ops, label, shape, dtype, nk, kernels, reps, tol):
     report.add(Row("hgemm", case, "cuBLAS", tc.median_us, cub, "TFLOP/s", 100.0, {}))
     props = torch.cuda.get_device_properties(a.device)
     sms, cc = props.multi_processor_count, props.major * 10 + props.minor
+    smem = getattr(props, "shared_memory_per_block_optin", None)
     for kern in kernels:
         slow = kern in SLOW_STEPS
         fn = lambda: ops.hgemm(a, b, kernel=kern, b_transposed=nk)  # noqa: E731
@@ -90,7 +91,7 @@ def _compare(report, ops, label, shape, dtype, nk, kernels, reps, tol):
             t, tc_pair = time_cuda(fn, reps=reps, warmup=1, min_reps=3), tc
         else:  # alternating rounds with cuBLAS: both timed at the same clocks (see time_paired)
             t, tc_pair = time_paired(fn, lambda: _cublas(a, b, ref, nk), reps=reps)
-        cfg = kern if isinstance(kern, ops.HgemmConfig) else ops.select(shape[0], shape[1], kern, sms, cc)
+        cfg = kern if isinstance(kern, ops.HgemmConfig) else ops.select(shape[0], shape[1], kern, sms, cc, smem)
         name = f"tilefish[{cfg.step} {cfg.short()}]" if isinstance(kern, ops.HgemmConfig) else f"tilefish {kern}"
         tf = _tflops(shape, t.median_ms)
         ratio = tc_pair.median_ms / t.median_ms

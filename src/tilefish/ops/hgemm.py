@@ -276,6 +276,12 @@ TUNED: dict[str, HgemmConfig] = {
     "06_rasterized": _cfg("06_rasterized", 128, 256, 64, 64, 64, 3, 8),
     "07_wgmma_tma": _cfg("07_wgmma_tma", 128, 256, 4, 8, 2, 0, 1),
 }
+# Used instead of TUNED[step] on GPUs whose per-block shared memory is below TUNED's (sm_86 / sm_89
+# allow 99 KB; TUNED 05-06 take 144 KB): the tuned tile before the 128 x 256 one, 96 KB.
+TUNED_LOW_SMEM: dict[str, HgemmConfig] = {
+    "05_multistage": _cfg("05_multistage", 128, 128, 64, 64, 64, 3),
+    "06_rasterized": _cfg("06_rasterized", 128, 128, 64, 64, 64, 3, 8),
+}
 # Used instead of TUNED[step] when TUNED's tile gives fewer blocks than SMs (small M x N, decode).
 TUNED_SMALL: dict[str, HgemmConfig] = {
     "05_multistage": _cfg("05_multistage", 64, 64, 64, 32, 32, 4),
@@ -339,9 +345,10 @@ def variant_specs() -> list[KernelSpec]:
 
 
 def dispatch_specs() -> list[KernelSpec]:
-    """Every KernelSpec `hgemm` can launch: TUNED + TUNED_SMALL of every step (+ step 07's mid,
-    narrow and short tiles) x dtype x B layout."""
-    cfgs = list(TUNED.values()) + list(TUNED_SMALL.values()) + [WGMMA_MID, WGMMA_NARROW, WGMMA_SHORT]
+    """Every KernelSpec `hgemm` can launch: TUNED + TUNED_SMALL of every step (+ TUNED_LOW_SMEM of
+    steps 05-06, step 07's mid, narrow and short tiles) x dtype x B layout."""
+    cfgs = (list(TUNED.values()) + list(TUNED_SMALL.values()) + list(TUNED_LOW_SMEM.values())
+            + [WGMMA_MID, WGMMA_NARROW, WGMMA_SHORT])
     return _all_specs(cfgs + [_direct_store(c) for c in cfgs if c.info.hopper])
 
 
@@ -449,12 +456,17 @@ def _tuned_for(step: str, m: int, n: int, sm_count: int) -> HgemmConfig:
     return cfg
 
 
-def select(m: int, n: int, kernel="auto", sm_count: int = 132, cc: int = 90) -> HgemmConfig:
-    """The configuration `hgemm` runs for an M x N output on a GPU with sm_count SMs and compute
-    capability cc."""
+def select(m: int, n: int, kernel="auto", sm_count: int = 132, cc: int = 90,
+           smem_limit: int | None = None) -> HgemmConfig:
+    """The configuration `hgemm` runs for an M x N output on a GPU with sm_count SMs, compute
+    capability cc and smem_limit bytes of shared memory per block (None: as much as any config needs)."""
     if isinstance(kernel, HgemmConfig):
         return kernel
-    return _tuned_for(auto_step(cc) if kernel == "auto" else kernel, m, n, sm_count)
+    step = auto_step(cc) if kernel == "auto" else kernel
+    cfg = _tuned_for(step, m, n, sm_count)
+    if smem_limit is not None and cfg.smem_bytes > smem_limit and step in TUNED_LOW_SMEM:
+        cfg = TUNED_LOW_SMEM[step]
+    return cfg
 
 
 def hgemm_reference(a: torch.Tensor, b: torch.Tensor, b_transposed: bool = False) -> torch.Tensor:
@@ -540,7 +552,7 @@ def hgemm(a: torch.Tensor, b: torch.Tensor, kernel="auto", b_transposed: bool = 
     if k == 0:
         return torch.zeros(m, n, dtype=a.dtype, device=a.device)
     info = device_info(a.device.index)
-    cfg = select(m, n, kernel, info.sm_count, info.cc)
+    cfg = select(m, n, kernel, info.sm_count, info.cc, info.smem_per_block_optin)
     _check_arch(cfg, a.device)
     c = torch.empty(m, n, dtype=a.dtype, device=a.device)
     return launch_config(cfg, a_k, b_k, c, b_nk)
