@@ -41,7 +41,7 @@ def main():
                     t = time_cuda(lambda: ops.matmul_impl(x, p, cfg=cfg, slices=sl), reps=reps).median_ms
                     rows.append((t, cfg.label(), sl))
             rows.sort()
-            auto_cfg = ops.choose_config(m, n, k, 132, 90)
+            auto_cfg = ops.choose_config(m, n, k, 132, 90, 128)  # the weights above: group 128
             rec = {"k": k, "n": n, "m": m, "cublas_us": t_cublas * 1e3, "auto_us": t_auto * 1e3,
                    "auto": auto_cfg.label(), "mma_us": t_mma * 1e3,
                    "best": [(t * 1e3, lab, sl) for t, lab, sl in rows[:5]]}

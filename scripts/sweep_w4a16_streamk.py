@@ -58,7 +58,7 @@ def main():
             ref = w4a16_matmul(x, q) if m <= 256 else None
             reps = 10 if m >= 1024 else 15
             t_cublas = time_cuda(lambda: torch.nn.functional.linear(x, deq), reps=reps).median_ms * 1e3
-            auto = ops.choose_config(m, n, k, sms, 90)
+            auto = ops.choose_config(m, n, k, sms, 90, group)
             t_auto = time_cuda(lambda: ops.matmul_impl(x, p), reps=reps).median_ms * 1e3
             rows = []
             for cfg, sl in candidates(m, n, k, sms):

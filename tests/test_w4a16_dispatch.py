@@ -64,6 +64,11 @@ def test_skinny_dispatch_follows_the_sweep():
             else:
                 assert pick(m, n, k) == ops.SkinnyConfig(16, 2, 2, 6, 2), (m, n, k)
     assert isinstance(pick(17, 57344, 8192), ops.HopperConfig)
+    # per-channel weights at m = 13-16 on the widest weight: the wgmma kernel's stream-K plan
+    assert isinstance(ops.choose_config(16, 57344, 8192, 132, 90, -1), ops.HopperConfig)
+    assert ops.choose_config(12, 57344, 8192, 132, 90, -1) == ops.SkinnyConfig(16, 2, 2, 6, 2)
+    assert ops.choose_config(16, 57344, 8192, 132, 90, 128) == ops.SkinnyConfig(16, 2, 2, 6, 2)
+    assert ops.choose_config(16, 8192, 28672, 132, 90, -1) == ops.SkinnyConfig(16, 2, 2, 6, 2)
     for n, k in ((10240, 8192), (28672, 4096), (4096, 4096)):
         assert isinstance(pick(32, n, k), ops.HopperConfig)
 

@@ -457,17 +457,25 @@ def choose_hopper_slices(cfg: HopperConfig, m: int, n: int, k: int, sm_count: in
 # two 8-row blocks also go on the fp32 partial sums): sk-m16n128w2s6x2 beats the wgmma plan by
 # 2-12% at m = 12 on all 8 shapes and at m = 16 on 6 (k 28672 x n 8192: 44.3 against 50.4 us);
 # at m = 13-16 with n <= 4096 the wgmma kernel stays 0-3% ahead.
+# Per-channel weights have no group scale to move onto the partials, and there the wgmma
+# kernel's stream-K plan keeps n 57344 at m = 13-16 (same-process sweep,
+# w4a16_skinny_sweep_m16_{fp16,bf16}_g-1.json: 73.3 against 77.5 us fp16, 77.2 against 83.2 bf16;
+# elsewhere the two are within 0-5% either way).
 SKINNY_MAX_M = 16
 SKINNY_MMA_MAX_NK = 4096 * 4096  # at most this many weights and m <= 2: the mma.sync kernel
-SKINNY_M16_MIN_N = 4097          # m = 13-16: the skinny kernel from this n up
+SKINNY_M16_MIN_N = 4097          # m = 13-16: the skinny kernel from this n up ...
+SKINNY_M16_PER_CHANNEL_MAX_N = 32768  # ... and, per-channel, up to this n
 
 
-def choose_skinny_config(m: int, n: int, k: int, sm_count: int) -> SkinnyConfig | None:
-    """The stream-K kernel's configuration where it is expected to win on sm_90, else None."""
+def choose_skinny_config(m: int, n: int, k: int, sm_count: int, group: int | None = None) -> SkinnyConfig | None:
+    """The stream-K kernel's configuration where it is expected to win on sm_90, else None.
+    group: the weight's group size (-1 per channel; None when not known, treated as grouped)."""
     if m > SKINNY_MAX_M or n % 128 or (m <= 2 and n * k <= SKINNY_MMA_MAX_NK):
         return None
     if m > 8:
-        return SkinnyConfig(16, 2, 2, 6, 2) if m <= 12 or n >= SKINNY_M16_MIN_N else None
+        if m > 12 and (n < SKINNY_M16_MIN_N or (group == -1 and n > SKINNY_M16_PER_CHANNEL_MAX_N)):
+            return None
+        return SkinnyConfig(16, 2, 2, 6, 2)
     if n % 256:
         return SkinnyConfig(8, 2, 4, 8, 2)
     # m <= 2: one warp a strip, two CTAs an SM (128 registers: group scales on the fp32 partial
@@ -477,9 +485,10 @@ def choose_skinny_config(m: int, n: int, k: int, sm_count: int) -> SkinnyConfig 
 
 
 @functools.lru_cache(maxsize=4096)
-def choose_config(m: int, n: int, k: int, sm_count: int, cc: int = 80) -> GemmConfig | HopperConfig | SkinnyConfig:
+def choose_config(m: int, n: int, k: int, sm_count: int, cc: int = 80,
+                  group: int | None = None) -> GemmConfig | HopperConfig | SkinnyConfig:
     if cc == 90:
-        skinny = choose_skinny_config(m, n, k, sm_count)
+        skinny = choose_skinny_config(m, n, k, sm_count, group)
         if skinny is not None:
             return skinny
     if cc == 90 and _uses_hopper(m, n, k):
@@ -623,7 +632,7 @@ def matmul_impl(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = Non
             raise ValueError(f"{name} must be contiguous and 16-byte aligned for the CUDA kernel")
     info = device_info(x.device.index)
     sms = info.sm_count
-    cfg = cfg or choose_config(m, w.n, w.k, sms, info.cc)
+    cfg = cfg or choose_config(m, w.n, w.k, sms, info.cc, w.group_size)
     if isinstance(cfg, HopperConfig):
         return _launch_hopper(cfg, x2, w, bias, out, slices, info).reshape(*lead, w.n)
     if isinstance(cfg, SkinnyConfig):
