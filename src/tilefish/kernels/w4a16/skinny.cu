@@ -84,7 +84,8 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
     // Consumers -> finisher hand-off of finished partial segments (a ring of 2): (tile or -1, final).
     __shared__ int2 s_seg[2];
     __shared__ __align__(8) u64 seg_full[2], seg_empty[2], fix_ready;
-    __shared__ int s_fix_tile;  // finisher -> consumers: the tile whose fixup they run at the end, or -1
+    __shared__ int s_fix_tile;    // finisher -> consumers: the tile whose fixup they run at the end, or -1
+    __shared__ int s_defer_tile;  // ... and a tile the finisher left to them (see the finisher), or -1
 
     const int KS = k / kBK;
     const int tiles = n / BN;
@@ -174,6 +175,7 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
         // fixup with all their threads (the one fixup on the kernel's critical path).
         int hs = 0;
         u32 hph = 0;
+        int deferred = -1;
         while (true) {
             mbar_wait(&seg_full[hs], hph);
             const int2 rec = s_seg[hs];
@@ -190,16 +192,29 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
                     is_last = atomic_add_acq_rel(counters + tile, 1) == span;
                 }
                 last = __shfl_sync(0xffffffffu, is_last, 0) != 0;
+                // A first segment that covers most of the CTA's range ends about when the other CTAs
+                // of its tile do, so it is often the last arriver, and the consumers are nearly done
+                // too: its 32-lane fixup (one L2 round trip per 32 float4, ~10 us at m = 8-16) would
+                // then hold up their final reply. Such a tile (less than a quarter of the range left
+                // after it) goes to the consumers instead, who run it at the end with all their
+                // threads. (k 8192 x n 10240, m = 16: CTA 141's range is 18 units of one tile and 1
+                // of the next; in up to 40% of the launches its finisher was last on the first and
+                // the launch took 35 us instead of 24.)
                 if (last && !rec.y) {
-                    __threadfence();
-                    fixup(tile, lane, 32);
-                    __syncwarp();
-                    if (lane == 0) store_relaxed(counters + tile, 0);  // all segments are in: reset for the next launch
+                    if (4 * (u1 - (tile + 1) * KS) < u1 - u0) {
+                        deferred = tile;
+                    } else {
+                        __threadfence();
+                        fixup(tile, lane, 32);
+                        __syncwarp();
+                        if (lane == 0) store_relaxed(counters + tile, 0);  // all segments are in: reset for the next launch
+                    }
                 }
             }
             if (rec.y) {  // the consumers' final record: tell them whether the fixup is theirs
                 if (lane == 0) {
                     s_fix_tile = last ? rec.x : -1;
+                    s_defer_tile = deferred;
                     mbar_arrive(&fix_ready);
                 }
                 break;
@@ -487,8 +502,13 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
     TF_STAMP(3);
     // The fixup of the tile the CTA's final segment completed, with every consumer thread.
     mbar_wait(&fix_ready, 0);
-    const int fix_tile = s_fix_tile;
-    if (fix_tile >= 0) {
+    // The tile the finisher left to them, if any, then the final segment's (one copy of the fixup
+    // code: two inlined copies made the bf16 m = 8 kernel ~2% slower).
+    const int fix_tiles[2] = {s_defer_tile, s_fix_tile};
+#pragma unroll 1
+    for (int i = 0; i < 2; ++i) {
+        const int fix_tile = fix_tiles[i];
+        if (fix_tile < 0) continue;
         __threadfence();
         fixup(fix_tile, threadIdx.x, CT);
         if (threadIdx.x == 0) store_relaxed(counters + fix_tile, 0);  // all segments are in: reset for the next launch
