@@ -97,12 +97,14 @@ struct TileCopy {
     }
 };
 
-}  // namespace hg
 
+// The block's main loop, shared with step 6 (which only changes the order of the tiles): the
+// BM x BN tile of C at (m0, n0), K swept through the STAGES-deep cp.async ring, accumulated
+// into acc (fp32 fragments of the warp's WM x WN tile). Needs STAGES * (BM + BN) * BK * 2 bytes
+// of dynamic shared memory.
 template <typename T, bool B_NK, int BM, int BN, int BK, int WM, int WN, int STAGES>
-__global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, 1)
-hgemm_multistage(const T* __restrict__ A, const T* __restrict__ B, T* __restrict__ C, int M, int N, int K) {
-    using namespace hg;
+__device__ __forceinline__ void multistage_mainloop(const T* __restrict__ A, const T* __restrict__ B, int M, int N,
+                                                    int K, int m0, int n0, float (&acc)[WM / 16][WN / 8][4]) {
     constexpr int WARPS_N = BN / WN;
     constexpr int NT = (BM / WM) * WARPS_N * 32;
     constexpr int MI = WM / 16, NI = WN / 8;      // mma tiles per warp
@@ -118,7 +120,6 @@ hgemm_multistage(const T* __restrict__ A, const T* __restrict__ B, T* __restrict
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = (warp / WARPS_N) * WM, wn = (warp % WARPS_N) * WN;
-    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;  // launch order: N tiles fastest
     const int KT = (K + BK - 1) / BK;  // once per block
 
     const TileCopy<T, BM, BK, NT, false> ca(A, K, m0, M, 0, K, tid);
@@ -137,7 +138,6 @@ hgemm_multistage(const T* __restrict__ A, const T* __restrict__ B, T* __restrict
         tf::cp_async_commit();
     }
 
-    float acc[MI][NI][4];
 #pragma unroll
     for (int i = 0; i < MI; ++i)
 #pragma unroll
@@ -228,9 +228,21 @@ hgemm_multistage(const T* __restrict__ A, const T* __restrict__ B, T* __restrict
         }
     }
     tf::cp_async_wait<0>();  // only empty groups can remain; drain before the block retires
+}
 
+}  // namespace hg
+
+template <typename T, bool B_NK, int BM, int BN, int BK, int WM, int WN, int STAGES>
+__global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, 1)
+hgemm_multistage(const T* __restrict__ A, const T* __restrict__ B, T* __restrict__ C, int M, int N, int K) {
+    using namespace hg;
+    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;  // launch order: N tiles fastest
+    float acc[WM / 16][WN / 8][4];
+    multistage_mainloop<T, B_NK, BM, BN, BK, WM, WN, STAGES>(A, B, M, N, K, m0, n0, acc);
+    const int warp = threadIdx.x >> 5;
+    const int wm = (warp / (BN / WN)) * WM, wn = (warp % (BN / WN)) * WN;
 #pragma unroll
-    for (int i = 0; i < MI; ++i)
+    for (int i = 0; i < WM / 16; ++i)
 #pragma unroll
-        for (int j = 0; j < NI; ++j) store_frag<T>(C, M, N, m0 + wm + i * 16, n0 + wn + j * 8, acc[i][j]);
+        for (int j = 0; j < WN / 8; ++j) store_frag<T>(C, M, N, m0 + wm + i * 16, n0 + wn + j * 8, acc[i][j]);
 }
