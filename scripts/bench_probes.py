@@ -4,10 +4,13 @@ one process:
 * mma.sync m16n8k16 issue rate from registers only, by warps per SM and independent chains, with
   the SM clock read during the run; next to cuBLAS and HGEMM steps 06 / 07 at 4096^3. This is the
   ceiling of the Ampere-style ladder steps on this GPU.
+* wgmma with A from registers (the W4A16 Hopper kernel's form), by N = the m tile, with no
+  dequantization, with the lop3 dequantization and with group scales on top, at one or two
+  warpgroups per SM, with the SM clock: the tensor ceiling of the W4A16 wgmma kernel at each m.
 * DRAM read rate of a plain streaming kernel (no writes) at the byte counts of the W4A16 packed
   weights, next to a device copy and the W4A16 m = 1 dispatch: the floor of weight streaming.
 
-Usage: python scripts/bench_probes.py [OUT.json]
+Usage: python scripts/bench_probes.py [OUT.json] [mma,wgmma_rs,read]
 """
 import json
 import sys
@@ -63,6 +66,35 @@ def mma_probe(results):
     results["hgemm_4096_fp16_tflops"] = peers
 
 
+WGMMA_RS_SHAPES = ((16, 4), (32, 4), (64, 4), (64, 2), (128, 2), (128, 1), (256, 1))  # (N, NT) of HOPPER_CONFIGS
+
+
+def wgmma_rs_probe(results):
+    sink = torch.empty(1 << 20, device="cuda")
+    clocks = torch.zeros(4, dtype=torch.int64, device="cuda")
+    rows = []
+    for dt, tname in ((torch.float16, "__half"), (torch.bfloat16, "__nv_bfloat16")):
+        for n, nt in WGMMA_RS_SHAPES:
+            for deq in (0, 1, 2):
+                kern = get_kernel(KernelSpec("probes/wgmma_rs_peak.cu", f"wgmma_rs_peak<{tname}, {n}, {nt}, {deq}>",
+                                             arch_specific=True, min_sm=90))
+                for wgs in (1, 2):
+                    iters = max(200, 400000 // (n * nt))
+                    # 160 KB of shared memory a block: exactly one block (of 1 or 2 warpgroups) per SM
+                    run = lambda: launch(kern, SMS, 128 * wgs, sink.data_ptr(), clocks.data_ptr(), i32(iters),  # noqa: E731
+                                         smem=160 * 1024)
+                    run(); torch.cuda.synchronize()
+                    us = events_us(run)
+                    c = clocks.tolist()
+                    mhz = (c[1] - c[0]) / max(1, c[3] - c[2]) * 1e3
+                    tf = SMS * wgs * iters * 4 * nt * 64 * n * 16 * 2 / us / 1e6
+                    rows.append(dict(dtype=str(dt)[6:], n=n, nt=nt, dequant=("none", "lop3", "lop3+scale")[deq],
+                                     warpgroups_per_sm=wgs, tflops=tf, sm_mhz=mhz))
+                    print(f"wgmma RS {str(dt)[6:]:9s} m64n{n:<3d}k16 x{nt} dequant {rows[-1]['dequant']:10s} "
+                          f"WG/SM {wgs}: {tf:6.1f} TFLOP/s at {mhz:5.0f} MHz")
+    results["wgmma_rs_peak"] = rows
+
+
 def read_probe(results):
     sink = torch.empty(4, dtype=torch.int32, device="cuda")
     specs = {(u, h): get_kernel(KernelSpec("probes/read_stream.cu", f"read_stream<{u}, {'true' if h else 'false'}>"))
@@ -104,9 +136,11 @@ def read_probe(results):
 
 def main():
     results = {"gpu": torch.cuda.get_device_name(0)}
-    which = sys.argv[2].split(",") if len(sys.argv) > 2 else ["mma", "read"]
+    which = sys.argv[2].split(",") if len(sys.argv) > 2 else ["mma", "wgmma_rs", "read"]
     if "mma" in which:
         mma_probe(results)
+    if "wgmma_rs" in which:
+        wgmma_rs_probe(results)
     if "read" in which:
         read_probe(results)
     if len(sys.argv) > 1:

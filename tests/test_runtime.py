@@ -97,6 +97,16 @@ def test_ceiling_probes_compile(arch, tmp_cache):
         assert ck.resources.registers > 0 and not ck.resources.spills, (spec.name, ck.resources)
 
 
+def test_wgmma_rs_probe_compiles_unserialized(tmp_cache):
+    """The register-A wgmma probe (sm_90a) builds without spills and without ptxas serializing its
+    wgmmas (which would make it measure something else than the W4A16 kernel's issue pattern)."""
+    for name in ("wgmma_rs_peak<__half, 64, 4, 0>", "wgmma_rs_peak<__half, 16, 4, 2>",
+                 "wgmma_rs_peak<__nv_bfloat16, 128, 2, 1>", "wgmma_rs_peak<__nv_bfloat16, 256, 1, 2>"):
+        ck = compile_kernel(KernelSpec("probes/wgmma_rs_peak.cu", name, arch_specific=True, min_sm=90), "sm_90")
+        assert ck.resources.registers > 0 and not ck.resources.spills, (name, ck.resources)
+        assert "serialized" not in ck.log, (name, ck.log)
+
+
 @pytest.mark.gpu
 def test_time_paired_alternates_and_pools():
     """bench.timing.time_paired: (fn, peer) Timings pooled over the rounds, each the right length."""

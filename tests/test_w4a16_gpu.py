@@ -97,6 +97,26 @@ def test_hopper_every_config_and_split():
 
 @hopper
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [-1, 128])
+def test_hopper_split_k_cluster_and_workspace(group, dtype, monkeypatch):
+    """k splits of 2..8 run as one thread-block cluster whose CTAs add their partials through
+    distributed shared memory; with HOPPER_DSMEM_SPLIT off (and for wider splits) they go through the
+    global workspace. Both against the reference, bitwise repeatable, m below / across tiles, bias."""
+    q, p = _case(2048, 512, group, group == 128, dtype)
+    for cfg in (ops.HopperConfig(16, 4, 1, 8), ops.HopperConfig(64, 4, 1, 6), ops.HopperConfig(128, 2, 2, 6),
+                ops.HopperConfig(256, 1, 2, 5), ops.HopperConfig(128, 1, 2, 6)):
+        for m in (5, cfg.mt + 3):
+            x = torch.randn(m, 2048, device="cuda", dtype=dtype)
+            bias = torch.randn(512, device="cuda", dtype=dtype) if m % 2 else None
+            for slices in (2, 3, 5, 8):
+                for dsmem in (True, False):
+                    monkeypatch.setattr(ops, "HOPPER_DSMEM_SPLIT", dsmem)
+                    out = _check(x, q, p, bias, cfg=cfg, slices=slices)
+                    assert torch.equal(out, ops.matmul_impl(x, p, bias, cfg=cfg, slices=slices))
+
+
+@hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("group", [-1, 32, 64, 128])
 @pytest.mark.parametrize("sym", [True, False])
 def test_hopper_groups_zero_points_dtypes(group, sym, dtype):

@@ -317,6 +317,9 @@ TINY_WEIGHT_NK = 32_000_000
 MAX_HOPPER_SLICES = 8
 STREAMK_MAX_M = 512
 HOPPER_SLICES = (1, 2, 3, 4, 6, 8)
+MAX_CLUSTER_SLICES = 8     # a portable cluster: k splits up to this run as one cluster (DSMEM fixup)
+HOPPER_DSMEM_SPLIT = True  # False: every k split sums through the global workspace (A/B, sweeps)
+ONE_CTA_PER_SM_SMEM = 116 * 1024  # dynamic smem above half an SM's 228 KB: one CTA an SM
 
 # Time model of the wgmma kernel, fitted (non-negative least squares on relative error) to
 # scripts/sweep_w4a16_streamk.py on the H200: fp16, group 128 and per-channel, the 8 benchmark
@@ -660,7 +663,8 @@ def _launch_hopper(cfg: HopperConfig, x2: torch.Tensor, w: W4A16Weight, bias: to
                    out: torch.Tensor, slices: int | None, info) -> torch.Tensor:
     """The sm_90a wgmma kernel: a TMA map for x (mt x 64 boxes, 128-byte swizzle); grid (m tiles,
     n tiles, k slices), or for a stream-K config (cfg.sk) a 1-D grid of `slices` CTAs (default one
-    wave: SMs x cfg.ctas_per_sm, at most one (tile, k stage) unit each)."""
+    wave: SMs x cfg.ctas_per_sm, at most one (tile, k stage) unit each). A 2-8 way k split whose
+    clusters all fit at once runs as clusters of its slices: grid (m tiles x slices, n tiles)."""
     from ..runtime.tma import tensor_map_2d
 
     if info.cc != 90:
@@ -685,13 +689,24 @@ def _launch_hopper(cfg: HopperConfig, x2: torch.Tensor, w: W4A16Weight, bias: to
         if n_tiles > 65535:
             raise ValueError(f"n={w.n} gives {n_tiles} column tiles of {cfg.bn}, more than gridDim.y allows (65535)")
         grid, ws_floats = (m_tiles, n_tiles, slices), tiles * slices * cfg.mt * cfg.bn if slices > 1 else 0
-    ws, counters = _workspace(x2.device, ws_floats, tiles)
+    # A k split of a tile runs as one thread-block cluster of its slices, which add their partials
+    # through distributed shared memory, when all the clusters fit at once (a cluster must sit
+    # inside one GPC; else the rest ran as a second wave) and with one CTA an SM (a cluster whose
+    # CTAs doubled up on SMs left others idle: 0.6x in an A/B on the H200). Otherwise, for stream-K
+    # and for splits wider than a portable cluster, the slices sum through the global workspace.
     kern = get_kernel(kernel_spec(x2.dtype, cfg, w.group_size, asym), x2.device)
+    smem = cfg.smem_bytes(w.group_size, asym)
+    cluster = 1
+    if not cfg.sk and 1 < slices <= MAX_CLUSTER_SLICES and HOPPER_DSMEM_SPLIT:
+        one_per_sm = max(smem, ONE_CTA_PER_SM_SMEM)
+        if tiles <= kern.max_active_clusters(slices, cfg.threads, one_per_sm):
+            grid, ws_floats, cluster, smem = (m_tiles * slices, n_tiles, 1), 0, slices, one_per_sm
+    ws, counters = _workspace(x2.device, ws_floats, tiles)
     map_x = tensor_map_2d(x2, cfg.mt, HOPPER_BK)
     launch(kern, grid, cfg.threads, map_x, w.packed.data_ptr(), w.scales.data_ptr(),
            w.zeros.data_ptr() if asym else 0, bias.data_ptr() if bias is not None else 0,
            out.data_ptr(), ws.data_ptr(), counters.data_ptr(), i32(m), i32(w.n), i32(w.k), i32(slices),
-           smem=cfg.smem_bytes(w.group_size, asym))
+           i32(int(cluster > 1)), smem=smem, cluster=cluster)
     return out
 
 

@@ -38,7 +38,9 @@
 //   every SM gets the same work whatever the tile count (no partly empty last wave, no
 //   over-split k). The producer streams across tile boundaries without draining the ring, so the
 //   epilogue stages y in a shared-memory area of its own.
-// A tile cut between CTAs is finished the same way in both: each contributor writes its fp32
+// A k split of 2-8 slices in tile mode whose clusters all fit at once runs as one cluster of the
+// slices (cluster_split): they add their partials through distributed shared memory (the fixup
+// below). Otherwise, a tile cut between CTAs is finished the same way in both: each contributor writes its fp32
 // accumulators to a workspace slot in fragment order (each thread 16-byte chunks, coalesced),
 // bumps the tile's counter (acq_rel); the last to arrive adds the slots in k order (bitwise
 // deterministic), runs the epilogue and resets the counter. No CTA waits for another.
@@ -77,7 +79,8 @@ template <typename T, int MT, int NT, int CONS, int STAGES, int GROUP, bool ASYM
 __global__ void __launch_bounds__((CONS + 1) * 128, CONS == 1 ? 2 : 1)
 w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__ w, const T* __restrict__ scales,
             const T* __restrict__ zeros, const T* __restrict__ bias, T* __restrict__ out,
-            float* __restrict__ workspace, int* __restrict__ counters, int m, int n, int k, int slices) {
+            float* __restrict__ workspace, int* __restrict__ counters, int m, int n, int k, int slices,
+            int cluster_split) {
     using namespace w4h;
     using L = Layout<MT, NT, CONS, GROUP, ASYM>;
     using DQ = Dequant<T>;
@@ -106,16 +109,20 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
     // This CTA's units [u0, u1) of (tile, k stage), unit = tile * KT + stage; tile = n tile x m
     // tiles + m tile.
     const int KT = k / kBK;
-    const int m_tiles = SK ? (m + MT - 1) / MT : gridDim.x;
+    // Tile mode with cluster_split: the k slices of a tile are one cluster (consecutive blockIdx.x)
+    // and sum their partials through distributed shared memory (below); else blockIdx.z is the slice.
+    const bool dsmem_fixup = !SK && cluster_split && slices > 1;
+    const int m_tiles = SK ? (m + MT - 1) / MT : (dsmem_fixup ? (int)gridDim.x / slices : (int)gridDim.x);
     const int units = SK ? m_tiles * (n / BN) * KT : 0;
     int u0, u1;
     if constexpr (SK) {
         u0 = unit_begin(blockIdx.x, units, gridDim.x);
         u1 = unit_begin(blockIdx.x + 1, units, gridDim.x);
     } else {
-        const int tile = blockIdx.y * m_tiles + blockIdx.x;
-        u0 = tile * KT + (int)((long long)blockIdx.z * KT / slices);
-        u1 = tile * KT + (int)((long long)(blockIdx.z + 1) * KT / slices);
+        const int slice = dsmem_fixup ? (int)(blockIdx.x % slices) : (int)blockIdx.z;
+        const int tile = blockIdx.y * m_tiles + (dsmem_fixup ? (int)(blockIdx.x / slices) : (int)blockIdx.x);
+        u0 = tile * KT + (int)((long long)slice * KT / slices);
+        u1 = tile * KT + (int)((long long)(slice + 1) * KT / slices);
     }
     const int wg = threadIdx.x / 128;
 
@@ -169,7 +176,7 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
                 }
             }
         }
-        return;
+        return;  // exited threads count as arrived at the consumers' cluster barriers (PTX `exit`)
     }
 
     setmaxnreg_inc<CONSUMER_REGS>();
@@ -283,6 +290,79 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
         if constexpr (SK) {  // the producer may be waiting for it to start the next segment
             release(prev);
             prev = -1;
+        }
+
+        if (dsmem_fixup) {
+            // The slices of this tile are this cluster's CTAs (rank = slice). Each stages its fp32
+            // partial tile row-major in its drained pipeline buffers; after a cluster barrier, CTA r
+            // sums the r-th share of the valid rows' float4s over all ranks in rank order (k order:
+            // deterministic) straight from their shared memory, applies scale and bias and stores
+            // them. All slices finish the tile together; no workspace, no counter, no L2 round trip.
+            constexpr int FROW = BN + 4;  // floats a staged row: rows 2t apart land 8 banks apart
+            static_assert(SK || MT * FROW * 4 <= STAGES * (L::X_BYTES + L::W_BYTES + L::S_BYTES + L::Z_BYTES),
+                          "the fp32 partial tile fits in the drained pipeline buffers");
+            float* part = reinterpret_cast<float*>(smem);
+            named_barrier_sync(1, CT);  // every consumer warpgroup's wgmmas are done with the buffers
+#pragma unroll
+            for (int jj = 0; jj < NT; ++jj)
+#pragma unroll
+                for (int cc = 0; cc < MT / 8; ++cc)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e)
+                            part[(8 * cc + 2 * t + e) * FROW + strip * 64 + 16 * (word0 + jj) + 8 * h + g] =
+                                acc[jj][4 * cc + 2 * h + e];
+            cluster_sync();
+            const u32 local = smem_addr(part);
+            const int rows = min(MT, m - m0), per_row = BN / 4, total = rows * per_row;
+            const int rank = (int)cluster_ctarank();  // = the slice (recomputed: nothing extra lives through the loop)
+            const int begin = (int)((long long)rank * total / slices), end = (int)((long long)(rank + 1) * total / slices);
+            // RB float4 a thread in flight per rank: one DSMEM round trip per (batch, rank). One
+            // chunk at a time (each add waiting on its load) made the fixup cost more than the split saved.
+            constexpr int RB = 8;
+            for (int base = begin; base < end; base += RB * CT) {
+                u32 off[RB];
+                float4 sum[RB];
+#pragma unroll
+                for (int b = 0; b < RB; ++b) {
+                    const int c4 = min(base + b * CT + ctid, end - 1);  // clamped: loads stay in bounds
+                    off[b] = (u32)((c4 / per_row) * FROW + (c4 % per_row) * 4) * 4;
+                }
+                const u32 rank0 = mapa_shared(local, 0);
+#pragma unroll
+                for (int b = 0; b < RB; ++b) sum[b] = ld_shared_cluster_f4(rank0 + off[b]);
+#pragma unroll 1
+                for (int r = 1; r < slices; ++r) {
+                    const u32 peer = mapa_shared(local, r);
+                    float4 v[RB];
+#pragma unroll
+                    for (int b = 0; b < RB; ++b) v[b] = ld_shared_cluster_f4(peer + off[b]);
+#pragma unroll
+                    for (int b = 0; b < RB; ++b) {
+                        sum[b].x += v[b].x; sum[b].y += v[b].y; sum[b].z += v[b].z; sum[b].w += v[b].w;
+                    }
+                }
+#pragma unroll
+                for (int b = 0; b < RB; ++b) {
+                    const int c4 = base + b * CT + ctid;
+                    if (c4 >= end) break;
+                    const int row = c4 / per_row, col = (c4 % per_row) * 4;
+                    float o[4] = {sum[b].x, sum[b].y, sum[b].z, sum[b].w};
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        if constexpr (GROUP == 0) o[e] *= to_float(scales[n0 + col + e]);
+                        if (bias != nullptr) o[e] += to_float(bias[n0 + col + e]);
+                    }
+                    const typename V2::type lo = V2::make(o[0], o[1]), hi = V2::make(o[2], o[3]);
+                    uint2 packed;
+                    packed.x = *reinterpret_cast<const u32*>(&lo);
+                    packed.y = *reinterpret_cast<const u32*>(&hi);
+                    *reinterpret_cast<uint2*>(out + (size_t)(m0 + row) * n + n0 + col) = packed;
+                }
+            }
+            cluster_sync();  // no CTA leaves while a peer may still read its shared memory
+            break;
         }
 
         // A tile cut between CTAs: fp32 partials in fragment order, the last contributor to
