@@ -125,6 +125,23 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
         u1 = tile * KT + (int)((long long)(slice + 1) * KT / slices);
     }
     const int wg = threadIdx.x / 128;
+#ifdef TF_TIMELINE
+    // Debug builds only (tile mode): per-CTA %globaltimer stamps after the workspace slots (8 a
+    // CTA): 0 entry, 1 first stage landed, 2 main loop done, 5 partial staged / written (split k),
+    // 3 fixup done (or handed on), 4 exit.
+    long long* tl = reinterpret_cast<long long*>(
+        workspace + (size_t)m_tiles * (n / BN) * slices * MT * BN) +
+        (blockIdx.x + (size_t)gridDim.x * (blockIdx.y + (size_t)gridDim.y * blockIdx.z)) * 8;
+    auto stamp = [&](int i) {
+        long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        tl[i] = t;
+    };
+    if (threadIdx.x == 0) stamp(0);
+#define TF_STAMP(i) if (threadIdx.x == 128) stamp(i)
+#else
+#define TF_STAMP(i)
+#endif
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
@@ -242,6 +259,7 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
         const int m0 = (tile % m_tiles) * MT, n0 = (tile / m_tiles) * BN;
         for (; u < seg_end; ++u) {
             mbar_wait(&full[s], phase);
+            if (u == u0) TF_STAMP(1);
             const unsigned char* w_s = sW + s * L::W_BYTES + strip * L::W_STRIP_BYTES + lane * 16 + word0 * 4;
             const unsigned char* x_s = sX + s * L::X_BYTES;
             u32 words[STEPS][NT];  // the whole stage's words up front: one shared-memory latency per stage
@@ -287,6 +305,7 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
             if (++s == STAGES) { s = 0; phase ^= 1; }
         }
         wgmma_wait<0>();
+        TF_STAMP(2);
         if constexpr (SK) {  // the producer may be waiting for it to start the next segment
             release(prev);
             prev = -1;
@@ -314,6 +333,7 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
                             part[(8 * cc + 2 * t + e) * FROW + strip * 64 + 16 * (word0 + jj) + 8 * h + g] =
                                 acc[jj][4 * cc + 2 * h + e];
             cluster_sync();
+            TF_STAMP(5);
             const u32 local = smem_addr(part);
             const int rows = min(MT, m - m0), per_row = BN / 4, total = rows * per_row;
             const int rank = (int)cluster_ctarank();  // = the slice (recomputed: nothing extra lives through the loop)
@@ -361,7 +381,9 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
                     *reinterpret_cast<uint2*>(out + (size_t)(m0 + row) * n + n0 + col) = packed;
                 }
             }
+            TF_STAMP(3);
             cluster_sync();  // no CTA leaves while a peer may still read its shared memory
+            TF_STAMP(4);
             break;
         }
 
@@ -397,8 +419,11 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
             named_barrier_sync(1, CT);
             if (ctid == 0) s_is_last = atomic_add_acq_rel(counters + tile, 1) == count - 1;
             named_barrier_sync(1, CT);
+            TF_STAMP(5);
             if (!s_is_last) {
                 if constexpr (SK) continue;
+                TF_STAMP(3);
+                TF_STAMP(4);
                 return;
             }
             __threadfence();
@@ -434,6 +459,7 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
             }
             if (ctid == 0) store_relaxed(counters + tile, 0);  // all contributors are in: ready for the next launch
         }
+        TF_STAMP(3);
 
         // Epilogue: acc[jj][4 cc + 2 h + e] is y[m0 + 8 cc + 2 t + e, col(jj, h)] (the accumulator
         // is y^T: its rows are W rows = columns of y). Per-channel scale and bias in fp32, then the
@@ -483,6 +509,8 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
             const uint4 v = *reinterpret_cast<const uint4*>(staging + row * ROW + col8 * 16);
             *reinterpret_cast<uint4*>(out + (size_t)(m0 + row) * n + n0 + col8 * 8) = v;
         }
+        TF_STAMP(4);
         if constexpr (!SK) break;  // one segment: tell the compiler
     }
 }
+#undef TF_STAMP
