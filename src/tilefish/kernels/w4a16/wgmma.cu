@@ -338,8 +338,8 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
             const int rows = min(MT, m - m0), per_row = BN / 4, total = rows * per_row;
             const int rank = (int)cluster_ctarank();  // = the slice (recomputed: nothing extra lives through the loop)
             const int begin = (int)((long long)rank * total / slices), end = (int)((long long)(rank + 1) * total / slices);
-            // RB float4 a thread in flight per rank: one DSMEM round trip per (batch, rank). One
-            // chunk at a time (each add waiting on its load) made the fixup cost more than the split saved.
+            // RB float4 a thread in flight per rank: one DSMEM round trip per (batch, rank), not one
+            // per float4 (each add would wait on its own load).
             constexpr int RB = 8;
             for (int base = begin; base < end; base += RB * CT) {
                 u32 off[RB];
