@@ -1,6 +1,8 @@
 """Sweep the W4A16 wgmma kernel's stream-K configurations (HopperConfig sk=True) against cuBLAS,
-the current dispatch and the tile-mode configurations, m = 17..4096 (H200). Each stream-K
+the current dispatch and the tile-mode configurations, m = 16..1024 (H200). Each stream-K
 configuration is checked against the float64 reference once per (shape, m) before it is timed.
+Each plan is recorded as [time us, label, cluster]: cluster = 1 when its k split ran as clusters of
+its slices (the DSMEM fixup, `ops.HOPPER_DSMEM_SPLIT`), which the time model weighs apart.
 
 Usage: python scripts/sweep_w4a16_streamk.py OUT.json [fp16|bf16] [group] [m,m,...]
 """
@@ -16,7 +18,7 @@ from tilefish.reference import w4a16_matmul
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (8192, 8192),
           (8192, 57344), (28672, 8192)]
-MS = [32, 64, 128, 256, 512, 1024]
+MS = [16, 24, 32, 64, 128, 256, 512, 1024]
 SLICES = (1, 2, 3, 4, 6, 8)
 
 
@@ -66,10 +68,11 @@ def main():
                     err = rel_err(ops.matmul_impl(x, p, cfg=cfg), ref)
                     assert err < 2e-2, (cfg.label(), k, n, m, err)
                 t = time_cuda(lambda: ops.matmul_impl(x, p, cfg=cfg, slices=sl), reps=reps).median_ms * 1e3
-                rows.append((t, cfg.label() + ("" if sl is None else f"/x{sl}")))
+                cl = sl is not None and ops.hopper_split_uses_clusters(cfg, m, n, k, sl, group, False, dt, x.device)
+                rows.append((t, cfg.label() + ("" if sl is None else f"/x{sl}"), int(cl)))
             rows.sort()
-            best_sk = next(((t, lab) for t, lab in rows if lab.endswith("-sk")), None)
-            best_tile = next(((t, lab) for t, lab in rows if not lab.endswith("-sk")), None)
+            best_sk = next(((t, lab) for t, lab, _ in rows if lab.endswith("-sk")), None)
+            best_tile = next(((t, lab) for t, lab, _ in rows if not lab.endswith("-sk")), None)
             auto_sl = (ops.choose_hopper_slices(auto, m, n, k, sms)
                        if isinstance(auto, ops.HopperConfig) and not auto.sk else None)
             rec = {"k": k, "n": n, "m": m, "dtype": str(dt), "group": group, "cublas_us": t_cublas,

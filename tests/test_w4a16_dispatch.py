@@ -87,7 +87,7 @@ def test_hopper_time_model_picks_near_the_measured_best(name):
     ratios = []
     for rec in json.loads(path.read_text()):
         m, n, k = rec["m"], rec["n"], rec["k"]
-        times = {label: t for t, label in rec["configs"]}
+        times = {label: t for t, label, *_ in rec["configs"]}
         cfg, sl = ops.choose_hopper_plan(m, n, k, 132)
         label = cfg.label() + ("" if sl is None else f"/x{sl}")
         if label not in times:
@@ -95,6 +95,25 @@ def test_hopper_time_model_picks_near_the_measured_best(name):
         ratios.append(times[label] / min(times.values()))
         assert ratios[-1] < 1.25, (m, n, k, label, times[label], min(times.values()))
     assert len(ratios) >= 30 and sum(ratios) / len(ratios) < 1.05
+
+
+@pytest.mark.parametrize("name", SWEEPS)
+def test_time_model_knows_which_splits_ran_as_clusters(name):
+    """The sweeps record, per plan, whether its k split ran as clusters (DSMEM fixup); the time
+    model's split_fits_clusters, from the H200's cluster capacity, must say the same."""
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "results" / "h200" / name
+    by_label = {c.label(): c for c in ops.HOPPER_CONFIGS}
+    seen = 0
+    for rec in json.loads(path.read_text()):
+        for _, label, cluster in rec["configs"]:
+            name, _, sl = label.partition("/x")
+            fits = ops.split_fits_clusters(by_label[name], int(sl) if sl else None, rec["m"], rec["n"], ops.H200_CLUSTERS)
+            assert fits == bool(cluster), (rec["m"], rec["n"], rec["k"], label)
+            seen += cluster
+    assert seen > 100
 
 
 def test_skinny_config_rejects_impossible_shapes():

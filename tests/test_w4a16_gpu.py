@@ -104,7 +104,7 @@ def test_hopper_split_k_cluster_and_workspace(group, dtype, monkeypatch):
     global workspace. Both against the reference, bitwise repeatable, m below / across tiles, bias."""
     q, p = _case(2048, 512, group, group == 128, dtype)
     for cfg in (ops.HopperConfig(16, 4, 1, 8), ops.HopperConfig(64, 4, 1, 6), ops.HopperConfig(128, 2, 2, 6),
-                ops.HopperConfig(256, 1, 2, 5), ops.HopperConfig(128, 1, 2, 6)):
+                ops.HopperConfig(256, 1, 2, 5), ops.HopperConfig(128, 1, 2, 6), ops.HopperConfig(64, 2, 1, 8)):
         for m in (5, cfg.mt + 3):
             x = torch.randn(m, 2048, device="cuda", dtype=dtype)
             bias = torch.randn(512, device="cuda", dtype=dtype) if m % 2 else None
@@ -350,3 +350,22 @@ def test_bad_inputs():
         w4a16.quantize(torch.randn(128, 200, device="cuda"), -1)
     with pytest.raises(TypeError):
         w4a16.matmul(x, q)
+
+
+@hopper
+def test_cluster_capacity_is_what_the_kernels_get():
+    """The dispatcher plans with runtime.cluster_capacity (an empty kernel's occupancy answer at one
+    CTA an SM); the launcher asks the wgmma kernel itself. Both must agree, or the time model
+    would price a split as a DSMEM fixup that then runs through the workspace (or the reverse)."""
+    from tilefish.runtime import cluster_capacity, get_kernel
+
+    caps = dict(cluster_capacity(torch.cuda.current_device(), 384, ops.ONE_CTA_PER_SM_SMEM))
+    print("cluster capacity", caps)
+    for cfg in (ops.HopperConfig(64, 2, 1, 8), ops.HopperConfig(128, 2, 2, 6), ops.HopperConfig(32, 4, 1, 6)):
+        kern = get_kernel(ops.kernel_spec(torch.float16, cfg, 128, False))
+        smem = max(cfg.smem_bytes(128, False), ops.ONE_CTA_PER_SM_SMEM)
+        for size in (2, 3, 4, 6, 8):
+            assert kern.max_active_clusters(size, cfg.threads, smem) == caps[size], (cfg.label(), size)
+    if torch.cuda.get_device_properties(0).multi_processor_count == 132 and "H200" in torch.cuda.get_device_name():
+        assert caps == dict(ops.H200_CLUSTERS)
+

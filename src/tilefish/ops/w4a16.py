@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..quant.int4 import Int4Weight
-from ..runtime import KernelSpec, current_stream_handle, device_info, get_kernel, i32, launch
+from ..runtime import KernelSpec, cluster_capacity, current_stream_handle, device_info, get_kernel, i32, launch
 
 SOURCE = "w4a16/gemm.cu"
 HOPPER_SOURCE = "w4a16/wgmma.cu"
@@ -297,6 +297,7 @@ HOPPER_CONFIGS = [HopperConfig(16, 4, 1, 8), HopperConfig(16, 4, 2, 8), HopperCo
                   HopperConfig(32, 4, 2, 6), HopperConfig(64, 4, 1, 6), HopperConfig(64, 4, 2, 6),
                   HopperConfig(64, 2, 2, 6), HopperConfig(128, 2, 1, 4), HopperConfig(128, 2, 2, 6),
                   HopperConfig(128, 1, 2, 6), HopperConfig(256, 1, 2, 5),
+                  HopperConfig(32, 2, 1, 8), HopperConfig(64, 2, 1, 8),
                   HopperConfig(16, 4, 1, 8, True), HopperConfig(32, 4, 1, 6, True), HopperConfig(64, 2, 2, 6, True),
                   HopperConfig(64, 4, 1, 4, True), HopperConfig(128, 1, 2, 6, True), HopperConfig(128, 2, 1, 3, True),
                   HopperConfig(128, 2, 2, 5, True)]
@@ -320,6 +321,10 @@ HOPPER_SLICES = (1, 2, 3, 4, 6, 8)
 MAX_CLUSTER_SLICES = 8     # a portable cluster: k splits up to this run as one cluster (DSMEM fixup)
 HOPPER_DSMEM_SPLIT = True  # False: every k split sums through the global workspace (A/B, sweeps)
 ONE_CTA_PER_SM_SMEM = 116 * 1024  # dynamic smem above half an SM's 228 KB: one CTA an SM
+# Clusters of each size resident at once with one CTA an SM, on the H200 (runtime.cluster_capacity;
+# a cluster sits in one GPC). The default where no device is asked (tests, tables); launches pass
+# their device's.
+H200_CLUSTERS = ((2, 66), (3, 39), (4, 30), (5, 22), (6, 17), (7, 15), (8, 15))
 
 # Time model of the wgmma kernel, fitted (non-negative least squares on relative error) to
 # scripts/sweep_w4a16_streamk.py on the H200: fp16, group 128 and per-channel, the 8 benchmark
@@ -330,15 +335,26 @@ ONE_CTA_PER_SM_SMEM = 116 * 1024  # dynamic smem above half an SM's 228 KB: one 
 # holds its two partial tiles a CTA), T the time of a stage when the SM is full, PHI the split-k
 # fixup. In-sample it picks within 3% of the best measured plan on average, 14-20% at worst.
 HOPPER_TIME_MODEL = {
-    "wg-m16n256c1s8": (8.31, 0.319, 0.64), "wg-m16n512c2s8": (3.45, 0.655, 2.68),
-    "wg-m16n256c1s8-sk": (12.84, 0.298, 0.0), "wg-m32n256c1s6": (7.32, 0.361, 1.67),
-    "wg-m32n512c2s6": (3.83, 0.709, 3.48), "wg-m32n256c1s6-sk": (17.34, 0.317, 0.0),
-    "wg-m64n256c2s6": (2.77, 0.504, 4.83), "wg-m64n256c2s6-sk": (15.24, 0.459, 0.0),
-    "wg-m64n256c1s6": (5.13, 0.434, 4.76), "wg-m64n512c2s6": (1.24, 0.853, 7.21),
-    "wg-m64n256c1s4-sk": (24.48, 0.385, 0.0), "wg-m128n128c1s4": (3.21, 0.372, 6.26),
-    "wg-m128n128c2s6": (1.27, 0.412, 6.59), "wg-m128n256c2s6": (0.0, 0.706, 8.31),
-    "wg-m128n256c2s5-sk": (20.17, 0.691, 0.0), "wg-m128n128c2s6-sk": (13.79, 0.404, 0.0),
-    "wg-m128n128c1s3-sk": (20.47, 0.366, 0.0), "wg-m256n128c2s5": (0.0, 0.701, 10.78),
+    "wg-m128n128c1s3-sk": (19.086, 0.358, 0.0, 0.0),
+    "wg-m128n128c1s4": (4.834, 0.366, 5.268, 4.177),
+    "wg-m128n128c2s6": (2.927, 0.405, 6.083, 4.637),
+    "wg-m128n128c2s6-sk": (13.937, 0.39, 0.0, 0.0),
+    "wg-m128n256c2s5-sk": (18.436, 0.684, 0.0, 0.0),
+    "wg-m128n256c2s6": (2.764, 0.681, 7.851, 4.254),
+    "wg-m16n256c1s8": (8.447, 0.299, 0.719, 0.812),
+    "wg-m16n256c1s8-sk": (12.825, 0.284, 0.0, 0.0),
+    "wg-m16n512c2s8": (4.939, 0.626, 2.844, 2.012),
+    "wg-m256n128c2s5": (0.0, 0.704, 10.586, 7.801),
+    "wg-m32n128c1s8": (7.545, 0.203, 1.22, 1.699),
+    "wg-m32n256c1s6": (7.727, 0.34, 1.446, 1.013),
+    "wg-m32n256c1s6-sk": (15.778, 0.309, 0.0, 0.0),
+    "wg-m32n512c2s6": (5.657, 0.648, 3.807, 2.165),
+    "wg-m64n128c1s8": (6.981, 0.239, 2.587, 1.971),
+    "wg-m64n256c1s4-sk": (23.753, 0.381, 0.0, 0.0),
+    "wg-m64n256c1s6": (6.979, 0.416, 3.773, 1.839),
+    "wg-m64n256c2s6": (5.001, 0.477, 4.183, 2.433),
+    "wg-m64n256c2s6-sk": (14.045, 0.458, 0.0, 0.0),
+    "wg-m64n512c2s6": (5.421, 0.814, 6.945, 3.22),
 }
 
 
@@ -356,20 +372,38 @@ def _fit_n(cfg: HopperConfig, n: int) -> HopperConfig:
     return cfg
 
 
-def predicted_hopper_us(cfg: HopperConfig, slices: int | None, m: int, n: int, k: int, sm_count: int) -> float | None:
+def hopper_plan_load(cfg: HopperConfig, slices: int | None, m: int, n: int, k: int, sm_count: int) -> float:
+    """The time model's load: 64-k stages of the busiest SM (tile mode: ceil(CTAs / SMs) x stages
+    a CTA; stream-K, slices None: ceil(units / CTAs) x ceil(CTAs / SMs) for its one-wave grid)."""
+    tiles, stages = (n // cfg.bn) * -(-m // cfg.mt), k // HOPPER_BK
+    if cfg.sk:
+        units = tiles * stages
+        ctas = min(sm_count * cfg.ctas_per_sm(128, False), units)
+        return -(-units // ctas) * -(-ctas // sm_count)
+    slices = slices or 1
+    return (stages / slices) * -(-(tiles * slices) // sm_count)
+
+
+def split_fits_clusters(cfg: HopperConfig, slices: int | None, m: int, n: int,
+                        clusters: tuple[tuple[int, int], ...]) -> bool:
+    """Whether _launch_hopper will run this k split as clusters (DSMEM fixup), judged from the
+    device's cluster capacity ((size, clusters resident at once), ...) instead of the kernel."""
+    if cfg.sk or slices is None or not 1 < slices <= MAX_CLUSTER_SLICES or not HOPPER_DSMEM_SPLIT:
+        return False
+    return (n // cfg.bn) * -(-m // cfg.mt) <= dict(clusters).get(slices, 0)
+
+
+def predicted_hopper_us(cfg: HopperConfig, slices: int | None, m: int, n: int, k: int, sm_count: int,
+                        clusters: tuple[tuple[int, int], ...] = H200_CLUSTERS) -> float | None:
     """HOPPER_TIME_MODEL's time for cfg (k split `slices` ways; stream-K: its default grid), or None
     for a configuration the model does not cover."""
     coef = HOPPER_TIME_MODEL.get(cfg.label())
     if coef is None or n % cfg.bn:
         return None
-    f, t, phi = coef
-    tiles, stages = (n // cfg.bn) * -(-m // cfg.mt), k // HOPPER_BK
-    if cfg.sk:
-        units = tiles * stages
-        ctas = min(sm_count * cfg.ctas_per_sm(128, False), units)
-        return f + t * -(-units // ctas) * -(-ctas // sm_count)
-    slices = slices or 1
-    return f + t * (stages / slices) * -(-(tiles * slices) // sm_count) + phi * math.log2(slices)
+    f, t, phi, phi_cluster = coef
+    load = hopper_plan_load(cfg, slices, m, n, k, sm_count)
+    fixup = phi_cluster if split_fits_clusters(cfg, slices, m, n, clusters) else phi
+    return f + t * load + fixup * math.log2(slices or 1)
 
 
 def _hopper_candidates(m: int, n: int, k: int, sm_count: int):
@@ -392,28 +426,36 @@ def _hopper_candidates(m: int, n: int, k: int, sm_count: int):
 
 
 @functools.lru_cache(maxsize=4096)
-def choose_hopper_plan(m: int, n: int, k: int, sm_count: int) -> tuple[HopperConfig, int | None]:
-    """The (config, k slices or None for stream-K) the dispatcher launches on sm_90."""
+def choose_hopper_plan(m: int, n: int, k: int, sm_count: int,
+                       clusters: tuple[tuple[int, int], ...] = H200_CLUSTERS,
+                       grouped: bool = True) -> tuple[HopperConfig, int | None]:
+    """The (config, k slices or None for stream-K) the dispatcher launches on sm_90. clusters: the
+    device's cluster capacity (runtime.cluster_capacity; the H200's by default); grouped: the weight
+    has group scales (the m >= MODEL_MAX_M rule takes other tiles for per-channel weights)."""
     if m < MODEL_MAX_M:
-        plans = [(predicted_hopper_us(cfg, sl, m, n, k, sm_count), cfg.label(), cfg, sl)
+        plans = [(predicted_hopper_us(cfg, sl, m, n, k, sm_count, clusters), cfg.label(), cfg, sl)
                  for cfg, sl in _hopper_candidates(m, n, k, sm_count)]
         if plans:
             _, _, cfg, sl = min(plans, key=lambda p: (p[0], p[1]))
             return cfg, sl
-    cfg = _fit_n(_choose_hopper_config(m, n, sm_count, k), n)
+    cfg = _fit_n(_choose_hopper_config(m, n, sm_count, k, grouped), n)
     return cfg, None if cfg.sk else _rule_slices(cfg, (n // cfg.bn) * -(-m // cfg.mt), k, sm_count)
 
 
-def choose_hopper_config(m: int, n: int, sm_count: int, k: int = 8192) -> HopperConfig:
-    return choose_hopper_plan(m, n, k, sm_count)[0]
+def choose_hopper_config(m: int, n: int, sm_count: int, k: int = 8192,
+                         clusters: tuple[tuple[int, int], ...] = H200_CLUSTERS, grouped: bool = True) -> HopperConfig:
+    return choose_hopper_plan(m, n, k, sm_count, clusters, grouped)[0]
 
 
-def _choose_hopper_config(m: int, n: int, sm_count: int, k: int) -> HopperConfig:
+def _choose_hopper_config(m: int, n: int, sm_count: int, k: int, grouped: bool = True) -> HopperConfig:
     """The per-m-range rule (an earlier H200 sweep), kept where the time model was not fitted:
     16-row tiles for small m or tiny weights; 64-row tiles with two warpgroups of 2 strips;
     128-row tiles with two warpgroups of one strip while the tiles do not fill the SMs (then split
     k), else one warpgroup of 2 strips and two CTAs per SM; 128 x 256 tiles with two warpgroups for
-    m >= 1024 with >= 2 tiles per SM."""
+    m >= 1024 with >= 2 tiles per SM. From MODEL_MAX_M up, grouped weights take 256 x 128 tiles
+    (wgmma N = 256: the group scale's multiplies are spread over twice the tensor work), which a
+    same-process A/B (scripts/ab_w4a16_plans.py, m = 2048 / 4096) had ahead: geomean vs cuBLAS
+    0.918 -> 0.982 bf16, 0.962 -> 0.982 fp16; per-channel weights were even (0.986 / 0.982)."""
     def tiles(cfg: HopperConfig) -> int:
         return (n // cfg.bn) * -(-m // cfg.mt) if n % cfg.bn == 0 else 0
 
@@ -427,6 +469,8 @@ def _choose_hopper_config(m: int, n: int, sm_count: int, k: int) -> HopperConfig
     if m <= 64:
         mid = HopperConfig(64, 2, 2, 6)
         return mid if 0 < tiles(mid) <= 1.5 * sm_count else HopperConfig(64, 4, 1, 6)
+    if m >= MODEL_MAX_M and grouped and tiles(HopperConfig(256, 1, 2, 5)) >= sm_count:
+        return HopperConfig(256, 1, 2, 5)
     if m >= 1024 and tiles(HopperConfig(128, 2, 2, 6)) >= 2 * sm_count:
         return HopperConfig(128, 2, 2, 6)
     narrow = HopperConfig(128, 1, 2, 6)
@@ -438,16 +482,17 @@ def _rule_slices(cfg: HopperConfig, tiles: int, k: int, sm_count: int) -> int:
     return max(1, min(4, k // HOPPER_BK // 4, round(sm_count / tiles)))
 
 
-def choose_hopper_slices(cfg: HopperConfig, m: int, n: int, k: int, sm_count: int) -> int:
+def choose_hopper_slices(cfg: HopperConfig, m: int, n: int, k: int, sm_count: int,
+                         clusters: tuple[tuple[int, int], ...] = H200_CLUSTERS, grouped: bool = True) -> int:
     """k slices for a tile-mode configuration (the dispatcher's plan when it is that config, else
     the split of least predicted time for it)."""
-    plan_cfg, plan_sl = choose_hopper_plan(m, n, k, sm_count)
+    plan_cfg, plan_sl = choose_hopper_plan(m, n, k, sm_count, clusters, grouped)
     if plan_cfg == cfg and plan_sl is not None:
         return plan_sl
     if m < MODEL_MAX_M and cfg.label() in HOPPER_TIME_MODEL:
         options = [sl for c, sl in _hopper_candidates(m, n, k, sm_count) if c == cfg]
         if options:
-            return min(options, key=lambda sl: predicted_hopper_us(cfg, sl, m, n, k, sm_count))
+            return min(options, key=lambda sl: predicted_hopper_us(cfg, sl, m, n, k, sm_count, clusters))
     return _rule_slices(cfg, (n // cfg.bn) * -(-m // cfg.mt), k, sm_count)
 
 
@@ -488,14 +533,16 @@ def choose_skinny_config(m: int, n: int, k: int, sm_count: int, group: int | Non
 
 
 @functools.lru_cache(maxsize=4096)
-def choose_config(m: int, n: int, k: int, sm_count: int, cc: int = 80,
-                  group: int | None = None) -> GemmConfig | HopperConfig | SkinnyConfig:
+def choose_config(m: int, n: int, k: int, sm_count: int, cc: int = 80, group: int | None = None,
+                  clusters: tuple[tuple[int, int], ...] = H200_CLUSTERS) -> GemmConfig | HopperConfig | SkinnyConfig:
+    """clusters: the device's cluster capacity on sm_90 (runtime.cluster_capacity), which decides
+    which k splits the wgmma kernel runs as clusters; the H200's by default."""
     if cc == 90:
         skinny = choose_skinny_config(m, n, k, sm_count, group)
         if skinny is not None:
             return skinny
     if cc == 90 and _uses_hopper(m, n, k):
-        return choose_hopper_config(m, n, sm_count, k)
+        return choose_hopper_config(m, n, sm_count, k, clusters, group != -1)
     return choose_mma_config(m, n, k, sm_count)
 
 
@@ -539,8 +586,9 @@ def dispatch_specs() -> list[KernelSpec]:
     out = []
     cfgs = {choose_mma_config(m, n, 4096, sms) for m in (1, 8, 9, 16, 17, 32, 33, 64, 128, 4096)
             for n in (64, 128, 256, 4096, 8192, 14336, 28672, 57344) for sms in (108, 132)}
-    cfgs |= {choose_hopper_config(m, n, 132, k) for m in (9, 16, 17, 32, 33, 64, 65, 128, 256, 512, 1024, 4096)
-             for n in (64, 128, 256, 4096, 6144, 8192, 10240, 14336, 28672, 57344) for k in (4096, 8192, 28672)}
+    cfgs |= {choose_hopper_config(m, n, 132, k, grouped=g) for m in (9, 16, 17, 32, 33, 64, 65, 128, 256, 512, 1024, 4096)
+             for n in (64, 128, 256, 4096, 6144, 8192, 10240, 14336, 28672, 57344) for k in (4096, 8192, 28672)
+             for g in (True, False)}
     cfgs |= {c for m in (1, 8, 9, 16) for n in (128, 256, 4096, 6144, 10240, 57344)
              for k in (4096, 8192) if (c := choose_skinny_config(m, n, k, 132)) is not None}
     for dt in DTYPES:
@@ -635,7 +683,7 @@ def matmul_impl(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = Non
             raise ValueError(f"{name} must be contiguous and 16-byte aligned for the CUDA kernel")
     info = device_info(x.device.index)
     sms = info.sm_count
-    cfg = cfg or choose_config(m, w.n, w.k, sms, info.cc, w.group_size)
+    cfg = cfg or choose_config(m, w.n, w.k, sms, info.cc, w.group_size, _device_clusters(info))
     if isinstance(cfg, HopperConfig):
         return _launch_hopper(cfg, x2, w, bias, out, slices, info).reshape(*lead, w.n)
     if isinstance(cfg, SkinnyConfig):
@@ -657,6 +705,13 @@ def matmul_impl(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = Non
            out.data_ptr(), ws.data_ptr(), counters.data_ptr(), i32(m), i32(w.n), i32(w.k), i32(slices),
            smem=cfg.smem_bytes(w.group_size, asym))
     return out.reshape(*lead, w.n)
+
+
+def _device_clusters(info) -> tuple[tuple[int, int], ...]:
+    """The cluster capacity the sm_90 dispatcher plans with (one CTA an SM); () elsewhere."""
+    if info.cc != 90:
+        return ()
+    return cluster_capacity(info.index, 384, ONE_CTA_PER_SM_SMEM)
 
 
 def _launch_hopper(cfg: HopperConfig, x2: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None,
@@ -684,7 +739,8 @@ def _launch_hopper(cfg: HopperConfig, x2: torch.Tensor, w: W4A16Weight, bias: to
         slices = max(1, min(slices or info.sm_count * cfg.ctas_per_sm(w.group_size, asym), units, 2**31 - 1))
         grid, ws_floats = slices, slices * 2 * cfg.mt * cfg.bn
     else:
-        slices = slices or choose_hopper_slices(cfg, m, w.n, w.k, info.sm_count)
+        slices = slices or choose_hopper_slices(cfg, m, w.n, w.k, info.sm_count, _device_clusters(info),
+                                                w.group_size != -1)
         slices = max(1, min(slices, k_stages, 65535))  # gridDim.z
         if n_tiles > 65535:
             raise ValueError(f"n={w.n} gives {n_tiles} column tiles of {cfg.bn}, more than gridDim.y allows (65535)")
@@ -697,10 +753,8 @@ def _launch_hopper(cfg: HopperConfig, x2: torch.Tensor, w: W4A16Weight, bias: to
     kern = get_kernel(kernel_spec(x2.dtype, cfg, w.group_size, asym), x2.device)
     smem = cfg.smem_bytes(w.group_size, asym)
     cluster = 1
-    if not cfg.sk and 1 < slices <= MAX_CLUSTER_SLICES and HOPPER_DSMEM_SPLIT:
-        one_per_sm = max(smem, ONE_CTA_PER_SM_SMEM)
-        if tiles <= kern.max_active_clusters(slices, cfg.threads, one_per_sm):
-            grid, ws_floats, cluster, smem = (m_tiles * slices, n_tiles, 1), 0, slices, one_per_sm
+    if _split_runs_as_clusters(cfg, kern, tiles, slices, smem):
+        grid, ws_floats, cluster, smem = (m_tiles * slices, n_tiles, 1), 0, slices, max(smem, ONE_CTA_PER_SM_SMEM)
     ws, counters = _workspace(x2.device, ws_floats, tiles)
     map_x = tensor_map_2d(x2, cfg.mt, HOPPER_BK)
     launch(kern, grid, cfg.threads, map_x, w.packed.data_ptr(), w.scales.data_ptr(),
@@ -708,6 +762,22 @@ def _launch_hopper(cfg: HopperConfig, x2: torch.Tensor, w: W4A16Weight, bias: to
            out.data_ptr(), ws.data_ptr(), counters.data_ptr(), i32(m), i32(w.n), i32(w.k), i32(slices),
            i32(int(cluster > 1)), smem=smem, cluster=cluster)
     return out
+
+
+def _split_runs_as_clusters(cfg: HopperConfig, kern, tiles: int, slices: int, smem: int) -> bool:
+    """Whether a k split of `tiles` tiles into `slices` runs as clusters (the DSMEM fixup): a tile
+    mode split of 2..MAX_CLUSTER_SLICES whose clusters, one CTA an SM, all fit at once."""
+    if cfg.sk or not 1 < slices <= MAX_CLUSTER_SLICES or not HOPPER_DSMEM_SPLIT:
+        return False
+    return tiles <= kern.max_active_clusters(slices, cfg.threads, max(smem, ONE_CTA_PER_SM_SMEM))
+
+
+def hopper_split_uses_clusters(cfg: HopperConfig, m: int, n: int, k: int, slices: int, group_size: int,
+                               asym: bool, dtype: torch.dtype, device: torch.device) -> bool:
+    """What _launch_hopper decides for this plan (sweeps record it next to the time)."""
+    kern = get_kernel(kernel_spec(dtype, cfg, group_size, asym), device)
+    tiles = (n // cfg.bn) * -(-m // cfg.mt)
+    return _split_runs_as_clusters(cfg, kern, tiles, slices, cfg.smem_bytes(group_size, asym))
 
 
 def _launch_skinny(cfg: SkinnyConfig, x2: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None,

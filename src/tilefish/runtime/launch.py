@@ -112,6 +112,25 @@ def get_kernel(spec: KernelSpec, device: torch.device | int | None = None) -> Lo
         return k
 
 
+_capacity: dict[tuple[int, int, int], tuple[tuple[int, int], ...]] = {}
+
+
+def cluster_capacity(device: torch.device | int | None, block: int, smem: int,
+                     sizes: tuple[int, ...] = (2, 3, 4, 5, 6, 7, 8)) -> tuple[tuple[int, int], ...]:
+    """((cluster size, clusters resident at once), ...) for a kernel of `block` threads and `smem`
+    bytes of dynamic shared memory, from the driver's occupancy answer for an empty kernel (sm_90+;
+    cached per device). With one CTA an SM this is the GPC layout: on the H200 66 / 39 / 30 / 15
+    clusters of 2 / 3 / 4 / 8."""
+    if isinstance(device, torch.device):
+        device = device.index
+    index = torch.cuda.current_device() if device is None else device
+    key = (index, block, smem)
+    if key not in _capacity:
+        kern = get_kernel(KernelSpec("probes/cluster_capacity.cu", "tf_cluster_capacity", min_sm=90), index)
+        _capacity[key] = tuple((c, kern.max_active_clusters(c, block, smem)) for c in sizes)
+    return _capacity[key]
+
+
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 

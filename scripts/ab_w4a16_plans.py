@@ -1,0 +1,63 @@
+"""Same-process A/B of W4A16 wgmma plans on the benchmark shapes: each plan and cuBLAS timed in
+alternating rounds (so a GPU that heats up under long launches slows every plan alike), samples
+pooled, median reported. For choices the sweeps cannot settle because one launch-after-another
+comparison drifts with the clocks (m >= 2048).
+
+Usage: python scripts/ab_w4a16_plans.py OUT.json fp16|bf16 GROUP M[,M...] PLAN [PLAN ...]
+PLAN is a configuration label with an optional k split, as in the sweeps: wg-m128n256c2s6/x1,
+wg-m128n256c2s5-sk; "auto" is the dispatcher's choice.
+"""
+import json
+import statistics
+import sys
+
+import torch
+
+from tilefish.bench.timing import _samples_ms
+from tilefish.ops import w4a16 as ops
+from tilefish.quant.int4 import quantize_rtn
+
+SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (8192, 8192),
+          (8192, 57344), (28672, 8192)]
+ROUNDS, PER_ROUND = 4, 6
+
+
+def parse(label):
+    if label == "auto":
+        return None, None
+    name, _, sl = label.partition("/x")
+    return next(c for c in ops.HOPPER_CONFIGS if c.label() == name), (int(sl) if sl else None)
+
+
+def main():
+    out_path, dname, group = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    ms = [int(v) for v in sys.argv[4].split(",")]
+    plans = sys.argv[5:]
+    dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dname]
+    results = []
+    for k, n in SHAPES:
+        q = quantize_rtn(torch.randn(n, k, device="cuda", dtype=dt), group, True, scale_dtype=dt, clip_search=False)
+        p = ops.pack(q)
+        deq = q.dequantize(torch.float32).to(dt)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=dt)
+            fns = {"cuBLAS": lambda: torch.nn.functional.linear(x, deq)}
+            for label in plans:
+                cfg, sl = parse(label)
+                if cfg is None or n % cfg.bn == 0:
+                    fns[label] = lambda cfg=cfg, sl=sl: ops.matmul_impl(x, p, cfg=cfg, slices=sl)
+            samples = {name: [] for name in fns}
+            for _ in range(ROUNDS):
+                for name, fn in fns.items():
+                    samples[name] += _samples_ms(fn, PER_ROUND, 2, True, PER_ROUND, 10.0)
+            us = {name: statistics.median(v) * 1e3 for name, v in samples.items()}
+            best = min((u, name) for name, u in us.items() if name != "cuBLAS")
+            results.append({"k": k, "n": n, "m": m, "dtype": dname, "group": group, "us": us})
+            print(f"k{k} n{n} m{m}: " + ", ".join(f"{name} {u:.1f} ({us['cuBLAS'] / u:.2f}x)" for name, u in us.items())
+                  + f"; best {best[1]}", flush=True)
+        del q, p, deq
+        json.dump(results, open(out_path, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
