@@ -3,9 +3,11 @@ scripts/sweep_w4a16_streamk.py, and report how close its picks come to the faste
 
     time (us) = F + T x load + PHI x log2(slices) [workspace fixup] + PHI_C x log2(slices) [cluster fixup]
 
-load is what ops.w4a16.hopper_plan_load computes (64-k stages of the busiest SM). Per configuration,
-non-negative least squares on relative error (rows divided by the measured time), so short and long
-launches weigh alike. Stream-K configurations have no k split: F and T only.
+load is what ops.w4a16.hopper_plan_load computes (64-k stages of the busiest SM). Per weight format
+(group scales or per-channel: the sweeps' records say which) and configuration, non-negative least
+squares on relative error (rows divided by the measured time), so short and long launches weigh
+alike; fp16 and bf16 sweeps of a format go into one fit. Stream-K configurations have no k split: F
+and T only.
 
 Usage: python scripts/fit_w4a16_time_model.py SWEEP.json [SWEEP.json ...]
 Prints the HOPPER_TIME_MODEL literal, then the in-sample pick quality per sweep.
@@ -35,8 +37,7 @@ def features(cfg, slices, cluster, m, n, k):
     return [1.0, load, 0.0 if cluster else lg, lg if cluster else 0.0]
 
 
-def main():
-    recs = [r for path in sys.argv[1:] for r in json.load(open(path))]
+def fit(recs):
     rows = collections.defaultdict(list)
     for r in recs:
         for t, label, cluster in r["configs"]:
@@ -51,13 +52,24 @@ def main():
         for c, v in zip(cols, coef):
             full[c] = round(float(v), 3)
         model[label] = tuple(full)
+    return model
+
+
+def main():
+    sweeps = {path: json.load(open(path)) for path in sys.argv[1:]}
+    models = {fmt: fit([r for recs in sweeps.values() for r in recs if (r["group"] != -1) == (fmt == "grouped")])
+              for fmt in ("grouped", "per_channel")}
     print("HOPPER_TIME_MODEL = {")
-    for label, coef in model.items():
-        print(f'    "{label}": {coef},')
+    for fmt, model in models.items():
+        print(f'    "{fmt}": {{')
+        for label, coef in model.items():
+            print(f'        "{label}": {coef},')
+        print("    },")
     print("}")
-    for path in sys.argv[1:]:
+    for path, recs in sweeps.items():
         ratios = []
-        for r in json.load(open(path)):
+        for r in recs:
+            model = models["grouped" if r["group"] != -1 else "per_channel"]
             times = {label: t for t, label, _ in r["configs"]}
             clusters = {label: c for _, label, c in r["configs"]}
             best = min(times.values())

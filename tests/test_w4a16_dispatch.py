@@ -37,7 +37,7 @@ def test_hopper_dispatch_is_consistent():
             assert cfg.cons == 2 or cfg.mt <= 128
             assert cfg.smem_bytes(128, True) <= 227 * 1024
             if cfg.sk:
-                assert cfg.label() in ops.HOPPER_TIME_MODEL and m < ops.MODEL_MAX_M
+                assert cfg.label() in ops.HOPPER_TIME_MODEL["grouped"] and m < ops.MODEL_MAX_M
             else:
                 slices = ops.choose_hopper_slices(cfg, m, n, k, 132)
                 assert 1 <= slices <= ops.MAX_HOPPER_SLICES and (slices == 1 or k // ops.HOPPER_BK // slices >= 4)
@@ -73,7 +73,8 @@ def test_skinny_dispatch_follows_the_sweep():
         assert isinstance(pick(32, n, k), ops.HopperConfig)
 
 
-SWEEPS = ["w4a16_streamk_sweep_fp16_g128.json", "w4a16_streamk_sweep_fp16_g-1.json"]
+SWEEPS = ["w4a16_streamk_sweep_fp16_g128.json", "w4a16_streamk_sweep_fp16_g-1.json",
+          "w4a16_streamk_sweep_bf16_g128.json", "w4a16_streamk_sweep_bf16_g-1.json"]
 
 
 @pytest.mark.parametrize("name", SWEEPS)
@@ -88,7 +89,7 @@ def test_hopper_time_model_picks_near_the_measured_best(name):
     for rec in json.loads(path.read_text()):
         m, n, k = rec["m"], rec["n"], rec["k"]
         times = {label: t for t, label, *_ in rec["configs"]}
-        cfg, sl = ops.choose_hopper_plan(m, n, k, 132)
+        cfg, sl = ops.choose_hopper_plan(m, n, k, 132, grouped=rec["group"] != -1)
         label = cfg.label() + ("" if sl is None else f"/x{sl}")
         if label not in times:
             continue

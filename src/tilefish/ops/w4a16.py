@@ -326,35 +326,61 @@ ONE_CTA_PER_SM_SMEM = 116 * 1024  # dynamic smem above half an SM's 228 KB: one 
 # their device's.
 H200_CLUSTERS = ((2, 66), (3, 39), (4, 30), (5, 22), (6, 17), (7, 15), (8, 15))
 
-# Time model of the wgmma kernel, fitted (non-negative least squares on relative error) to
-# scripts/sweep_w4a16_streamk.py on the H200: fp16, group 128 and per-channel, the 8 benchmark
-# shapes, m = 8..1024 (bench/results/h200/w4a16_streamk_sweep_*.json, docs/w4a16.md):
-#   time (us) = F + T x load + PHI x log2(slices)
-# load = 64-k stages of the busiest SM: tile mode ceil(CTAs / SMs) x stages per CTA, stream-K
-# ceil(units / CTAs) x ceil(CTAs / SMs). F is launch, ramp and epilogue (stream-K's larger F also
-# holds its two partial tiles a CTA), T the time of a stage when the SM is full, PHI the split-k
-# fixup. In-sample it picks within 3% of the best measured plan on average, 14-20% at worst.
+# Time model of the wgmma kernel, fitted by scripts/fit_w4a16_time_model.py (non-negative least
+# squares on relative error) to scripts/sweep_w4a16_streamk.py on the H200: fp16 and bf16, group 128
+# ("grouped") and per-channel ("per_channel", a model of its own: the group scale's multiplies shift
+# the best tile), the 8 benchmark shapes, m = 16..1024, k splits through the workspace and through
+# DSMEM clusters (bench/results/h200/w4a16_streamk_sweep_*.json, docs/w4a16.md):
+#   time (us) = F + T x load + PHI x log2(slices)   (PHI_C instead of PHI when the split runs as clusters)
+# load = 64-k stages of the busiest SM (hopper_plan_load). F is launch, ramp and epilogue (stream-K's
+# larger F also holds its two partial tiles a CTA), T the time of a stage when the SM is full, PHI /
+# PHI_C the split-k fixup through the workspace / DSMEM. Coefficients (F, T, PHI, PHI_C). In-sample
+# its pick is 2-3.5% behind the best measured plan on average, 14-25% at worst.
 HOPPER_TIME_MODEL = {
-    "wg-m128n128c1s3-sk": (19.086, 0.358, 0.0, 0.0),
-    "wg-m128n128c1s4": (4.834, 0.366, 5.268, 4.177),
-    "wg-m128n128c2s6": (2.927, 0.405, 6.083, 4.637),
-    "wg-m128n128c2s6-sk": (13.937, 0.39, 0.0, 0.0),
-    "wg-m128n256c2s5-sk": (18.436, 0.684, 0.0, 0.0),
-    "wg-m128n256c2s6": (2.764, 0.681, 7.851, 4.254),
-    "wg-m16n256c1s8": (8.447, 0.299, 0.719, 0.812),
-    "wg-m16n256c1s8-sk": (12.825, 0.284, 0.0, 0.0),
-    "wg-m16n512c2s8": (4.939, 0.626, 2.844, 2.012),
-    "wg-m256n128c2s5": (0.0, 0.704, 10.586, 7.801),
-    "wg-m32n128c1s8": (7.545, 0.203, 1.22, 1.699),
-    "wg-m32n256c1s6": (7.727, 0.34, 1.446, 1.013),
-    "wg-m32n256c1s6-sk": (15.778, 0.309, 0.0, 0.0),
-    "wg-m32n512c2s6": (5.657, 0.648, 3.807, 2.165),
-    "wg-m64n128c1s8": (6.981, 0.239, 2.587, 1.971),
-    "wg-m64n256c1s4-sk": (23.753, 0.381, 0.0, 0.0),
-    "wg-m64n256c1s6": (6.979, 0.416, 3.773, 1.839),
-    "wg-m64n256c2s6": (5.001, 0.477, 4.183, 2.433),
-    "wg-m64n256c2s6-sk": (14.045, 0.458, 0.0, 0.0),
-    "wg-m64n512c2s6": (5.421, 0.814, 6.945, 3.22),
+    "grouped": {
+        "wg-m128n128c1s3-sk": (18.53, 0.372, 0.0, 0.0),
+        "wg-m128n128c1s4": (4.754, 0.368, 5.079, 4.087),
+        "wg-m128n128c2s6": (2.288, 0.439, 6.004, 4.391),
+        "wg-m128n128c2s6-sk": (13.379, 0.42, 0.0, 0.0),
+        "wg-m128n256c2s5-sk": (18.282, 0.704, 0.0, 0.0),
+        "wg-m128n256c2s6": (1.981, 0.71, 7.855, 4.341),
+        "wg-m16n256c1s8": (7.553, 0.346, 0.726, 1.114),
+        "wg-m16n256c1s8-sk": (12.009, 0.329, 0.0, 0.0),
+        "wg-m16n512c2s8": (4.324, 0.689, 2.856, 2.131),
+        "wg-m256n128c2s5": (0.0, 0.702, 10.448, 7.499),
+        "wg-m32n128c1s8": (7.203, 0.23, 1.106, 1.613),
+        "wg-m32n256c1s6": (7.224, 0.383, 1.379, 1.098),
+        "wg-m32n256c1s6-sk": (15.051, 0.352, 0.0, 0.0),
+        "wg-m32n512c2s6": (5.409, 0.703, 3.823, 2.135),
+        "wg-m64n128c1s8": (7.38, 0.264, 2.14, 1.792),
+        "wg-m64n256c1s4-sk": (23.271, 0.423, 0.0, 0.0),
+        "wg-m64n256c1s6": (7.565, 0.462, 3.001, 1.595),
+        "wg-m64n256c2s6": (4.641, 0.513, 4.234, 2.533),
+        "wg-m64n256c2s6-sk": (13.81, 0.501, 0.0, 0.0),
+        "wg-m64n512c2s6": (4.734, 0.87, 6.96, 3.306),
+    },
+    "per_channel": {
+        "wg-m128n128c1s3-sk": (19.334, 0.345, 0.0, 0.0),
+        "wg-m128n128c1s4": (4.968, 0.362, 5.341, 4.108),
+        "wg-m128n128c2s6": (3.228, 0.377, 6.079, 4.529),
+        "wg-m128n128c2s6-sk": (14.266, 0.372, 0.0, 0.0),
+        "wg-m128n256c2s5-sk": (18.642, 0.664, 0.0, 0.0),
+        "wg-m128n256c2s6": (3.281, 0.665, 7.654, 4.173),
+        "wg-m16n256c1s8": (8.643, 0.283, 0.757, 0.685),
+        "wg-m16n256c1s8-sk": (13.018, 0.27, 0.0, 0.0),
+        "wg-m16n512c2s8": (5.318, 0.605, 2.768, 1.894),
+        "wg-m256n128c2s5": (0.0, 0.695, 10.651, 8.076),
+        "wg-m32n128c1s8": (7.613, 0.193, 1.209, 1.534),
+        "wg-m32n256c1s6": (8.163, 0.324, 1.364, 0.866),
+        "wg-m32n256c1s6-sk": (15.983, 0.293, 0.0, 0.0),
+        "wg-m32n512c2s6": (5.881, 0.624, 3.798, 2.109),
+        "wg-m64n128c1s8": (6.796, 0.227, 2.653, 1.983),
+        "wg-m64n256c1s4-sk": (24.043, 0.363, 0.0, 0.0),
+        "wg-m64n256c1s6": (7.263, 0.399, 3.745, 1.79),
+        "wg-m64n256c2s6": (5.084, 0.451, 4.171, 2.426),
+        "wg-m64n256c2s6-sk": (14.197, 0.431, 0.0, 0.0),
+        "wg-m64n512c2s6": (5.627, 0.794, 6.787, 3.188),
+    },
 }
 
 
@@ -394,10 +420,10 @@ def split_fits_clusters(cfg: HopperConfig, slices: int | None, m: int, n: int,
 
 
 def predicted_hopper_us(cfg: HopperConfig, slices: int | None, m: int, n: int, k: int, sm_count: int,
-                        clusters: tuple[tuple[int, int], ...] = H200_CLUSTERS) -> float | None:
-    """HOPPER_TIME_MODEL's time for cfg (k split `slices` ways; stream-K: its default grid), or None
-    for a configuration the model does not cover."""
-    coef = HOPPER_TIME_MODEL.get(cfg.label())
+                        clusters: tuple[tuple[int, int], ...] = H200_CLUSTERS, grouped: bool = True) -> float | None:
+    """HOPPER_TIME_MODEL's time for cfg (k split `slices` ways; stream-K: its default grid) on a
+    weight with group scales or per-channel ones, or None for a configuration the model does not cover."""
+    coef = HOPPER_TIME_MODEL["grouped" if grouped else "per_channel"].get(cfg.label())
     if coef is None or n % cfg.bn:
         return None
     f, t, phi, phi_cluster = coef
@@ -411,7 +437,7 @@ def _hopper_candidates(m: int, n: int, k: int, sm_count: int):
     128+ from m = 512), k splits of >= 4 stages up to 4 waves, stream-K up to m = STREAMK_MAX_M while
     the tiles fill fewer than two waves (it never won beyond; its model overrates it at m = 1024)."""
     for cfg in HOPPER_CONFIGS:
-        if cfg.label() not in HOPPER_TIME_MODEL or n % cfg.bn:
+        if cfg.label() not in HOPPER_TIME_MODEL["grouped"] or n % cfg.bn:
             continue
         if cfg.mt > max(32, 2 * m) or (m >= 128 and cfg.mt < 64) or (m >= 512 and cfg.mt < 128):
             continue
@@ -433,7 +459,7 @@ def choose_hopper_plan(m: int, n: int, k: int, sm_count: int,
     device's cluster capacity (runtime.cluster_capacity; the H200's by default); grouped: the weight
     has group scales (the m >= MODEL_MAX_M rule takes other tiles for per-channel weights)."""
     if m < MODEL_MAX_M:
-        plans = [(predicted_hopper_us(cfg, sl, m, n, k, sm_count, clusters), cfg.label(), cfg, sl)
+        plans = [(predicted_hopper_us(cfg, sl, m, n, k, sm_count, clusters, grouped), cfg.label(), cfg, sl)
                  for cfg, sl in _hopper_candidates(m, n, k, sm_count)]
         if plans:
             _, _, cfg, sl = min(plans, key=lambda p: (p[0], p[1]))
@@ -489,10 +515,10 @@ def choose_hopper_slices(cfg: HopperConfig, m: int, n: int, k: int, sm_count: in
     plan_cfg, plan_sl = choose_hopper_plan(m, n, k, sm_count, clusters, grouped)
     if plan_cfg == cfg and plan_sl is not None:
         return plan_sl
-    if m < MODEL_MAX_M and cfg.label() in HOPPER_TIME_MODEL:
+    if m < MODEL_MAX_M and cfg.label() in HOPPER_TIME_MODEL["grouped"]:
         options = [sl for c, sl in _hopper_candidates(m, n, k, sm_count) if c == cfg]
         if options:
-            return min(options, key=lambda sl: predicted_hopper_us(cfg, sl, m, n, k, sm_count, clusters))
+            return min(options, key=lambda sl: predicted_hopper_us(cfg, sl, m, n, k, sm_count, clusters, grouped))
     return _rule_slices(cfg, (n // cfg.bn) * -(-m // cfg.mt), k, sm_count)
 
 
