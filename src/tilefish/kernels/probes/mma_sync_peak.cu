@@ -3,12 +3,13 @@
 // loop), so the measured rate is the tensor pipe's mma.sync limit at the launch's warps per SM.
 // Used by scripts/bench_probes.py to put a measured number under the HGEMM ladder's steps 05-06.
 #include "common/ptx.cuh"
+#include "probes/probe_clock.cuh"
 
 template <typename T, int CHAINS>
 __global__ void mma_sync_peak(float* __restrict__ sink, long long* __restrict__ clocks, int iters) {
     using namespace tf;
-    long long c0 = clock64(), t0;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    ProbeClock probe_clock;
+    probe_clock.start();
     const u32 lane = threadIdx.x;
     // Operands from the thread index, so the compiler cannot fold the products.
     u32 a[4] = {lane * 0x00010001u, lane ^ 0x3c003c00u, lane + 0x38003800u, lane | 0x34003400u};
@@ -20,11 +21,7 @@ __global__ void mma_sync_peak(float* __restrict__ sink, long long* __restrict__ 
 #pragma unroll
         for (int c = 0; c < CHAINS; ++c) Mma<T>::run(acc[c], a, b0, b1);
     }
-    if (blockIdx.x == 0 && threadIdx.x == 0) {  // SM clock during the run: cycles / nanoseconds
-        long long t1;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
-        clocks[0] = c0; clocks[1] = clock64(); clocks[2] = t0; clocks[3] = t1;
-    }
+    probe_clock.stop(clocks);
     float s = 0.f;
 #pragma unroll
     for (int c = 0; c < CHAINS; ++c) s += acc[c][0] + acc[c][1] + acc[c][2] + acc[c][3];

@@ -10,6 +10,7 @@
 // Used by scripts/bench_probes.py to bound the W4A16 wgmma kernel at m = 16 .. 256.
 #include "common/wgmma.cuh"
 #include "w4a16/dequant.cuh"
+#include "probes/probe_clock.cuh"
 
 template <typename T, int N, int NT, int DEQ>
 __global__ void __launch_bounds__(256) wgmma_rs_peak(float* __restrict__ sink, long long* __restrict__ clocks, int iters) {
@@ -22,8 +23,8 @@ __global__ void __launch_bounds__(256) wgmma_rs_peak(float* __restrict__ sink, l
     for (int i = threadIdx.x; i < N * 64 * 2 / 4; i += blockDim.x)  // N rows x 64 k of T
         reinterpret_cast<u32*>(sx)[i] = 0x3c003800u ^ (i * 0x00050003u & 0x03ff03ffu);
     __syncthreads();
-    long long c0 = clock64(), t0;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    ProbeClock probe_clock;
+    probe_clock.start();
     const u32 lane = threadIdx.x & 31;
     float acc[NT][ACC];
 #pragma unroll
@@ -75,11 +76,7 @@ __global__ void __launch_bounds__(256) wgmma_rs_peak(float* __restrict__ sink, l
         word = word * 1664525u + 1013904223u;  // new words every stage: the dequantization cannot be hoisted
     }
     wgmma_wait<0>();
-    if (blockIdx.x == 0 && threadIdx.x == 0) {  // SM clock during the run: cycles / nanoseconds
-        long long t1;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
-        clocks[0] = c0; clocks[1] = clock64(); clocks[2] = t0; clocks[3] = t1;
-    }
+    probe_clock.stop(clocks);
     float s = 0.f;
 #pragma unroll
     for (int j = 0; j < NT; ++j)
