@@ -8,6 +8,7 @@ PLAN is a configuration label with an optional k split, as in the sweeps: wg-m12
 wg-m128n256c2s5-sk; "auto" is the dispatcher's choice.
 """
 import json
+import re
 import statistics
 import sys
 
@@ -23,10 +24,14 @@ ROUNDS, PER_ROUND = 4, 6
 
 
 def parse(label):
+    """A label as HopperConfig.label() writes it (any stage count, not only HOPPER_CONFIGS'), plus
+    an optional /x<k slices>."""
     if label == "auto":
         return None, None
     name, _, sl = label.partition("/x")
-    return next(c for c in ops.HOPPER_CONFIGS if c.label() == name), (int(sl) if sl else None)
+    mt, bn, cons, stages, sk = re.fullmatch(r"wg-m(\d+)n(\d+)c(\d)s(\d+)(-sk)?", name).groups()
+    cfg = ops.HopperConfig(int(mt), int(bn) // (64 * int(cons)), int(cons), int(stages), sk is not None)
+    return cfg, (int(sl) if sl else None)
 
 
 def main():

@@ -19,23 +19,30 @@ if "--ncu" in sys.argv:  # a few launches of the cases worth looking at under nc
     torch.cuda.synchronize()
     sys.exit(0)
 
-p = ops.pack(quantize_rtn(torch.randn(128, 256, device="cuda"), 128, True, scale_dtype=torch.float16))
-x = torch.randn(1, 256, device="cuda", dtype=torch.float16)
-for _ in range(100):
-    w4a16.matmul(x, p)
-torch.cuda.synchronize()
-for name, fn in [("public matmul", lambda: w4a16.matmul(x, p)),
-                 ("validate", lambda: ops._validate(x, p, None)),
-                 ("torch.nn.functional.linear", lambda: torch.nn.functional.linear(x, x.new_empty(128, 256)))]:
-    t0 = time.perf_counter()
-    for _ in range(3000):
-        fn()
+CASES = [("mma.sync, m 1, k 256 x n 128", 1, 256, 128), ("skinny, m 1, k 4096 x n 8192", 1, 4096, 8192),
+         ("wgmma, m 64, k 4096 x n 4096", 64, 4096, 4096)]
+for label, m, k, n in CASES:
+    p = ops.pack(quantize_rtn(torch.randn(n, k, device="cuda"), 128, True, scale_dtype=torch.float16, clip_search=False))
+    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    w = x.new_empty(n, k)
+    for _ in range(100):
+        w4a16.matmul(x, p)
     torch.cuda.synchronize()
-    print(f"{name:32s} {(time.perf_counter() - t0) / 3000 * 1e6:7.1f} us/call")
-pr = cProfile.Profile()
-pr.enable()
-for _ in range(3000):
-    w4a16.matmul(x, p)
-pr.disable()
-torch.cuda.synchronize()
-pstats.Stats(pr).sort_stats("tottime").print_stats(18)
+    print(f"== {label}: {ops.choose_config(m, n, k, 132, 90, 128).label()}")
+    for name, fn in [("public matmul", lambda: w4a16.matmul(x, p)),
+                     ("matmul_impl", lambda: ops.matmul_impl(x, p)),
+                     ("validate", lambda: ops._validate(x, p, None)),
+                     ("torch.nn.functional.linear", lambda: torch.nn.functional.linear(x, w))]:
+        t0 = time.perf_counter()
+        for _ in range(2000):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        print(f"{name:32s} {(t1 - t0) / 2000 * 1e6:7.1f} us/call (host)")
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(2000):
+        w4a16.matmul(x, p)
+    pr.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(16)
