@@ -274,7 +274,9 @@ TUNED: dict[str, HgemmConfig] = {
     "04_swizzled": _cfg("04_swizzled", 128, 128, 32, 64, 32),
     "05_multistage": _cfg("05_multistage", 128, 256, 64, 64, 64, 3),
     "06_rasterized": _cfg("06_rasterized", 128, 256, 64, 64, 64, 3, 8),
-    "07_wgmma_tma": _cfg("07_wgmma_tma", 128, 256, 4, 8, 2, 0, 1),
+    # No cluster: the 2-CTA multicast of B measured 1.2-1.7% slower at 4096^3 and even elsewhere
+    # (same-process A/B on the H200, docs/hgemm.md, "Clusters of 2 with multicast").
+    "07_wgmma_tma": _cfg("07_wgmma_tma", 128, 256, 4, 8, 1, 0, 1),
 }
 # Used instead of TUNED[step] on GPUs whose per-block shared memory is below TUNED's (sm_86 / sm_89
 # allow 99 KB; TUNED 05-06 take 144 KB): the tuned tile before the 128 x 256 one, 96 KB.
