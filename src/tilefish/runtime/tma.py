@@ -47,9 +47,18 @@ def _tensor_map(device: int, ptr: int, rows: int, cols: int, pitch: int, dtype: 
                               swizzle=swizzles[swizzle], l2_promotion=TensorMapL2Promotion.L2_256B)
 
 
+_maps: dict[tuple, object] = {}
+
+
 def tensor_map_2d(t: torch.Tensor, box_rows: int, box_cols: int, swizzle: int = 128):
     """Tensor map of a 2-D row-major fp16/bf16 CUDA matrix (unit column stride, 16-byte aligned
     pointer and row pitch); one TMA copy moves a box_rows x box_cols box, zero-filling outside t."""
+    # Fast path, once per call of every Hopper op: everything the map and the checks below depend
+    # on is in the key, so a hit needs no re-check (an lru_cache behind the checks cost ~3.5 us).
+    key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device(), box_rows, box_cols, swizzle)
+    m = _maps.get(key)
+    if m is not None:
+        return m
     if t.dtype not in _TYPESTR:
         raise TypeError(f"tensor maps here take float16 or bfloat16, got {t.dtype}")
     if t.dim() != 2 or t.stride(1) != 1:
@@ -58,7 +67,13 @@ def tensor_map_2d(t: torch.Tensor, box_rows: int, box_cols: int, swizzle: int = 
     pitch = t.stride(0)
     if t.data_ptr() % 16 or (pitch * t.element_size()) % 16:
         raise ValueError("TMA needs a 16-byte aligned base pointer and row pitch")
+    if t.device.type != "cuda":
+        raise ValueError(f"a tensor map needs a CUDA tensor, got one on {t.device}")
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     _ensure_context(index)
-    return _tensor_map(index, t.data_ptr(), t.shape[0], t.shape[1], max(pitch, t.shape[1]), t.dtype,
-                       box_rows, box_cols, swizzle)
+    m = _tensor_map(index, t.data_ptr(), t.shape[0], t.shape[1], max(pitch, t.shape[1]), t.dtype,
+                    box_rows, box_cols, swizzle)
+    if len(_maps) >= 512:  # addresses and shapes vary without bound in some workloads
+        _maps.clear()
+    _maps[key] = m
+    return m
