@@ -146,14 +146,14 @@ class HgemmConfig:
         """Step 07's consumer warpgroups: two whole-tile consumers (ping-pong) or one per 64 rows."""
         return 2 if self.params["PINGPONG"] else self.params["BM"] // 64
 
-    @property
+    @functools.cached_property  # threads, smem_bytes: read on every launch, fixed per config
     def threads(self) -> int:
         p = self.params
         if self.info.hopper:  # a producer warpgroup + a consumer per 64 rows (ping-pong: two whole-tile consumers)
             return (self.consumers + 1) * 128
         return 32 if not p else (p["BM"] // p["WM"]) * (p["BN"] // p["WN"]) * 32
 
-    @property
+    @functools.cached_property
     def smem_bytes(self) -> int:
         """Shared memory per block (dynamic for steps 05-06, static otherwise), either B layout."""
         p = self.params
@@ -458,6 +458,7 @@ def _tuned_for(step: str, m: int, n: int, sm_count: int) -> HgemmConfig:
     return cfg
 
 
+@functools.lru_cache(maxsize=4096)
 def select(m: int, n: int, kernel="auto", sm_count: int = 132, cc: int = 90,
            smem_limit: int | None = None) -> HgemmConfig:
     """The configuration `hgemm` runs for an M x N output on a GPU with sm_count SMs, compute
