@@ -12,7 +12,8 @@ torch.manual_seed(0)
 for k, n, group, sym in ((512, 256, 128, False), (256, 128, 32, True), (384, 512, -1, False)):
     q = quantize_rtn(torch.randn(n, k, device="cuda"), group, sym, scale_dtype=torch.bfloat16, clip_search=False)
     p = ops.pack(q)
-    for cfg in (ops.HopperConfig(16, 4, 1, 8), ops.HopperConfig(64, 2, 2, 6), ops.HopperConfig(128, 1, 2, 6)):
+    for cfg in (ops.HopperConfig(16, 4, 1, 8), ops.HopperConfig(64, 2, 2, 6), ops.HopperConfig(128, 1, 2, 6),
+                ops.HopperConfig(32, 2, 1, 8), ops.HopperConfig(64, 2, 1, 8)):
         if n % cfg.bn:
             continue
         for m, slices in ((5, 1), (70, 2), (130, 3)):
