@@ -121,3 +121,13 @@ def test_time_paired_alternates_and_pools():
     t_long, t_short = time_paired(long_fn, short_fn, rounds=3, reps=12, warmup=1, min_reps=4)
     assert t_long.reps == t_short.reps == 12
     assert t_long.median_ms > 3 * t_short.median_ms > 0
+
+
+def test_cluster_capacity_rejects_bad_launch_shapes():
+    """A bad block size or a negative smem size is a ValueError naming the constraint, checked
+    before any device or driver call."""
+    from tilefish.runtime import cluster_capacity
+
+    for block, smem in ((0, 1024), (2048, 1024), (128, -1)):
+        with pytest.raises(ValueError, match="1 <= block <= 1024"):
+            cluster_capacity(0, block, smem)

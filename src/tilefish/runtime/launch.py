@@ -121,11 +121,13 @@ def cluster_capacity(device: torch.device | int | None, block: int, smem: int,
     bytes of dynamic shared memory, from the driver's occupancy answer for an empty kernel (sm_90+;
     cached per device). With one CTA an SM this is the GPC layout: on the H200 66 / 39 / 30 / 15
     clusters of 2 / 3 / 4 / 8."""
+    if not 1 <= block <= 1024 or smem < 0:
+        raise ValueError(f"cluster_capacity needs 1 <= block <= 1024 threads and smem >= 0, got {block}, {smem}")
     if isinstance(device, torch.device):
         device = device.index
     index = torch.cuda.current_device() if device is None else device
     key = (index, block, smem)
-    if key not in _capacity:
+    if key not in _capacity:  # the empty kernel's spec says sm_90+: older GPUs get a ValueError naming it
         kern = get_kernel(KernelSpec("probes/cluster_capacity.cu", "tf_cluster_capacity", min_sm=90), index)
         _capacity[key] = tuple((c, kern.max_active_clusters(c, block, smem)) for c in sizes)
     return _capacity[key]

@@ -11,8 +11,6 @@ in the cache key, so reusing one for a new tensor at the same address and shape 
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .launch import _ensure_context  # descriptors are created in the device's primary context
@@ -32,7 +30,6 @@ class _ArrayView:
         }
 
 
-@functools.lru_cache(maxsize=512)
 def _tensor_map(device: int, ptr: int, rows: int, cols: int, pitch: int, dtype: torch.dtype,
                 box_rows: int, box_cols: int, swizzle: int):
     from cuda.core.utils import StridedMemoryView
