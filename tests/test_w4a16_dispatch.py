@@ -187,3 +187,32 @@ def test_skinny_kernel_sass(tmp_path, monkeypatch):
         assert "HMMA.16816.F32" in sass and "LDSM" in sass
         assert "FENCE.VIEW.ASYNC.S" in sass, "generic reads fenced before the async-proxy refill"
         assert "LDL" not in sass and "STL" not in sass, "no local memory in the hot kernel"
+
+
+def test_separate_tail_only_for_a_partial_wave_that_fits_one_cta_an_sm():
+    """_launch_hopper runs the partial last wave of a whole-tile, two-CTA-an-SM plan of a per-channel
+    weight as its own launch when it fills more than half the SMs at one CTA an SM; never for group
+    scales, stream-K, k splits, clusters or one-CTA-an-SM configs."""
+    two, one = ops.HopperConfig(128, 2, 1, 4), ops.HopperConfig(128, 1, 2, 6)
+    assert two.ctas_per_sm(-1, False) == 2 and one.ctas_per_sm(-1, False) == 1
+    assert ops._separate_tail(two, 384, 1, 1, -1, False, 132) == 120
+    assert ops._separate_tail(two, 264 + 132, 1, 1, -1, True, 132) == 132
+    assert ops._separate_tail(two, 264 + 133, 1, 1, -1, False, 132) == 0   # the tail doubles up anyway
+    assert ops._separate_tail(two, 264 + 66, 1, 1, -1, False, 132) == 0    # half the SMs or fewer
+    assert ops._separate_tail(two, 528, 1, 1, -1, False, 132) == 0         # whole waves
+    assert ops._separate_tail(two, 200, 1, 1, -1, False, 132) == 0         # one partial wave: one launch
+    assert ops._separate_tail(two, 384, 1, 1, 128, False, 132) == 0        # group scales
+    assert ops._separate_tail(two, 384, 2, 1, -1, False, 132) == 0
+    assert ops._separate_tail(two, 384, 1, 2, -1, False, 132) == 0
+    assert ops._separate_tail(one, 384, 1, 1, -1, False, 132) == 0
+    assert ops._separate_tail(ops.HopperConfig(128, 2, 1, 3, True), 384, 1, 1, -1, False, 132) == 0
+
+
+def test_separate_tail_modes(monkeypatch):
+    two = ops.HopperConfig(128, 2, 1, 4)
+    monkeypatch.setattr(ops, "HOPPER_SEPARATE_TAIL", "never")
+    assert ops._separate_tail(two, 384, 1, 1, -1, False, 132) == 0
+    monkeypatch.setattr(ops, "HOPPER_SEPARATE_TAIL", "always")
+    assert ops._separate_tail(two, 384, 1, 1, 128, False, 132) == 120
+    assert ops._separate_tail(two, 264 + 48, 1, 1, -1, False, 132) == 48
+    assert ops._separate_tail(two, 264 + 133, 1, 1, -1, False, 132) == 0

@@ -128,6 +128,29 @@ def test_hopper_groups_zero_points_dtypes(group, sym, dtype):
 
 
 @hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("sym", [True, False])
+def test_hopper_partial_last_wave_as_its_own_launch(sym, dtype, monkeypatch):
+    """A whole-tile plan of a two-CTA-an-SM config on a per-channel weight whose partial last wave
+    fills most SMs runs that wave as a second launch (tile_base > 0): m not a multiple of the tile,
+    zero points, bias; the same bits as one launch."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = ops.HopperConfig(128, 2, 1, 4)
+    k, n = 128, 128 * 24
+    m_tiles = -(-(2 * sms + sms * 3 // 4) // 24)  # 24 column tiles: a full wave of 2 x SMs slots + 3/4 SMs
+    m = m_tiles * 128 - 37
+    tiles = m_tiles * 24
+    assert ops._separate_tail(cfg, tiles, 1, 1, -1, not sym, sms) == tiles - 2 * sms > sms // 2
+    group = -1
+    q, p = _case(k, n, group, sym, dtype)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    out = _check(x, q, p, bias, cfg=cfg, slices=1)
+    monkeypatch.setattr(ops, "HOPPER_SEPARATE_TAIL", "never")
+    assert torch.equal(out, ops.matmul_impl(x, p, bias, cfg=cfg, slices=1))
+
+
+@hopper
 def test_hopper_long_k_ring_wrap_and_big_m():
     """k of 224 stages wraps every ring many times; m = 1024 walks many m tiles."""
     q, p = _case(14336, 256, 128, True, torch.bfloat16)

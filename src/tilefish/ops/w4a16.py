@@ -320,6 +320,7 @@ STREAMK_MAX_M = 512
 HOPPER_SLICES = (1, 2, 3, 4, 6, 8)
 MAX_CLUSTER_SLICES = 8     # a portable cluster: k splits up to this run as one cluster (DSMEM fixup)
 HOPPER_DSMEM_SPLIT = True  # False: every k split sums through the global workspace (A/B, sweeps)
+HOPPER_SEPARATE_TAIL = "rule"  # _separate_tail: "rule"; "never" / "always" (any partial wave that fits) for A/Bs
 ONE_CTA_PER_SM_SMEM = 116 * 1024  # dynamic smem above half an SM's 228 KB: one CTA an SM
 # Clusters of each size resident at once with one CTA an SM, on the H200 (runtime.cluster_capacity;
 # a cluster sits in one GPC). The default where no device is asked (tests, tables); launches pass
@@ -770,7 +771,8 @@ def _launch_hopper(cfg: HopperConfig, x2: torch.Tensor, w: W4A16Weight, bias: to
     """The sm_90a wgmma kernel: a TMA map for x (mt x 64 boxes, 128-byte swizzle); grid (m tiles,
     n tiles, k slices), or for a stream-K config (cfg.sk) a 1-D grid of `slices` CTAs (default one
     wave: SMs x cfg.ctas_per_sm, at most one (tile, k stage) unit each). A 2-8 way k split whose
-    clusters all fit at once runs as clusters of its slices: grid (m tiles x slices, n tiles)."""
+    clusters all fit at once runs as clusters of its slices: grid (m tiles x slices, n tiles). A
+    partial last wave that _separate_tail picks runs as a second, 1-D launch from tile_base."""
     from ..runtime.tma import tensor_map_2d
 
     if info.cc != 90:
@@ -808,11 +810,39 @@ def _launch_hopper(cfg: HopperConfig, x2: torch.Tensor, w: W4A16Weight, bias: to
         grid, ws_floats, cluster, smem = (m_tiles * slices, n_tiles, 1), 0, slices, max(smem, ONE_CTA_PER_SM_SMEM)
     ws, counters = _workspace(x2.device, ws_floats, tiles)
     map_x = tensor_map_2d(x2, cfg.mt, HOPPER_BK)
-    launch(kern, grid, cfg.threads, map_x, w.packed.data_ptr(), w.scales.data_ptr(),
-           w.zeros.data_ptr() if asym else 0, bias.data_ptr() if bias is not None else 0,
-           out.data_ptr(), ws.data_ptr(), counters.data_ptr(), i32(m), i32(w.n), i32(w.k), i32(slices),
-           i32(int(cluster > 1)), smem=smem, cluster=cluster)
+    args = (map_x, w.packed.data_ptr(), w.scales.data_ptr(), w.zeros.data_ptr() if asym else 0,
+            bias.data_ptr() if bias is not None else 0, out.data_ptr(), ws.data_ptr(), counters.data_ptr(),
+            i32(m), i32(w.n), i32(w.k), i32(slices), i32(int(cluster > 1)))
+    tail = _separate_tail(cfg, tiles, slices, cluster, w.group_size, asym, info.sm_count)
+    if tail:
+        launch(kern, tiles - tail, cfg.threads, *args, i32(0), smem=smem)
+        launch(kern, tail, cfg.threads, *args, i32(tiles - tail), smem=smem)
+    else:
+        launch(kern, grid, cfg.threads, *args, i32(0), smem=smem, cluster=cluster)
     return out
+
+
+def _separate_tail(cfg: HopperConfig, tiles: int, slices: int, cluster: int, group_size: int, asym: bool,
+                   sm_count: int) -> int:
+    """How many tiles of a whole-tile launch (no k split) to run as a launch of their own (0: one
+    launch): the partial last wave of a per-channel weight's plan, when the kernel fits two CTAs an
+    SM and that wave fits one CTA an SM but fills more than half the SMs.
+
+    Why: in one launch the hardware hands each pair of slots freed together to two tail CTAs. The
+    per-channel kernel's CTAs finish a wave nearly together, so a tail of 120 CTAs ran two an SM on
+    60 SMs at ~1.6x the time of a CTA alone while the other SMs idled (per-CTA timeline, k 4096 x
+    n 6144, m = 1024: 90 us). A launch of its own starts on an idle GPU, which places CTAs one an SM
+    first: 76 us. With group scales the first wave's CTAs finish apart and the tail spreads by itself
+    (75 us in one launch); there the second launch only adds its start and the wait for the first
+    wave's last CTA (~5 us), as it did for a per-channel tail of 48 CTAs. Same-process A/B on the
+    H200, scripts/ab_w4a16_tail.py; docs/w4a16.md."""
+    if HOPPER_SEPARATE_TAIL == "never" or cfg.sk or slices != 1 or cluster != 1 or cfg.ctas_per_sm(group_size, asym) != 2:
+        return 0
+    slots = 2 * sm_count
+    tail = tiles % slots
+    if tiles <= slots or tail > sm_count:
+        return 0
+    return tail if HOPPER_SEPARATE_TAIL == "always" or (group_size == -1 and tail > sm_count // 2) else 0
 
 
 def _split_runs_as_clusters(cfg: HopperConfig, kern, tiles: int, slices: int, smem: int) -> bool:

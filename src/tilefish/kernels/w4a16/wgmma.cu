@@ -80,7 +80,7 @@ __global__ void __launch_bounds__((CONS + 1) * 128, CONS == 1 ? 2 : 1)
 w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__ w, const T* __restrict__ scales,
             const T* __restrict__ zeros, const T* __restrict__ bias, T* __restrict__ out,
             float* __restrict__ workspace, int* __restrict__ counters, int m, int n, int k, int slices,
-            int cluster_split) {
+            int cluster_split, int tile_base) {
     using namespace w4h;
     using L = Layout<MT, NT, CONS, GROUP, ASYM>;
     using DQ = Dequant<T>;
@@ -111,16 +111,21 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
     const int KT = k / kBK;
     // Tile mode with cluster_split: the k slices of a tile are one cluster (consecutive blockIdx.x)
     // and sum their partials through distributed shared memory (below); else blockIdx.z is the slice.
+    // tile_base: the first tile of this launch (the host runs a partial last wave as a launch of
+    // its own, so its CTAs spread one an SM; see ops/w4a16.py, _launch_hopper).
     const bool dsmem_fixup = !SK && cluster_split && slices > 1;
-    const int m_tiles = SK ? (m + MT - 1) / MT : (dsmem_fixup ? (int)gridDim.x / slices : (int)gridDim.x);
+    const int m_tiles = (m + MT - 1) / MT;
     const int units = SK ? m_tiles * (n / BN) * KT : 0;
+    int cta_index = blockIdx.x;  // this CTA's number among the whole problem's (timeline stamps)
     int u0, u1;
     if constexpr (SK) {
         u0 = unit_begin(blockIdx.x, units, gridDim.x);
         u1 = unit_begin(blockIdx.x + 1, units, gridDim.x);
     } else {
         const int slice = dsmem_fixup ? (int)(blockIdx.x % slices) : (int)blockIdx.z;
-        const int tile = blockIdx.y * m_tiles + (dsmem_fixup ? (int)(blockIdx.x / slices) : (int)blockIdx.x);
+        const int tile = tile_base + blockIdx.y * (int)(dsmem_fixup ? gridDim.x / slices : gridDim.x) +
+                         (dsmem_fixup ? (int)(blockIdx.x / slices) : (int)blockIdx.x);
+        cta_index = tile * slices + slice;
         u0 = tile * KT + (int)((long long)slice * KT / slices);
         u1 = tile * KT + (int)((long long)(slice + 1) * KT / slices);
     }
@@ -131,7 +136,7 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
     // 3 fixup done (or handed on), 4 exit.
     long long* tl = reinterpret_cast<long long*>(
         workspace + (size_t)m_tiles * (n / BN) * slices * MT * BN) +
-        (blockIdx.x + (size_t)gridDim.x * (blockIdx.y + (size_t)gridDim.y * blockIdx.z)) * 8;
+        (size_t)cta_index * 8;
     auto stamp = [&](int i) {
         long long t;
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

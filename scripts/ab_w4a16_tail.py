@@ -1,0 +1,63 @@
+"""Same-process A/B of the W4A16 wgmma kernel's partial last wave: one launch against the tail as a
+launch of its own (ops.w4a16._separate_tail), on the dispatcher's plan, for every benchmark shape,
+group 128 and per-channel, where the plan is a whole-tile, two-CTA-an-SM one with a partial last
+wave that fits one CTA an SM. Alternating rounds, L2 flushed, cuBLAS in the same rounds.
+
+Usage: python scripts/ab_w4a16_tail.py OUT.json fp16|bf16 M[,M...]
+"""
+import json
+import statistics
+import sys
+
+import torch
+
+from tilefish.bench.timing import _samples_ms
+from tilefish.ops import w4a16 as ops
+from tilefish.quant.int4 import quantize_rtn
+
+SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (8192, 8192),
+          (8192, 57344), (28672, 8192)]
+ROUNDS, PER_ROUND = 4, 6
+
+
+def main():
+    out_path, dname = sys.argv[1], sys.argv[2]
+    ms = [int(v) for v in sys.argv[3].split(",")]
+    dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dname]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    results = []
+    for k, n in SHAPES:
+        dense = torch.randn(n, k, device="cuda", dtype=dt)
+        for group in (128, -1):
+            p = ops.pack(quantize_rtn(dense, group, True, scale_dtype=dt, clip_search=False))
+            for m in ms:
+                cfg, slices = ops.choose_hopper_plan(m, n, k, sms, grouped=group != -1)
+                tiles = (n // cfg.bn) * -(-m // cfg.mt)
+                ops.HOPPER_SEPARATE_TAIL = "always"
+                tail = ops._separate_tail(cfg, tiles, slices or 0, 1, group, False, sms)
+                ops.HOPPER_SEPARATE_TAIL = "rule"
+                rule = ops._separate_tail(cfg, tiles, slices or 0, 1, group, False, sms)
+                if not tail:
+                    continue
+                x = torch.randn(m, k, device="cuda", dtype=dt)
+                samples = {"one launch": [], "tail apart": [], "cuBLAS": []}
+                for _ in range(ROUNDS):
+                    for name, mode in (("one launch", "never"), ("tail apart", "always")):
+                        ops.HOPPER_SEPARATE_TAIL = mode
+                        samples[name] += _samples_ms(lambda: ops.matmul_impl(x, p), PER_ROUND, 2, True, PER_ROUND, 10.0)
+                    samples["cuBLAS"] += _samples_ms(lambda: torch.nn.functional.linear(x, dense), PER_ROUND, 2, True,
+                                                     PER_ROUND, 10.0)
+                ops.HOPPER_SEPARATE_TAIL = "rule"
+                us = {name: statistics.median(v) * 1e3 for name, v in samples.items()}
+                results.append({"k": k, "n": n, "m": m, "group": group, "dtype": dname, "plan": cfg.label(),
+                                "tiles": tiles, "tail": tail, "rule_separates": bool(rule), "us": us})
+                print(f"{dname} k{k} n{n} g{group} m{m} {cfg.label()} tiles {tiles} tail {tail}: "
+                      f"one launch {us['one launch']:7.1f}  tail apart {us['tail apart']:7.1f}  cuBLAS {us['cuBLAS']:7.1f} us"
+                      f"  (rule: {'apart' if rule else 'one launch'})", flush=True)
+    with open(out_path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "rounds": ROUNDS, "per_round": PER_ROUND,
+                   "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
