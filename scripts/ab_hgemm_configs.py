@@ -7,12 +7,11 @@ SHAPE is MxNxK or a single number for a cube; CONFIG is STEP:V,V,... with the st
 parameters (e.g. 05_multistage:128,256,64,64,64,3), or a step name for its TUNED configuration.
 """
 import json
-import statistics
 import sys
 
 import torch
 
-from tilefish.bench.timing import _samples_ms
+from tilefish.bench.timing import time_alternating_us
 from tilefish.ops import hgemm as ops
 
 ROUNDS, PER_ROUND = 4, 8
@@ -50,11 +49,7 @@ def main():
             out = ops.hgemm(a, b, kernel=cfg)
             errs[label] = ((out.float() - ref).norm() / ref.norm()).item()
             fns[label] = lambda cfg=cfg: ops.hgemm(a, b, kernel=cfg)
-        samples = {name: [] for name in fns}
-        for _ in range(ROUNDS):
-            for name, fn in fns.items():
-                samples[name] += _samples_ms(fn, PER_ROUND, 2, True, PER_ROUND, 10.0)
-        us = {name: statistics.median(v) * 1e3 for name, v in samples.items()}
+        us = time_alternating_us(fns, rounds=ROUNDS, per_round=PER_ROUND)
         results.append({"m": m, "n": n, "k": k, "dtype": dname, "us": us, "rel_err": errs})
         print(f"{dname} {m}x{n}x{k}: cuBLAS {us['cuBLAS']:.1f} us")
         for label in labels:

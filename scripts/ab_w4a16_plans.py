@@ -9,12 +9,11 @@ wg-m128n256c2s5-sk; "auto" is the dispatcher's choice.
 """
 import json
 import re
-import statistics
 import sys
 
 import torch
 
-from tilefish.bench.timing import _samples_ms
+from tilefish.bench.timing import time_alternating_us
 from tilefish.ops import w4a16 as ops
 from tilefish.quant.int4 import quantize_rtn
 
@@ -51,11 +50,7 @@ def main():
                 cfg, sl = parse(label)
                 if cfg is None or n % cfg.bn == 0:
                     fns[label] = lambda cfg=cfg, sl=sl: ops.matmul_impl(x, p, cfg=cfg, slices=sl)
-            samples = {name: [] for name in fns}
-            for _ in range(ROUNDS):
-                for name, fn in fns.items():
-                    samples[name] += _samples_ms(fn, PER_ROUND, 2, True, PER_ROUND, 10.0)
-            us = {name: statistics.median(v) * 1e3 for name, v in samples.items()}
+            us = time_alternating_us(fns, rounds=ROUNDS, per_round=PER_ROUND)
             best = min((u, name) for name, u in us.items() if name != "cuBLAS")
             results.append({"k": k, "n": n, "m": m, "dtype": dname, "group": group, "us": us})
             print(f"k{k} n{n} m{m}: " + ", ".join(f"{name} {u:.1f} ({us['cuBLAS'] / u:.2f}x)" for name, u in us.items())

@@ -6,12 +6,11 @@ wave that fits one CTA an SM. Alternating rounds, L2 flushed, cuBLAS in the same
 Usage: python scripts/ab_w4a16_tail.py OUT.json fp16|bf16 M[,M...]
 """
 import json
-import statistics
 import sys
 
 import torch
 
-from tilefish.bench.timing import _samples_ms
+from tilefish.bench.timing import time_alternating_us
 from tilefish.ops import w4a16 as ops
 from tilefish.quant.int4 import quantize_rtn
 
@@ -40,15 +39,16 @@ def main():
                 if not tail:
                     continue
                 x = torch.randn(m, k, device="cuda", dtype=dt)
-                samples = {"one launch": [], "tail apart": [], "cuBLAS": []}
-                for _ in range(ROUNDS):
-                    for name, mode in (("one launch", "never"), ("tail apart", "always")):
-                        ops.HOPPER_SEPARATE_TAIL = mode
-                        samples[name] += _samples_ms(lambda: ops.matmul_impl(x, p), PER_ROUND, 2, True, PER_ROUND, 10.0)
-                    samples["cuBLAS"] += _samples_ms(lambda: torch.nn.functional.linear(x, dense), PER_ROUND, 2, True,
-                                                     PER_ROUND, 10.0)
+                def with_mode(mode):
+                    def run():
+                        ops.HOPPER_SEPARATE_TAIL = mode  # host-side; set before the launch it steers
+                        ops.matmul_impl(x, p)
+                    return run
+
+                us = time_alternating_us({"one launch": with_mode("never"), "tail apart": with_mode("always"),
+                                          "cuBLAS": lambda: torch.nn.functional.linear(x, dense)},
+                                         rounds=ROUNDS, per_round=PER_ROUND)
                 ops.HOPPER_SEPARATE_TAIL = "rule"
-                us = {name: statistics.median(v) * 1e3 for name, v in samples.items()}
                 results.append({"k": k, "n": n, "m": m, "group": group, "dtype": dname, "plan": cfg.label(),
                                 "tiles": tiles, "tail": tail, "rule_separates": bool(rule), "us": us})
                 print(f"{dname} k{k} n{n} g{group} m{m} {cfg.label()} tiles {tiles} tail {tail}: "

@@ -123,6 +123,32 @@ def test_time_paired_alternates_and_pools():
     assert t_long.median_ms > 3 * t_short.median_ms > 0
 
 
+@pytest.mark.gpu
+def test_time_alternating_us_medians_per_callable():
+    """bench.timing.time_alternating_us: one median (us) per callable, in the callables' order."""
+    import torch
+
+    from tilefish.bench.timing import time_alternating_us
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    us = time_alternating_us({"long": lambda: torch.cuda._sleep(200_000), "short": lambda: torch.cuda._sleep(20_000)},
+                             rounds=2, per_round=3, warmup=1)
+    assert list(us) == ["long", "short"]
+    assert us["long"] > 3 * us["short"] > 0
+
+
+def test_time_alternating_us_rejects_bad_arguments():
+    """Bad rounds / per_round or no callables: a ValueError naming the constraint, before any timing."""
+    from tilefish.bench.timing import time_alternating_us
+
+    for kw in ({"rounds": 0}, {"per_round": 0}, {"rounds": 1.5}):
+        with pytest.raises(ValueError, match="rounds >= 1 and per_round >= 1"):
+            time_alternating_us({"f": lambda: None}, **kw)
+    with pytest.raises(ValueError, match="at least one callable"):
+        time_alternating_us({})
+
+
 def test_cluster_capacity_rejects_bad_launch_shapes():
     """A bad block size or a negative smem size is a ValueError naming the constraint, checked
     before any device or driver call."""

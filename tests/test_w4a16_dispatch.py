@@ -216,3 +216,6 @@ def test_separate_tail_modes(monkeypatch):
     assert ops._separate_tail(two, 384, 1, 1, 128, False, 132) == 120
     assert ops._separate_tail(two, 264 + 48, 1, 1, -1, False, 132) == 48
     assert ops._separate_tail(two, 264 + 133, 1, 1, -1, False, 132) == 0
+    monkeypatch.setattr(ops, "HOPPER_SEPARATE_TAIL", True)
+    with pytest.raises(ValueError, match="'rule', 'never' or 'always'"):
+        ops._separate_tail(two, 384, 1, 1, -1, False, 132)

@@ -74,6 +74,22 @@ def time_paired(fn, peer, *, rounds: int = 3, reps: int = 50, warmup: int = 5, f
     return _timing(a), _timing(b)
 
 
+def time_alternating_us(fns: dict, *, rounds: int = 4, per_round: int = 6, warmup: int = 2, flush: bool = True,
+                        max_seconds: float = 10.0) -> dict:
+    """Several callables timed in alternating rounds (each round runs every fn in turn, per_round
+    calls each), samples pooled: {name: median us}. The same-process A/B of scripts/ab_*.py, for
+    choices a one-after-another comparison cannot settle because the clocks drift."""
+    if not isinstance(rounds, int) or rounds < 1 or not isinstance(per_round, int) or per_round < 1:
+        raise ValueError(f"time_alternating_us needs rounds >= 1 and per_round >= 1, got {rounds!r}, {per_round!r}")
+    if not fns:
+        raise ValueError("time_alternating_us needs at least one callable")
+    samples: dict = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name] += _samples_ms(fn, per_round, warmup, flush, per_round, max_seconds)
+    return {name: statistics.median(v) * 1e3 for name, v in samples.items()}
+
+
 def _timing(ms: list[float]) -> Timing:
     ms = sorted(ms)
     return Timing(statistics.median(ms), ms[0], ms[int(0.9 * (len(ms) - 1))], len(ms))

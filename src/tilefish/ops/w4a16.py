@@ -836,6 +836,8 @@ def _separate_tail(cfg: HopperConfig, tiles: int, slices: int, cluster: int, gro
     (75 us in one launch); there the second launch only adds its start and the wait for the first
     wave's last CTA (~5 us), as it did for a per-channel tail of 48 CTAs. Same-process A/B on the
     H200, scripts/ab_w4a16_tail.py; docs/w4a16.md."""
+    if HOPPER_SEPARATE_TAIL not in ("rule", "never", "always"):
+        raise ValueError(f"ops.w4a16.HOPPER_SEPARATE_TAIL must be 'rule', 'never' or 'always', got {HOPPER_SEPARATE_TAIL!r}")
     if HOPPER_SEPARATE_TAIL == "never" or cfg.sk or slices != 1 or cluster != 1 or cfg.ctas_per_sm(group_size, asym) != 2:
         return 0
     slots = 2 * sm_count
