@@ -5,8 +5,10 @@ comparison drifts with the clocks (m >= 2048).
 
 Usage: python scripts/ab_w4a16_plans.py OUT.json fp16|bf16 GROUP M[,M...] PLAN [PLAN ...]
 PLAN is a configuration label with an optional k split, as in the sweeps: wg-m128n256c2s6/x1,
-wg-m128n256c2s5-sk; "auto" is the dispatcher's choice.
+wg-m128n256c2s5-sk, or a skinny one (sk-m8n256w1s4x2, any stage count); "auto" is the dispatcher's
+choice. Env SHAPES=KxN,KxN limits the shapes (default: the eight benchmark shapes).
 """
+import os
 import json
 import re
 import sys
@@ -19,6 +21,8 @@ from tilefish.quant.int4 import quantize_rtn
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (8192, 8192),
           (8192, 57344), (28672, 8192)]
+if os.environ.get("SHAPES"):
+    SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ["SHAPES"].split(",")]
 ROUNDS, PER_ROUND = 4, 6
 
 
@@ -27,6 +31,10 @@ def parse(label):
     an optional /x<k slices>."""
     if label == "auto":
         return None, None
+    skinny = re.fullmatch(r"sk-m(\d+)n(\d+)w(\d)s(\d+)x(\d)", label)
+    if skinny:
+        mt, bn, wk, stages, cps = (int(v) for v in skinny.groups())
+        return ops.SkinnyConfig(mt, bn // 64, wk, stages, cps), None
     name, _, sl = label.partition("/x")
     mt, bn, cons, stages, sk = re.fullmatch(r"wg-m(\d+)n(\d+)c(\d)s(\d+)(-sk)?", name).groups()
     cfg = ops.HopperConfig(int(mt), int(bn) // (64 * int(cons)), int(cons), int(stages), sk is not None)
@@ -48,7 +56,7 @@ def main():
             fns = {"cuBLAS": lambda: torch.nn.functional.linear(x, deq)}
             for label in plans:
                 cfg, sl = parse(label)
-                if cfg is None or n % cfg.bn == 0:
+                if cfg is None or (n % cfg.bn == 0 and m <= (cfg.mt if isinstance(cfg, ops.SkinnyConfig) else m)):
                     fns[label] = lambda cfg=cfg, sl=sl: ops.matmul_impl(x, p, cfg=cfg, slices=sl)
             us = time_alternating_us(fns, rounds=ROUNDS, per_round=PER_ROUND)
             best = min((u, name) for name, u in us.items() if name != "cuBLAS")

@@ -53,21 +53,38 @@ def test_skinny_dispatch_follows_the_sweep():
         for m in (1, 2, 4, 8):
             assert isinstance(pick(m, n, k), ops.SkinnyConfig), (m, n, k)
     assert pick(1, 57344, 8192).wk == 1 and pick(2, 57344, 8192).wk == 1  # one warp a strip up to m = 2
-    assert pick(4, 57344, 8192).ctas_per_sm == 1 and pick(8, 8192, 28672).wk == 2
+    assert pick(4, 8192, 8192).ctas_per_sm == 1 and pick(8, 8192, 28672).wk == 2
     assert isinstance(pick(1, 4096, 4096), ops.GemmConfig)       # the smallest weight: the mma.sync kernel's ramp
     assert isinstance(pick(8, 4096, 4096), ops.SkinnyConfig)
+    # m = 3-8 on large weights (n x k >= SMALL_WEIGHT_NK): two CTAs an SM where the A/Bs had them ahead
+    big = lambda m, n, k, g, dt: ops.choose_config(m, n, k, 132, 90, g, dtype=dt)  # noqa: E731
+    for n, k in ((57344, 8192), (8192, 28672), (28672, 4096)):
+        for m in (3, 4, 8):
+            assert big(m, n, k, 128, torch.bfloat16) == ops.SkinnyConfig(8, 4, 1, 4, 2), (m, n, k)
+            assert big(m, n, k, -1, torch.bfloat16) == ops.SkinnyConfig(8, 4, 2, 4, 2), (m, n, k)
+            assert big(m, n, k, -1, torch.float16) == ops.SkinnyConfig(8, 4, 2, 8, 1), (m, n, k)
+            fp16_grouped = ops.SkinnyConfig(8, 4, 1, 4, 2) if m <= 4 else ops.SkinnyConfig(8, 4, 2, 8, 1)
+            assert big(m, n, k, 128, torch.float16) == fp16_grouped, (m, n, k)
+    for n, k in ((10240, 8192), (8192, 8192), (4096, 14336)):  # below SMALL_WEIGHT_NK: one CTA of 8 stages
+        for g in (-1, 128):
+            for dt in (torch.float16, torch.bfloat16):
+                assert big(4, n, k, g, dt) == ops.SkinnyConfig(8, 4, 2, 8, 1), (n, k, g, dt)
     for n, k in ((4096, 4096), (4096, 14336), (8192, 8192), (6144, 4096), (10240, 8192),
                  (8192, 28672), (57344, 8192)):  # m = 9-16: the MT = 16 skinny configuration ...
         for m in (9, 12, 16):
             if m > 12 and n <= 4096:  # ... except m = 13-16 on n <= 4096 (the wgmma kernel)
                 assert isinstance(pick(m, n, k), ops.HopperConfig), (m, n, k)
+            elif n > ops.SKINNY_WIDE_N:  # 256-column tiles, one warp a strip, on the widest weight
+                assert pick(m, n, k) == ops.SkinnyConfig(16, 4, 1, 4, 2), (m, n, k)
+            elif n <= 4096:  # one CTA of 8 stages an SM on n 4096 (m <= 12)
+                assert pick(m, n, k) == ops.SkinnyConfig(16, 2, 2, 8, 1), (m, n, k)
             else:
                 assert pick(m, n, k) == ops.SkinnyConfig(16, 2, 2, 6, 2), (m, n, k)
     assert isinstance(pick(17, 57344, 8192), ops.HopperConfig)
     # per-channel weights at m = 13-16 on the widest weight: the wgmma kernel's stream-K plan
     assert isinstance(ops.choose_config(16, 57344, 8192, 132, 90, -1), ops.HopperConfig)
-    assert ops.choose_config(12, 57344, 8192, 132, 90, -1) == ops.SkinnyConfig(16, 2, 2, 6, 2)
-    assert ops.choose_config(16, 57344, 8192, 132, 90, 128) == ops.SkinnyConfig(16, 2, 2, 6, 2)
+    assert ops.choose_config(12, 57344, 8192, 132, 90, -1) == ops.SkinnyConfig(16, 4, 1, 4, 2)
+    assert ops.choose_config(16, 57344, 8192, 132, 90, 128) == ops.SkinnyConfig(16, 4, 1, 4, 2)
     assert ops.choose_config(16, 8192, 28672, 132, 90, -1) == ops.SkinnyConfig(16, 2, 2, 6, 2)
     for n, k in ((10240, 8192), (28672, 4096), (4096, 4096)):
         assert isinstance(pick(32, n, k), ops.HopperConfig)

@@ -79,7 +79,7 @@ def run(shapes=None, ms=None, groups=(128, -1), dtypes=("fp16", "bf16"), reps: i
                     nbytes = wbytes + 2 * m * (k + n)
                     gbps = nbytes / (t_ours * 1e-3) / 1e9
                     tflops = 2 * m * n * k / (t_ours * 1e-3) / 1e12
-                    cfg = ops.choose_config(m, n, k, 132, 90, group)
+                    cfg = ops.choose_config(m, n, k, 132, 90, group, dtype=dtype)
                     report.add(Row("w4a16", f"{dname} k{k} n{n} g{group} m{m}", "tilefish", t_ours * 1e3, gbps,
                                    "GB/s", 100 * gbps / copy, {"cuBLAS": t_cublas / t_ours},
                                    {"tflops": tflops, "cublas_us": t_cublas * 1e3, "m": m, "k": k, "n": n,

@@ -304,7 +304,7 @@ HOPPER_CONFIGS = [HopperConfig(16, 4, 1, 8), HopperConfig(16, 4, 2, 8), HopperCo
 
 # The skinny (stream-K) kernel's design space.
 SKINNY_CONFIGS = [SkinnyConfig(8, 4, 2, 4, 2), SkinnyConfig(8, 4, 1, 4, 2), SkinnyConfig(8, 2, 4, 8, 2), SkinnyConfig(8, 4, 2, 8, 1),
-                  SkinnyConfig(16, 4, 1, 4, 2), SkinnyConfig(16, 2, 2, 6, 2), SkinnyConfig(16, 4, 2, 8, 1),
+                  SkinnyConfig(16, 4, 1, 4, 2), SkinnyConfig(16, 2, 2, 6, 2), SkinnyConfig(16, 2, 2, 8, 1), SkinnyConfig(16, 4, 2, 8, 1),
                   SkinnyConfig(16, 2, 4, 8, 1), SkinnyConfig(32, 4, 2, 6, 1), SkinnyConfig(32, 2, 4, 8, 1)]
 
 # sm_90 dispatch. m <= 16: the skinny kernel where choose_skinny_config takes it (m <= 2 on the smallest
@@ -540,32 +540,56 @@ SKINNY_MAX_M = 16
 SKINNY_MMA_MAX_NK = 4096 * 4096  # at most this many weights and m <= 2: the mma.sync kernel
 SKINNY_M16_MIN_N = 4097          # m = 13-16: the skinny kernel from this n up ...
 SKINNY_M16_PER_CHANNEL_MAX_N = 32768  # ... and, per-channel, up to this n
+SKINNY_WIDE_N = 32768            # m = 9-16 above this n: 256-column tiles, one warp a strip
 
 
-def choose_skinny_config(m: int, n: int, k: int, sm_count: int, group: int | None = None) -> SkinnyConfig | None:
+def choose_skinny_config(m: int, n: int, k: int, sm_count: int, group: int | None = None,
+                         dtype: torch.dtype | None = None) -> SkinnyConfig | None:
     """The stream-K kernel's configuration where it is expected to win on sm_90, else None.
-    group: the weight's group size (-1 per channel; None when not known, treated as grouped)."""
+    group: the weight's group size (-1 per channel; None when not known, treated as grouped);
+    dtype: x's (None: fp16's choices)."""
     if m > SKINNY_MAX_M or n % 128 or (m <= 2 and n * k <= SKINNY_MMA_MAX_NK):
         return None
+    grouped = group != -1
     if m > 8:
-        if m > 12 and (n < SKINNY_M16_MIN_N or (group == -1 and n > SKINNY_M16_PER_CHANNEL_MAX_N)):
+        if m > 12 and (n < SKINNY_M16_MIN_N or (not grouped and n > SKINNY_M16_PER_CHANNEL_MAX_N)):
             return None
+        # Same-process A/Bs (scripts/ab_w4a16_plans.py, bench/results/h200/w4a16_skinny_ab_m9-16_*.json):
+        # on n 57344 the 256-column tile with one warp a strip was 2-9% ahead; on n 4096 at m <= 12,
+        # one CTA of 8 stages an SM 11-12% (k 4096) or even (k 14336).
+        if n > SKINNY_WIDE_N and n % 256 == 0:
+            return SkinnyConfig(16, 4, 1, 4, 2)
+        if n <= 4096:
+            return SkinnyConfig(16, 2, 2, 8, 1)
         return SkinnyConfig(16, 2, 2, 6, 2)
     if n % 256:
         return SkinnyConfig(8, 2, 4, 8, 2)
     # m <= 2: one warp a strip, two CTAs an SM (128 registers: group scales on the fp32 partial
     # sums); m = 3-8: two warps a strip with one CTA of 8 stages an SM (the m = 4 / 8 best on 7 of
-    # the 8 shapes of the sweep, 1-9% ahead of the two-CTA configuration).
-    return SkinnyConfig(8, 4, 1, 4, 2) if m <= 2 else SkinnyConfig(8, 4, 2, 8, 1)
+    # the 8 shapes of the sweep, 1-9% ahead of the two-CTA configuration), except on large weights
+    # (same-process A/Bs, w4a16_skinny_ab_m1-8_*.json): with group scales two CTAs of one warp a
+    # strip (bf16 m = 3-8: 3-10% ahead; fp16 m = 3-4: 1.5-4%, m = 6-8 mixed), per-channel bf16 two
+    # CTAs of two warps a strip (2-7%; fp16 even within 2%).
+    if m <= 2:
+        return SkinnyConfig(8, 4, 1, 4, 2)
+    if n * k >= SMALL_WEIGHT_NK:
+        bf16 = dtype == torch.bfloat16
+        if grouped and (bf16 or m <= 4):
+            return SkinnyConfig(8, 4, 1, 4, 2)
+        if not grouped and bf16:
+            return SkinnyConfig(8, 4, 2, 4, 2)
+    return SkinnyConfig(8, 4, 2, 8, 1)
 
 
 @functools.lru_cache(maxsize=4096)
 def choose_config(m: int, n: int, k: int, sm_count: int, cc: int = 80, group: int | None = None,
-                  clusters: tuple[tuple[int, int], ...] = H200_CLUSTERS) -> GemmConfig | HopperConfig | SkinnyConfig:
+                  clusters: tuple[tuple[int, int], ...] = H200_CLUSTERS,
+                  dtype: torch.dtype | None = None) -> GemmConfig | HopperConfig | SkinnyConfig:
     """clusters: the device's cluster capacity on sm_90 (runtime.cluster_capacity), which decides
-    which k splits the wgmma kernel runs as clusters; the H200's by default."""
+    which k splits the wgmma kernel runs as clusters; the H200's by default. dtype: x's (the skinny
+    kernel's best configuration differs between fp16 and bf16 on large weights); None: fp16's."""
     if cc == 90:
-        skinny = choose_skinny_config(m, n, k, sm_count, group)
+        skinny = choose_skinny_config(m, n, k, sm_count, group, dtype)
         if skinny is not None:
             return skinny
     if cc == 90 and _uses_hopper(m, n, k):
@@ -616,8 +640,9 @@ def dispatch_specs() -> list[KernelSpec]:
     cfgs |= {choose_hopper_config(m, n, 132, k, grouped=g) for m in (9, 16, 17, 32, 33, 64, 65, 128, 256, 512, 1024, 4096)
              for n in (64, 128, 256, 4096, 6144, 8192, 10240, 14336, 28672, 57344) for k in (4096, 8192, 28672)
              for g in (True, False)}
-    cfgs |= {c for m in (1, 8, 9, 16) for n in (128, 256, 4096, 6144, 10240, 57344)
-             for k in (4096, 8192) if (c := choose_skinny_config(m, n, k, 132)) is not None}
+    cfgs |= {c for m in (1, 4, 8, 9, 16) for n in (128, 256, 4096, 6144, 10240, 57344)
+             for k in (4096, 8192, 28672) for g in (-1, 128) for dt in DTYPES
+             if (c := choose_skinny_config(m, n, k, 132, g, dt)) is not None}
     for dt in DTYPES:
         for cfg in sorted(cfgs, key=lambda c: c.label()):
             for g in (-1, 32, 64, 128):
@@ -713,7 +738,7 @@ def matmul_impl(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = Non
             raise ValueError(f"{name} must be contiguous and 16-byte aligned for the CUDA kernel")
     info = device_info(x.device.index)
     sms = info.sm_count
-    cfg = cfg or choose_config(m, w.n, w.k, sms, info.cc, w.group_size, _device_clusters(info))
+    cfg = cfg or choose_config(m, w.n, w.k, sms, info.cc, w.group_size, _device_clusters(info), x.dtype)
     if isinstance(cfg, HopperConfig):
         out = _launch_hopper(cfg, x2, w, bias, out, slices, info)
         return out if flat else out.reshape(*lead, w.n)
