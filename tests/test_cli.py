@@ -29,3 +29,24 @@ def test_bench_without_gpu_says_so():
         return
     r = run("bench", "nf4")
     assert r.returncode == 2 and "GPU" in r.stderr
+
+
+def test_compile_fails_a_hot_kernel_without_ptxas_report(monkeypatch, capsys):
+    """A compile whose log has no ptxas -v report (the driver's JIT cache answered) cannot prove
+    "no spills": compile-all counts it as a failure instead of passing it."""
+    import argparse
+
+    import tilefish.ops
+    import tilefish.runtime
+    from tilefish import cli
+    from tilefish.runtime.compiler import CompiledKernel, KernelSpec, Resources
+
+    hot = KernelSpec("nf4/dequantize.cu", "hot_kernel", hot=True)
+    cold = KernelSpec("nf4/dequantize.cu", "cold_kernel", hot=False)
+    monkeypatch.setenv("CUDA_CACHE_DISABLE", "1")  # cmd_compile sets it for its process: undone after the test
+    monkeypatch.setattr(tilefish.ops, "kernel_specs", lambda include_variants=False: [("nf4", hot), ("nf4", cold)])
+    monkeypatch.setattr(tilefish.runtime, "compile_kernel",
+                        lambda spec, arch, use_cache=None: CompiledKernel(spec, arch, b"", spec.name, "", Resources()))
+    rc = cli.cmd_compile(argparse.Namespace(arch=["sm_90"], all=False, jobs=1))
+    out = capsys.readouterr().out
+    assert rc == 1 and "1 failure(s)" in out and "NO PTXAS REPORT" in out
