@@ -157,3 +157,20 @@ def test_cluster_capacity_rejects_bad_launch_shapes():
     for block, smem in ((0, 1024), (2048, 1024), (128, -1)):
         with pytest.raises(ValueError, match="1 <= block <= 1024"):
             cluster_capacity(0, block, smem)
+
+
+def test_time_alternating_us_rotates_the_order(monkeypatch):
+    """Each round starts at a different callable, so none always runs right after the same one
+    (the place after a heavy launch is slower); the result keeps the callables' order."""
+    from tilefish.bench import timing
+
+    order = []
+
+    def fake_samples(fn, reps, warmup, flush, min_reps, max_seconds):
+        order.append(fn())
+        return [1.0]
+
+    monkeypatch.setattr(timing, "_samples_ms", fake_samples)
+    us = timing.time_alternating_us({"a": lambda: "a", "b": lambda: "b", "c": lambda: "c"}, rounds=3, per_round=1)
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert list(us) == ["a", "b", "c"]

@@ -78,15 +78,20 @@ def time_alternating_us(fns: dict, *, rounds: int = 4, per_round: int = 6, warmu
                         max_seconds: float = 10.0) -> dict:
     """Several callables timed in alternating rounds (each round runs every fn in turn, per_round
     calls each), samples pooled: {name: median us}. The same-process A/B of scripts/ab_*.py, for
-    choices a one-after-another comparison cannot settle because the clocks drift."""
+    choices a one-after-another comparison cannot settle because the clocks drift. Each round
+    starts at a different place in the list (offset r x len / rounds): the fn timed right after a
+    heavy one runs slower (HGEMM 8192^3 on the H200: the same configuration read 0.531x of cuBLAS
+    in second place and 0.568x in fourth), so a fixed order would favour the later ones."""
     if not isinstance(rounds, int) or rounds < 1 or not isinstance(per_round, int) or per_round < 1:
         raise ValueError(f"time_alternating_us needs rounds >= 1 and per_round >= 1, got {rounds!r}, {per_round!r}")
     if not fns:
         raise ValueError("time_alternating_us needs at least one callable")
     samples: dict = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            samples[name] += _samples_ms(fn, per_round, warmup, flush, per_round, max_seconds)
+    names = list(fns)
+    for r in range(rounds):
+        start = r * len(names) // rounds
+        for name in names[start:] + names[:start]:
+            samples[name] += _samples_ms(fns[name], per_round, warmup, flush, per_round, max_seconds)
     return {name: statistics.median(v) * 1e3 for name, v in samples.items()}
 
 

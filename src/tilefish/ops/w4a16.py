@@ -554,9 +554,9 @@ def choose_skinny_config(m: int, n: int, k: int, sm_count: int, group: int | Non
     if m > 8:
         if m > 12 and (n < SKINNY_M16_MIN_N or (not grouped and n > SKINNY_M16_PER_CHANNEL_MAX_N)):
             return None
-        # Same-process A/Bs (scripts/ab_w4a16_plans.py, bench/results/h200/w4a16_skinny_ab_m9-16_*.json):
-        # on n 57344 the 256-column tile with one warp a strip was 2-9% ahead; on n 4096 at m <= 12,
-        # one CTA of 8 stages an SM 11-12% (k 4096) or even (k 14336).
+        # Same-process A/Bs (scripts/ab_w4a16_plans.py, bench/results/h200/w4a16_skinny_ab_m3-16_rotated_*.json):
+        # on n 57344 the 256-column tile with one warp a strip was 3.5-9% ahead; on n 4096 at m <= 12,
+        # one CTA of 8 stages an SM 12-14% (k 4096) or even (k 14336, -2..+1%).
         if n > SKINNY_WIDE_N and n % 256 == 0:
             return SkinnyConfig(16, 4, 1, 4, 2)
         if n <= 4096:
@@ -566,18 +566,14 @@ def choose_skinny_config(m: int, n: int, k: int, sm_count: int, group: int | Non
         return SkinnyConfig(8, 2, 4, 8, 2)
     # m <= 2: one warp a strip, two CTAs an SM (128 registers: group scales on the fp32 partial
     # sums); m = 3-8: two warps a strip with one CTA of 8 stages an SM (the m = 4 / 8 best on 7 of
-    # the 8 shapes of the sweep, 1-9% ahead of the two-CTA configuration), except on large weights
-    # (same-process A/Bs, w4a16_skinny_ab_m1-8_*.json): with group scales two CTAs of one warp a
-    # strip (bf16 m = 3-8: 3-10% ahead; fp16 m = 3-4: 1.5-4%, m = 6-8 mixed), per-channel bf16 two
-    # CTAs of two warps a strip (2-7%; fp16 even within 2%).
+    # the 8 shapes of the sweep, 1-9% ahead of the two-CTA configuration), except in bf16 on large
+    # weights (same-process A/Bs in rotating order, w4a16_skinny_ab_m3-16_rotated_*.json): two
+    # CTAs of one warp a strip with group scales (2-10% ahead), of two warps a strip per-channel
+    # (0-6%). fp16 stays on one CTA: the two-CTA configurations were -8% to +2% by shape.
     if m <= 2:
         return SkinnyConfig(8, 4, 1, 4, 2)
-    if n * k >= SMALL_WEIGHT_NK:
-        bf16 = dtype == torch.bfloat16
-        if grouped and (bf16 or m <= 4):
-            return SkinnyConfig(8, 4, 1, 4, 2)
-        if not grouped and bf16:
-            return SkinnyConfig(8, 4, 2, 4, 2)
+    if n * k >= SMALL_WEIGHT_NK and dtype == torch.bfloat16:
+        return SkinnyConfig(8, 4, 1, 4, 2) if grouped else SkinnyConfig(8, 4, 2, 4, 2)
     return SkinnyConfig(8, 4, 2, 8, 1)
 
 
