@@ -1,6 +1,7 @@
 """CUDA-event timing: median of many runs, L2 flushed before each run."""
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -9,6 +10,15 @@ import torch
 
 _flush_buffers: dict[int, torch.Tensor] = {}
 _SPIN_CYCLES = 100_000  # ~50 us at H200 clocks
+# Before its timed calls every callable runs back to back for WARM_MS (at most WARM_MAX_CALLS
+# calls), so it is timed at its own sustained clocks. The H200's power controller takes 30-60 ms
+# to settle: without this the block timed right after cuBLAS inherited cuBLAS's lowered clocks
+# (HGEMM step 06 at 8192^3: 2869 us after cuBLAS, 2665 us settled) and cuBLAS after a
+# lower-power kernel ran at boost clocks (1490 against 1738 us settled). Memory-bound kernels
+# time the same either way (W4A16 m <= 128 within 1%). TILEFISH_BENCH_WARM_MS=0 restores the
+# old behaviour (a few warm-up calls only).
+WARM_MS = float(os.environ.get("TILEFISH_BENCH_WARM_MS", "100"))
+WARM_MAX_CALLS = 500
 
 
 @dataclass
@@ -49,7 +59,8 @@ def time_cuda(fn, *, reps: int = 50, warmup: int = 5, flush: bool = True, min_re
               max_seconds: float = 5.0) -> Timing:
     """Median of `reps` CUDA-event-timed calls of fn(), each after an L2 flush and a short GPU spin.
 
-    Warm-up calls run first (compilation, allocator, cuBLAS handles stay out of the numbers).
+    Warm-up calls run first (compilation, allocator, cuBLAS handles stay out of the numbers),
+    then back-to-back calls until the clocks settle (WARM_MS).
     The rep count shrinks for slow kernels so one measurement stays under `max_seconds`.
     """
     return _timing(_samples_ms(fn, reps, warmup, flush, min_reps, max_seconds))
@@ -62,7 +73,8 @@ def time_paired(fn, peer, *, rounds: int = 3, reps: int = 50, warmup: int = 5, f
 
     For kernels long enough to heat the GPU (an 8192^3 GEMM draws full power): its clocks fall as
     it warms up, so timing all of one and then all of the other compares two clock states, and
-    whichever runs later loses (cuBLAS at 8192^3 measured 632-793 TFLOP/s on one day)."""
+    whichever runs later loses (cuBLAS at 8192^3 measured 632-793 TFLOP/s on one day). Each block
+    first settles at its own clocks (WARM_MS), so neither inherits the other's."""
     if not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"time_paired needs rounds >= 1, got {rounds!r}")
     per = max(min_reps, -(-reps // rounds))
@@ -100,10 +112,22 @@ def _timing(ms: list[float]) -> Timing:
     return Timing(statistics.median(ms), ms[0], ms[int(0.9 * (len(ms) - 1))], len(ms))
 
 
-def _samples_ms(fn, reps: int, warmup: int, flush: bool, min_reps: int, max_seconds: float) -> list[float]:
+def _settle(fn, warmup: int) -> None:
+    """`warmup` calls, then more back to back until WARM_MS have passed (WARM_MAX_CALLS at most)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    t0, calls = time.perf_counter(), 0
+    while (time.perf_counter() - t0) * 1e3 < WARM_MS and calls < WARM_MAX_CALLS:
+        fn()
+        calls += 1
+        if calls % 4 == 0:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+
+
+def _samples_ms(fn, reps: int, warmup: int, flush: bool, min_reps: int, max_seconds: float) -> list[float]:
+    _settle(fn, warmup)
     t0 = time.perf_counter()
     fn()
     torch.cuda.synchronize()
