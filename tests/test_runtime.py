@@ -174,3 +174,15 @@ def test_time_alternating_us_rotates_the_order(monkeypatch):
     us = timing.time_alternating_us({"a": lambda: "a", "b": lambda: "b", "c": lambda: "c"}, rounds=3, per_round=1)
     assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
     assert list(us) == ["a", "b", "c"]
+
+
+def test_bench_warm_ms_env_is_checked(monkeypatch):
+    """TILEFISH_BENCH_WARM_MS: a number of milliseconds >= 0, else a ValueError naming the variable."""
+    from tilefish.bench import timing
+
+    monkeypatch.setenv("TILEFISH_BENCH_WARM_MS", "0")
+    assert timing._warm_ms_from_env() == 0.0
+    for bad in ("abc", "-5", "nan"):
+        monkeypatch.setenv("TILEFISH_BENCH_WARM_MS", bad)
+        with pytest.raises(ValueError, match="TILEFISH_BENCH_WARM_MS"):
+            timing._warm_ms_from_env()

@@ -17,7 +17,18 @@ _SPIN_CYCLES = 100_000  # ~50 us at H200 clocks
 # lower-power kernel ran at boost clocks (1490 against 1738 us settled). Memory-bound kernels
 # time the same either way (W4A16 m <= 128 within 1%). TILEFISH_BENCH_WARM_MS=0 restores the
 # old behaviour (a few warm-up calls only).
-WARM_MS = float(os.environ.get("TILEFISH_BENCH_WARM_MS", "100"))
+def _warm_ms_from_env() -> float:
+    text = os.environ.get("TILEFISH_BENCH_WARM_MS", "100")
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # also rejects nan
+        raise ValueError(f"TILEFISH_BENCH_WARM_MS must be a number of milliseconds >= 0, got {text!r}")
+    return value
+
+
+WARM_MS = _warm_ms_from_env()
 WARM_MAX_CALLS = 500
 
 
