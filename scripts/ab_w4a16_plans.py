@@ -6,7 +6,8 @@ comparison drifts with the clocks (m >= 2048).
 Usage: python scripts/ab_w4a16_plans.py OUT.json fp16|bf16 GROUP M[,M...] PLAN [PLAN ...]
 PLAN is a configuration label with an optional k split, as in the sweeps: wg-m128n256c2s6/x1,
 wg-m128n256c2s5-sk, or a skinny one (sk-m8n256w1s4x2, any stage count); "auto" is the dispatcher's
-choice. Env SHAPES=KxN,KxN limits the shapes (default: the eight benchmark shapes).
+choice, "wg-model" the time model's wgmma plan (choose_hopper_plan) where the dispatcher may take
+another kernel. Env SHAPES=KxN,KxN limits the shapes (default: the eight benchmark shapes).
 """
 import os
 import json
@@ -29,7 +30,7 @@ ROUNDS, PER_ROUND = 4, 6
 def parse(label):
     """A label as HopperConfig.label() writes it (any stage count, not only HOPPER_CONFIGS'), plus
     an optional /x<k slices>."""
-    if label == "auto":
+    if label in ("auto", "wg-model"):
         return None, None
     skinny = re.fullmatch(r"sk-m(\d+)n(\d+)w(\d)s(\d+)x(\d)", label)
     if skinny:
@@ -54,14 +55,19 @@ def main():
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=dt)
             fns = {"cuBLAS": lambda: torch.nn.functional.linear(x, deq)}
+            chosen = {}
             for label in plans:
                 cfg, sl = parse(label)
+                if label == "wg-model":
+                    cfg, sl = ops.choose_hopper_plan(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count,
+                                                     grouped=group != -1)
+                    chosen[label] = cfg.label() + ("" if sl is None else f"/x{sl}")
                 if cfg is None or (n % cfg.bn == 0 and m <= (cfg.mt if isinstance(cfg, ops.SkinnyConfig) else m)):
                     fns[label] = lambda cfg=cfg, sl=sl: ops.matmul_impl(x, p, cfg=cfg, slices=sl)
             us = time_alternating_us(fns, rounds=ROUNDS, per_round=PER_ROUND)
             best = min((u, name) for name, u in us.items() if name != "cuBLAS")
-            results.append({"k": k, "n": n, "m": m, "dtype": dname, "group": group, "us": us})
-            print(f"k{k} n{n} m{m}: " + ", ".join(f"{name} {u:.1f} ({us['cuBLAS'] / u:.2f}x)" for name, u in us.items())
+            results.append({"k": k, "n": n, "m": m, "dtype": dname, "group": group, "us": us, "plans": chosen})
+            print(f"k{k} n{n} m{m}: " + ", ".join(f"{chosen.get(name, name)} {u:.1f} ({us['cuBLAS'] / u:.2f}x)" for name, u in us.items())
                   + f"; best {best[1]}", flush=True)
         del q, p, deq
         json.dump(results, open(out_path, "w"), indent=1)

@@ -1,20 +1,22 @@
 """Fit the W4A16 wgmma kernel's dispatch time model (ops.w4a16.HOPPER_TIME_MODEL) to H200 sweeps of
 scripts/sweep_w4a16_streamk.py, and report how close its picks come to the fastest measured plan.
 
-    time (us) = F + T x load + PHI x log2(slices) [workspace fixup] + PHI_C x log2(slices) [cluster fixup]
+    time (us) = F + T x load + A x rounds + PHI x fixup + PHI_C x cluster fixup
 
-load is what ops.w4a16.hopper_plan_load computes (64-k stages of the busiest SM). Per weight format
-(group scales or per-channel: the sweeps' records say which) and configuration, non-negative least
-squares on relative error (rows divided by the measured time), so short and long launches weigh
-alike; fp16 and bf16 sweeps of a format go into one fit. Stream-K configurations have no k split: F
-and T only.
+with the features of ops.w4a16.hopper_plan_features (load: 64-k stages of the busiest SM; rounds:
+the same with co-resident CTAs counted once; fixup: log2(slices) x waves, through the workspace or
+through DSMEM clusters). Per weight format (group scales or per-channel: the sweeps' records say
+which) and configuration, non-negative least squares on relative error (rows divided by the
+measured time), so short and long launches weigh alike; fp16 and bf16 sweeps of a format go into
+one fit. Stream-K configurations have no k split: F, T and A only. Robust: a second pass drops the
+samples measured at more than 1.5x their first-pass prediction (a sweep now and then catches the
+machine in a slow spell: one plan at 141.6 us between neighbours at 15-17) and says how many.
 
 Usage: python scripts/fit_w4a16_time_model.py SWEEP.json [SWEEP.json ...]
 Prints the HOPPER_TIME_MODEL literal, then the in-sample pick quality per sweep.
 """
 import collections
 import json
-import math
 import sys
 
 import numpy as np
@@ -23,6 +25,7 @@ from scipy.optimize import nnls
 from tilefish.ops import w4a16 as ops
 
 SMS = 132
+OUTLIER = 1.5
 
 
 def parse(label):
@@ -32,9 +35,7 @@ def parse(label):
 
 
 def features(cfg, slices, cluster, m, n, k):
-    load = ops.hopper_plan_load(cfg, slices, m, n, k, SMS)
-    lg = math.log2(slices or 1)
-    return [1.0, load, 0.0 if cluster else lg, lg if cluster else 0.0]
+    return list(ops.hopper_plan_features(cfg, slices, m, n, k, SMS, bool(cluster)))
 
 
 def fit(recs):
@@ -43,22 +44,29 @@ def fit(recs):
         for t, label, cluster in r["configs"]:
             cfg, sl = parse(label)
             rows[cfg.label()].append((features(cfg, sl, cluster, r["m"], r["n"], r["k"]), t))
-    model = {}
+    model, dropped = {}, 0
     for label, data in sorted(rows.items()):
-        a = np.array([f for f, _ in data]) / np.array([t for _, t in data])[:, None]
-        cols = [0, 1] if label.endswith("-sk") else [0, 1, 2, 3]
-        coef, _ = nnls(a[:, cols], np.ones(len(data)))
-        full = [0.0] * 4
-        for c, v in zip(cols, coef):
-            full[c] = round(float(v), 3)
-        model[label] = tuple(full)
-    return model
+        cols = [0, 1, 2] if label.endswith("-sk") else [0, 1, 2, 3, 4]
+        for first in (True, False):
+            x = np.array([f for f, _ in data])
+            t = np.array([t for _, t in data])
+            coef, _ = nnls((x / t[:, None])[:, cols], np.ones(len(data)))
+            full = np.zeros(x.shape[1])
+            full[cols] = coef
+            if first:
+                keep = t < OUTLIER * (x @ full)
+                dropped += int((~keep).sum())
+                data = [d for d, kept in zip(data, keep) if kept]
+        model[label] = tuple(round(float(v), 3) for v in full)
+    return model, dropped
 
 
 def main():
     sweeps = {path: json.load(open(path)) for path in sys.argv[1:]}
-    models = {fmt: fit([r for recs in sweeps.values() for r in recs if (r["group"] != -1) == (fmt == "grouped")])
-              for fmt in ("grouped", "per_channel")}
+    models = {}
+    for fmt in ("grouped", "per_channel"):
+        models[fmt], dropped = fit([r for recs in sweeps.values() for r in recs if (r["group"] != -1) == (fmt == "grouped")])
+        print(f"# {fmt}: {dropped} sample(s) over {OUTLIER}x their first-pass prediction left out", file=sys.stderr)
     print("HOPPER_TIME_MODEL = {")
     for fmt, model in models.items():
         print(f'    "{fmt}": {{')

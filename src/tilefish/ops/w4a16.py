@@ -328,59 +328,63 @@ ONE_CTA_PER_SM_SMEM = 116 * 1024  # dynamic smem above half an SM's 228 KB: one 
 H200_CLUSTERS = ((2, 66), (3, 39), (4, 30), (5, 22), (6, 17), (7, 15), (8, 15))
 
 # Time model of the wgmma kernel, fitted by scripts/fit_w4a16_time_model.py (non-negative least
-# squares on relative error) to scripts/sweep_w4a16_streamk.py on the H200: fp16 and bf16, group 128
-# ("grouped") and per-channel ("per_channel", a model of its own: the group scale's multiplies shift
-# the best tile), the 8 benchmark shapes, m = 16..1024, k splits through the workspace and through
-# DSMEM clusters (bench/results/h200/w4a16_streamk_sweep_*.json, docs/w4a16.md):
-#   time (us) = F + T x load + PHI x log2(slices)   (PHI_C instead of PHI when the split runs as clusters)
-# load = 64-k stages of the busiest SM (hopper_plan_load). F is launch, ramp and epilogue (stream-K's
-# larger F also holds its two partial tiles a CTA), T the time of a stage when the SM is full, PHI /
-# PHI_C the split-k fixup through the workspace / DSMEM. Coefficients (F, T, PHI, PHI_C). In-sample
-# its pick is 2-3.5% behind the best measured plan on average, 14-25% at worst.
+# squares on relative error, samples over 1.5x their first-pass prediction left out) to
+# scripts/sweep_w4a16_streamk.py on the H200 at settled clocks (bench.timing's WARM_MS): fp16 and
+# bf16, group 128 ("grouped") and per-channel ("per_channel", a model of its own: the group scale's
+# multiplies shift the best tile), the 8 benchmark shapes, m = 16..1024, k splits through the
+# workspace and through DSMEM clusters (bench/results/h200/w4a16_streamk_sweep_settled_*.json,
+# docs/w4a16.md):
+#   time (us) = F + T x load + A x rounds + PHI x fixup + PHI_C x cluster fixup
+# with the features of hopper_plan_features: load = 64-k stages of the busiest SM, rounds = the same
+# with its co-resident CTAs counted once, fixup = log2(slices) x waves (through the workspace, or
+# through DSMEM when the split runs as clusters). F is launch, ramp and epilogue (stream-K's larger F
+# also holds its two partial tiles a CTA). Coefficients (F, T, A, PHI, PHI_C). In-sample its pick is
+# 1.0-1.3% behind the best measured plan on average, 9-14% at worst (the previous form, without
+# rounds and with one fixup per launch, refitted to the same sweeps: 2.8% on average, 30% at worst).
 HOPPER_TIME_MODEL = {
     "grouped": {
-        "wg-m128n128c1s3-sk": (18.53, 0.372, 0.0, 0.0),
-        "wg-m128n128c1s4": (4.754, 0.368, 5.079, 4.087),
-        "wg-m128n128c2s6": (2.288, 0.439, 6.004, 4.391),
-        "wg-m128n128c2s6-sk": (13.379, 0.42, 0.0, 0.0),
-        "wg-m128n256c2s5-sk": (18.282, 0.704, 0.0, 0.0),
-        "wg-m128n256c2s6": (1.981, 0.71, 7.855, 4.341),
-        "wg-m16n256c1s8": (7.553, 0.346, 0.726, 1.114),
-        "wg-m16n256c1s8-sk": (12.009, 0.329, 0.0, 0.0),
-        "wg-m16n512c2s8": (4.324, 0.689, 2.856, 2.131),
-        "wg-m256n128c2s5": (0.0, 0.702, 10.448, 7.499),
-        "wg-m32n128c1s8": (7.203, 0.23, 1.106, 1.613),
-        "wg-m32n256c1s6": (7.224, 0.383, 1.379, 1.098),
-        "wg-m32n256c1s6-sk": (15.051, 0.352, 0.0, 0.0),
-        "wg-m32n512c2s6": (5.409, 0.703, 3.823, 2.135),
-        "wg-m64n128c1s8": (7.38, 0.264, 2.14, 1.792),
-        "wg-m64n256c1s4-sk": (23.271, 0.423, 0.0, 0.0),
-        "wg-m64n256c1s6": (7.565, 0.462, 3.001, 1.595),
-        "wg-m64n256c2s6": (4.641, 0.513, 4.234, 2.533),
-        "wg-m64n256c2s6-sk": (13.81, 0.501, 0.0, 0.0),
-        "wg-m64n512c2s6": (4.734, 0.87, 6.96, 3.306),
+        "wg-m128n128c1s3-sk": (15.478, 0.448, 0.0, 0.0, 0.0),
+        "wg-m128n128c1s4": (3.818, 0.398, 0.0, 3.689, 3.889),
+        "wg-m128n128c2s6": (4.074, 0.446, 0.0, 2.199, 2.699),
+        "wg-m128n128c2s6-sk": (10.757, 0.491, 0.0, 0.0, 0.0),
+        "wg-m128n256c2s5-sk": (15.719, 0.833, 0.0, 0.0, 0.0),
+        "wg-m128n256c2s6": (3.633, 0.713, 0.0, 3.896, 3.549),
+        "wg-m16n256c1s8": (6.89, 0.261, 0.111, 0.996, 0.969),
+        "wg-m16n256c1s8-sk": (11.682, 0.338, 0.0, 0.0, 0.0),
+        "wg-m16n512c2s8": (6.645, 0.656, 0.0, 1.382, 1.476),
+        "wg-m256n128c2s5": (1.633, 0.722, 0.0, 4.204, 6.001),
+        "wg-m32n128c1s8": (6.329, 0.157, 0.108, 1.281, 1.325),
+        "wg-m32n256c1s6": (7.057, 0.33, 0.065, 1.378, 1.163),
+        "wg-m32n256c1s6-sk": (14.487, 0.369, 0.0, 0.0, 0.0),
+        "wg-m32n512c2s6": (6.625, 0.688, 0.0, 2.169, 1.9),
+        "wg-m64n128c1s8": (6.017, 0.23, 0.07, 1.956, 1.81),
+        "wg-m64n256c1s4-sk": (21.446, 0.488, 0.0, 0.0, 0.0),
+        "wg-m64n256c1s6": (7.122, 0.466, 0.009, 2.558, 1.776),
+        "wg-m64n256c2s6": (5.876, 0.509, 0.0, 2.082, 2.04),
+        "wg-m64n256c2s6-sk": (12.35, 0.556, 0.0, 0.0, 0.0),
+        "wg-m64n512c2s6": (6.912, 0.853, 0.0, 3.639, 2.696),
     },
     "per_channel": {
-        "wg-m128n128c1s3-sk": (19.334, 0.345, 0.0, 0.0),
-        "wg-m128n128c1s4": (4.968, 0.362, 5.341, 4.108),
-        "wg-m128n128c2s6": (3.228, 0.377, 6.079, 4.529),
-        "wg-m128n128c2s6-sk": (14.266, 0.372, 0.0, 0.0),
-        "wg-m128n256c2s5-sk": (18.642, 0.664, 0.0, 0.0),
-        "wg-m128n256c2s6": (3.281, 0.665, 7.654, 4.173),
-        "wg-m16n256c1s8": (8.643, 0.283, 0.757, 0.685),
-        "wg-m16n256c1s8-sk": (13.018, 0.27, 0.0, 0.0),
-        "wg-m16n512c2s8": (5.318, 0.605, 2.768, 1.894),
-        "wg-m256n128c2s5": (0.0, 0.695, 10.651, 8.076),
-        "wg-m32n128c1s8": (7.613, 0.193, 1.209, 1.534),
-        "wg-m32n256c1s6": (8.163, 0.324, 1.364, 0.866),
-        "wg-m32n256c1s6-sk": (15.983, 0.293, 0.0, 0.0),
-        "wg-m32n512c2s6": (5.881, 0.624, 3.798, 2.109),
-        "wg-m64n128c1s8": (6.796, 0.227, 2.653, 1.983),
-        "wg-m64n256c1s4-sk": (24.043, 0.363, 0.0, 0.0),
-        "wg-m64n256c1s6": (7.263, 0.399, 3.745, 1.79),
-        "wg-m64n256c2s6": (5.084, 0.451, 4.171, 2.426),
-        "wg-m64n256c2s6-sk": (14.197, 0.431, 0.0, 0.0),
-        "wg-m64n512c2s6": (5.627, 0.794, 6.787, 3.188),
+        "wg-m128n128c1s3-sk": (16.59, 0.415, 0.0, 0.0, 0.0),
+        "wg-m128n128c1s4": (4.535, 0.382, 0.0, 3.845, 3.959),
+        "wg-m128n128c2s6": (4.315, 0.389, 0.0, 2.285, 3.193),
+        "wg-m128n128c2s6-sk": (11.53, 0.442, 0.0, 0.0, 0.0),
+        "wg-m128n256c2s5-sk": (16.559, 0.768, 0.0, 0.0, 0.0),
+        "wg-m128n256c2s6": (5.386, 0.657, 0.0, 3.794, 3.171),
+        "wg-m16n256c1s8": (7.455, 0.199, 0.123, 1.118, 0.827),
+        "wg-m16n256c1s8-sk": (12.533, 0.283, 0.0, 0.0, 0.0),
+        "wg-m16n512c2s8": (7.258, 0.571, 0.0, 1.372, 1.292),
+        "wg-m256n128c2s5": (3.595, 0.694, 0.0, 4.052, 5.605),
+        "wg-m32n128c1s8": (6.435, 0.13, 0.1, 1.385, 1.382),
+        "wg-m32n256c1s6": (7.91, 0.277, 0.058, 1.416, 0.915),
+        "wg-m32n256c1s6-sk": (15.342, 0.316, 0.0, 0.0, 0.0),
+        "wg-m32n512c2s6": (7.395, 0.587, 0.0, 2.174, 1.696),
+        "wg-m64n128c1s8": (6.081, 0.202, 0.047, 2.211, 2.188),
+        "wg-m64n256c1s4-sk": (22.181, 0.425, 0.0, 0.0, 0.0),
+        "wg-m64n256c1s6": (6.892, 0.408, 0.0, 3.304, 2.013),
+        "wg-m64n256c2s6": (6.541, 0.437, 0.0, 2.042, 1.887),
+        "wg-m64n256c2s6-sk": (12.944, 0.48, 0.0, 0.0, 0.0),
+        "wg-m64n512c2s6": (7.988, 0.763, 0.0, 3.549, 2.352),
     },
 }
 
@@ -400,15 +404,34 @@ def _fit_n(cfg: HopperConfig, n: int) -> HopperConfig:
 
 
 def hopper_plan_load(cfg: HopperConfig, slices: int | None, m: int, n: int, k: int, sm_count: int) -> float:
-    """The time model's load: 64-k stages of the busiest SM (tile mode: ceil(CTAs / SMs) x stages
-    a CTA; stream-K, slices None: ceil(units / CTAs) x ceil(CTAs / SMs) for its one-wave grid)."""
+    """64-k stages of the busiest SM, its CTAs counted one after another (tile mode: ceil(CTAs / SMs)
+    x stages a CTA; stream-K, slices None: ceil(units / CTAs) x ceil(CTAs / SMs) for its one-wave grid)."""
+    return hopper_plan_features(cfg, slices, m, n, k, sm_count, False)[1]
+
+
+def hopper_plan_features(cfg: HopperConfig, slices: int | None, m: int, n: int, k: int, sm_count: int,
+                         cluster: bool) -> tuple[float, float, float, float, float]:
+    """The time model's features of a plan, (1, load, rounds, fixup, cluster fixup):
+    - load: 64-k stages of the busiest SM, its CTAs counted one after another;
+    - rounds: the same with the CTAs an SM holds at once counted once (waves x stages a CTA). Two
+      CTAs sharing an SM stream faster than one alone (the memory-bound m = 16-64 plans: k 28672 x
+      n 8192, m = 32, an 8-way split at two CTAs an SM beat the 4-way split at one by 8%), which
+      load alone, the same for both, could not tell;
+    - fixup: log2(slices) x waves, through the workspace or (cluster: the split runs as clusters,
+      one CTA an SM) through DSMEM; each wave of split tiles pays its own fixup."""
     tiles, stages = (n // cfg.bn) * -(-m // cfg.mt), k // HOPPER_BK
+    resident = 1 if cluster else cfg.ctas_per_sm(128, False)
     if cfg.sk:
         units = tiles * stages
         ctas = min(sm_count * cfg.ctas_per_sm(128, False), units)
-        return -(-units // ctas) * -(-ctas // sm_count)
-    slices = slices or 1
-    return (stages / slices) * -(-(tiles * slices) // sm_count)
+        per_cta, split = float(-(-units // ctas)), 0.0
+    else:
+        s = slices or 1
+        ctas, per_cta, split = tiles * s, stages / s, math.log2(s)
+    waves = -(-ctas // (sm_count * resident))
+    load = per_cta * -(-ctas // sm_count)
+    fixup = split * waves
+    return 1.0, load, per_cta * waves, 0.0 if cluster else fixup, fixup if cluster else 0.0
 
 
 def split_fits_clusters(cfg: HopperConfig, slices: int | None, m: int, n: int,
@@ -427,10 +450,8 @@ def predicted_hopper_us(cfg: HopperConfig, slices: int | None, m: int, n: int, k
     coef = HOPPER_TIME_MODEL["grouped" if grouped else "per_channel"].get(cfg.label())
     if coef is None or n % cfg.bn:
         return None
-    f, t, phi, phi_cluster = coef
-    load = hopper_plan_load(cfg, slices, m, n, k, sm_count)
-    fixup = phi_cluster if split_fits_clusters(cfg, slices, m, n, clusters) else phi
-    return f + t * load + fixup * math.log2(slices or 1)
+    features = hopper_plan_features(cfg, slices, m, n, k, sm_count, split_fits_clusters(cfg, slices, m, n, clusters))
+    return sum(c * f for c, f in zip(coef, features))
 
 
 def _hopper_candidates(m: int, n: int, k: int, sm_count: int):
@@ -541,6 +562,8 @@ SKINNY_MMA_MAX_NK = 4096 * 4096  # at most this many weights and m <= 2: the mma
 SKINNY_M16_MIN_N = 4097          # m = 13-16: the skinny kernel from this n up ...
 SKINNY_M16_PER_CHANNEL_MAX_N = 32768  # ... and, per-channel, up to this n
 SKINNY_WIDE_N = 32768            # m = 9-16 above this n: 256-column tiles, one warp a strip
+PER_CHANNEL_WGMMA_MIN_K = 14336  # per-channel weights, m = 9-16: the wgmma kernel from this k ...
+PER_CHANNEL_WGMMA_MIN_N = 16384  # ... or this n (up to SKINNY_WIDE_N)
 
 
 def choose_skinny_config(m: int, n: int, k: int, sm_count: int, group: int | None = None,
@@ -553,6 +576,14 @@ def choose_skinny_config(m: int, n: int, k: int, sm_count: int, group: int | Non
     grouped = group != -1
     if m > 8:
         if m > 12 and (n < SKINNY_M16_MIN_N or (not grouped and n > SKINNY_M16_PER_CHANNEL_MAX_N)):
+            return None
+        # Per-channel weights have no group scale for the skinny kernel to move onto its fp32
+        # partials, and at settled clocks the time model's wgmma plan beat it on the long-k and
+        # wide weights at m = 10-16 (same-process A/B, bench/results/h200/w4a16_skinny_ab_m10-16_*_g-1.json:
+        # k 28672 x n 8192 3-8%, k 4096 x n 28672 -1..+8%, k 14336 x n 4096 0-4%), not on the
+        # others (k 8192 x n 8192 2-5% behind). n 57344 keeps the wide skinny tile at m <= 12
+        # (6% ahead in bf16).
+        if not grouped and n <= SKINNY_WIDE_N and (k >= PER_CHANNEL_WGMMA_MIN_K or n >= PER_CHANNEL_WGMMA_MIN_N):
             return None
         # Same-process A/Bs (scripts/ab_w4a16_plans.py, bench/results/h200/w4a16_skinny_ab_m3-16_rotated_*.json):
         # on n 57344 the 256-column tile with one warp a strip was 3.5-9% ahead; on n 4096 at m <= 12,
