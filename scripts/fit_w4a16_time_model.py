@@ -6,9 +6,11 @@ scripts/sweep_w4a16_streamk.py, and report how close its picks come to the faste
 with the features of ops.w4a16.hopper_plan_features (load: 64-k stages of the busiest SM; rounds:
 the same with co-resident CTAs counted once; fixup: log2(slices) x waves, through the workspace or
 through DSMEM clusters). Per weight format (group scales or per-channel: the sweeps' records say
-which) and configuration, non-negative least squares on relative error (rows divided by the
-measured time), so short and long launches weigh alike; fp16 and bf16 sweeps of a format go into
-one fit. Stream-K configurations have no k split: F, T and A only. Robust: a second pass drops the
+which), m regime (below ops.w4a16.MODEL_LARGE_M, where the launches are bound by memory and
+latency, and from it up, where they are bound by the tensor cores: one fit across both was 1-4%
+behind the best plan at m = 256-1024 where fits of their own were 0.1-1.8%) and configuration,
+non-negative least squares on relative error (rows divided by the measured time), so short and
+long launches weigh alike; fp16 and bf16 sweeps of a format go into one fit. Stream-K configurations have no k split: F, T and A only. Robust: a second pass drops the
 samples measured at more than 1.5x their first-pass prediction (a sweep now and then catches the
 machine in a slow spell: one plan at 141.6 us between neighbours at 15-17) and says how many.
 
@@ -61,24 +63,34 @@ def fit(recs):
     return model, dropped
 
 
+def regime(m):
+    return "large_m" if m >= ops.MODEL_LARGE_M else "small_m"
+
+
 def main():
     sweeps = {path: json.load(open(path)) for path in sys.argv[1:]}
+    recs = [r for rs in sweeps.values() for r in rs]
     models = {}
-    for fmt in ("grouped", "per_channel"):
-        models[fmt], dropped = fit([r for recs in sweeps.values() for r in recs if (r["group"] != -1) == (fmt == "grouped")])
-        print(f"# {fmt}: {dropped} sample(s) over {OUTLIER}x their first-pass prediction left out", file=sys.stderr)
+    for reg in ("small_m", "large_m"):
+        models[reg] = {}
+        for fmt in ("grouped", "per_channel"):
+            models[reg][fmt], dropped = fit([r for r in recs if regime(r["m"]) == reg and (r["group"] != -1) == (fmt == "grouped")])
+            print(f"# {reg} {fmt}: {dropped} sample(s) over {OUTLIER}x their first-pass prediction left out", file=sys.stderr)
     print("HOPPER_TIME_MODEL = {")
-    for fmt, model in models.items():
-        print(f'    "{fmt}": {{')
-        for label, coef in model.items():
-            print(f'        "{label}": {coef},')
+    for reg, by_fmt in models.items():
+        print(f'    "{reg}": {{')
+        for fmt, model in by_fmt.items():
+            print(f'        "{fmt}": {{')
+            for label, coef in model.items():
+                print(f'            "{label}": {coef},')
+            print("        },")
         print("    },")
     print("}")
-    for path, recs in sweeps.items():
+    for path, rs in sweeps.items():
         ratios = []
-        for r in recs:
-            model = models["grouped" if r["group"] != -1 else "per_channel"]
-            times = {label: t for t, label, _ in r["configs"]}
+        for r in rs:
+            model = models[regime(r["m"])]["grouped" if r["group"] != -1 else "per_channel"]
+            times = {label: t for t, label, _ in r["configs"] if parse(label)[0].label() in model}
             clusters = {label: c for _, label, c in r["configs"]}
             best = min(times.values())
             pred = {label: float(np.dot(model[parse(label)[0].label()],

@@ -37,7 +37,7 @@ def test_hopper_dispatch_is_consistent():
             assert cfg.cons == 2 or cfg.mt <= 128
             assert cfg.smem_bytes(128, True) <= 227 * 1024
             if cfg.sk:
-                assert cfg.label() in ops.HOPPER_TIME_MODEL["grouped"] and m < ops.MODEL_MAX_M
+                assert cfg.label() in ops.hopper_time_model(m) and m < ops.MODEL_MAX_M
             else:
                 slices = ops.choose_hopper_slices(cfg, m, n, k, 132)
                 assert 1 <= slices <= ops.MAX_HOPPER_SLICES and (slices == 1 or k // ops.HOPPER_BK // slices >= 4)

@@ -313,6 +313,7 @@ SKINNY_CONFIGS = [SkinnyConfig(8, 4, 2, 4, 2), SkinnyConfig(8, 4, 1, 4, 2), Skin
 # model's sweep does not cover.
 HOPPER_MIN_M = 9
 MODEL_MAX_M = 2048
+MODEL_LARGE_M = 256  # the time model's second regime (tensor-bound launches) from this m up
 SMALL_WEIGHT_NK = 100_000_000
 TINY_WEIGHT_NK = 32_000_000
 MAX_HOPPER_SLICES = 8
@@ -333,58 +334,94 @@ H200_CLUSTERS = ((2, 66), (3, 39), (4, 30), (5, 22), (6, 17), (7, 15), (8, 15))
 # bf16, group 128 ("grouped") and per-channel ("per_channel", a model of its own: the group scale's
 # multiplies shift the best tile), the 8 benchmark shapes, m = 16..1024, k splits through the
 # workspace and through DSMEM clusters (bench/results/h200/w4a16_streamk_sweep_settled_*.json,
-# docs/w4a16.md):
+# docs/w4a16.md). Two regimes, each fitted on its own sweeps: "small_m" (m < MODEL_LARGE_M, bound
+# by memory and latency) and "large_m" (bound by the tensor cores; one fit across both put its
+# m = 512-1024 picks 1-2.4% behind the best plan, fits of their own 0.1-0.5%):
 #   time (us) = F + T x load + A x rounds + PHI x fixup + PHI_C x cluster fixup
 # with the features of hopper_plan_features: load = 64-k stages of the busiest SM, rounds = the same
 # with its co-resident CTAs counted once, fixup = log2(slices) x waves (through the workspace, or
 # through DSMEM when the split runs as clusters). F is launch, ramp and epilogue (stream-K's larger F
 # also holds its two partial tiles a CTA). Coefficients (F, T, A, PHI, PHI_C). In-sample its pick is
-# 1.0-1.3% behind the best measured plan on average, 9-14% at worst (the previous form, without
-# rounds and with one fixup per launch, refitted to the same sweeps: 2.8% on average, 30% at worst).
+# 0.7-1.1% behind the best measured plan on average, 6-14% at worst (the previous form, without
+# rounds and with one fixup per launch, one fit for all m: 2.8% on average, 30% at worst).
 HOPPER_TIME_MODEL = {
-    "grouped": {
-        "wg-m128n128c1s3-sk": (15.478, 0.448, 0.0, 0.0, 0.0),
-        "wg-m128n128c1s4": (3.818, 0.398, 0.0, 3.689, 3.889),
-        "wg-m128n128c2s6": (4.074, 0.446, 0.0, 2.199, 2.699),
-        "wg-m128n128c2s6-sk": (10.757, 0.491, 0.0, 0.0, 0.0),
-        "wg-m128n256c2s5-sk": (15.719, 0.833, 0.0, 0.0, 0.0),
-        "wg-m128n256c2s6": (3.633, 0.713, 0.0, 3.896, 3.549),
-        "wg-m16n256c1s8": (6.89, 0.261, 0.111, 0.996, 0.969),
-        "wg-m16n256c1s8-sk": (11.682, 0.338, 0.0, 0.0, 0.0),
-        "wg-m16n512c2s8": (6.645, 0.656, 0.0, 1.382, 1.476),
-        "wg-m256n128c2s5": (1.633, 0.722, 0.0, 4.204, 6.001),
-        "wg-m32n128c1s8": (6.329, 0.157, 0.108, 1.281, 1.325),
-        "wg-m32n256c1s6": (7.057, 0.33, 0.065, 1.378, 1.163),
-        "wg-m32n256c1s6-sk": (14.487, 0.369, 0.0, 0.0, 0.0),
-        "wg-m32n512c2s6": (6.625, 0.688, 0.0, 2.169, 1.9),
-        "wg-m64n128c1s8": (6.017, 0.23, 0.07, 1.956, 1.81),
-        "wg-m64n256c1s4-sk": (21.446, 0.488, 0.0, 0.0, 0.0),
-        "wg-m64n256c1s6": (7.122, 0.466, 0.009, 2.558, 1.776),
-        "wg-m64n256c2s6": (5.876, 0.509, 0.0, 2.082, 2.04),
-        "wg-m64n256c2s6-sk": (12.35, 0.556, 0.0, 0.0, 0.0),
-        "wg-m64n512c2s6": (6.912, 0.853, 0.0, 3.639, 2.696),
+    "small_m": {
+        "grouped": {
+            "wg-m128n128c1s3-sk": (18.514, 0.419, 0.0, 0.0, 0.0),
+            "wg-m128n128c1s4": (4.931, 0.38, 0.0, 3.646, 3.529),
+            "wg-m128n128c2s6": (5.393, 0.421, 0.0, 2.127, 2.43),
+            "wg-m128n128c2s6-sk": (13.464, 0.444, 0.0, 0.0, 0.0),
+            "wg-m128n256c2s5-sk": (18.679, 0.738, 0.0, 0.0, 0.0),
+            "wg-m128n256c2s6": (7.007, 0.642, 0.0, 3.468, 2.659),
+            "wg-m16n256c1s8": (6.89, 0.261, 0.111, 0.996, 0.969),
+            "wg-m16n256c1s8-sk": (11.682, 0.338, 0.0, 0.0, 0.0),
+            "wg-m16n512c2s8": (6.645, 0.656, 0.0, 1.382, 1.476),
+            "wg-m256n128c2s5": (3.964, 0.672, 0.0, 4.074, 6.633),
+            "wg-m32n128c1s8": (6.329, 0.157, 0.108, 1.281, 1.325),
+            "wg-m32n256c1s6": (7.057, 0.33, 0.065, 1.378, 1.163),
+            "wg-m32n256c1s6-sk": (14.487, 0.369, 0.0, 0.0, 0.0),
+            "wg-m32n512c2s6": (6.625, 0.688, 0.0, 2.169, 1.9),
+            "wg-m64n128c1s8": (6.173, 0.224, 0.074, 1.951, 1.739),
+            "wg-m64n256c1s4-sk": (22.891, 0.464, 0.0, 0.0, 0.0),
+            "wg-m64n256c1s6": (7.251, 0.468, 0.004, 2.569, 1.745),
+            "wg-m64n256c2s6": (6.231, 0.5, 0.0, 2.046, 1.965),
+            "wg-m64n256c2s6-sk": (12.893, 0.542, 0.0, 0.0, 0.0),
+            "wg-m64n512c2s6": (7.444, 0.839, 0.0, 3.602, 2.567),
+        },
+        "per_channel": {
+            "wg-m128n128c1s3-sk": (19.035, 0.41, 0.0, 0.0, 0.0),
+            "wg-m128n128c1s4": (5.455, 0.371, 0.0, 3.687, 3.545),
+            "wg-m128n128c2s6": (5.782, 0.366, 0.0, 2.228, 2.842),
+            "wg-m128n128c2s6-sk": (13.808, 0.421, 0.0, 0.0, 0.0),
+            "wg-m128n256c2s5-sk": (19.343, 0.694, 0.0, 0.0, 0.0),
+            "wg-m128n256c2s6": (8.163, 0.602, 0.0, 3.406, 2.379),
+            "wg-m16n256c1s8": (7.455, 0.199, 0.123, 1.118, 0.827),
+            "wg-m16n256c1s8-sk": (12.533, 0.283, 0.0, 0.0, 0.0),
+            "wg-m16n512c2s8": (7.258, 0.571, 0.0, 1.372, 1.292),
+            "wg-m256n128c2s5": (4.553, 0.67, 0.0, 4.047, 6.855),
+            "wg-m32n128c1s8": (6.435, 0.13, 0.1, 1.385, 1.382),
+            "wg-m32n256c1s6": (7.91, 0.277, 0.058, 1.416, 0.915),
+            "wg-m32n256c1s6-sk": (15.342, 0.316, 0.0, 0.0, 0.0),
+            "wg-m32n512c2s6": (7.395, 0.587, 0.0, 2.174, 1.696),
+            "wg-m64n128c1s8": (6.174, 0.199, 0.05, 2.201, 2.15),
+            "wg-m64n256c1s4-sk": (23.701, 0.404, 0.0, 0.0, 0.0),
+            "wg-m64n256c1s6": (7.277, 0.403, 0.0, 3.21, 1.864),
+            "wg-m64n256c2s6": (6.88, 0.429, 0.0, 2.007, 1.81),
+            "wg-m64n256c2s6-sk": (13.491, 0.467, 0.0, 0.0, 0.0),
+            "wg-m64n512c2s6": (8.422, 0.753, 0.0, 3.53, 2.238),
+        },
     },
-    "per_channel": {
-        "wg-m128n128c1s3-sk": (16.59, 0.415, 0.0, 0.0, 0.0),
-        "wg-m128n128c1s4": (4.535, 0.382, 0.0, 3.845, 3.959),
-        "wg-m128n128c2s6": (4.315, 0.389, 0.0, 2.285, 3.193),
-        "wg-m128n128c2s6-sk": (11.53, 0.442, 0.0, 0.0, 0.0),
-        "wg-m128n256c2s5-sk": (16.559, 0.768, 0.0, 0.0, 0.0),
-        "wg-m128n256c2s6": (5.386, 0.657, 0.0, 3.794, 3.171),
-        "wg-m16n256c1s8": (7.455, 0.199, 0.123, 1.118, 0.827),
-        "wg-m16n256c1s8-sk": (12.533, 0.283, 0.0, 0.0, 0.0),
-        "wg-m16n512c2s8": (7.258, 0.571, 0.0, 1.372, 1.292),
-        "wg-m256n128c2s5": (3.595, 0.694, 0.0, 4.052, 5.605),
-        "wg-m32n128c1s8": (6.435, 0.13, 0.1, 1.385, 1.382),
-        "wg-m32n256c1s6": (7.91, 0.277, 0.058, 1.416, 0.915),
-        "wg-m32n256c1s6-sk": (15.342, 0.316, 0.0, 0.0, 0.0),
-        "wg-m32n512c2s6": (7.395, 0.587, 0.0, 2.174, 1.696),
-        "wg-m64n128c1s8": (6.081, 0.202, 0.047, 2.211, 2.188),
-        "wg-m64n256c1s4-sk": (22.181, 0.425, 0.0, 0.0, 0.0),
-        "wg-m64n256c1s6": (6.892, 0.408, 0.0, 3.304, 2.013),
-        "wg-m64n256c2s6": (6.541, 0.437, 0.0, 2.042, 1.887),
-        "wg-m64n256c2s6-sk": (12.944, 0.48, 0.0, 0.0, 0.0),
-        "wg-m64n512c2s6": (7.988, 0.763, 0.0, 3.549, 2.352),
+    "large_m": {
+        "grouped": {
+            "wg-m128n128c1s3-sk": (9.867, 0.472, 0.0, 0.0, 0.0),
+            "wg-m128n128c1s4": (2.295, 0.415, 0.0, 3.644, 4.936),
+            "wg-m128n128c2s6": (2.515, 0.468, 0.0, 2.313, 2.984),
+            "wg-m128n128c2s6-sk": (6.307, 0.52, 0.0, 0.0, 0.0),
+            "wg-m128n256c2s5-sk": (11.975, 0.881, 0.0, 0.0, 0.0),
+            "wg-m128n256c2s6": (1.446, 0.765, 0.0, 4.061, 4.669),
+            "wg-m256n128c2s5": (0.697, 0.742, 0.0, 4.257, 5.427),
+            "wg-m64n128c1s8": (4.918, 0.238, 0.074, 2.235, 0.0),
+            "wg-m64n256c1s4-sk": (12.638, 0.562, 0.0, 0.0, 0.0),
+            "wg-m64n256c1s6": (5.748, 0.457, 0.041, 2.601, 3.081),
+            "wg-m64n256c2s6": (5.183, 0.532, 0.0, 2.122, 2.543),
+            "wg-m64n256c2s6-sk": (7.821, 0.605, 0.0, 0.0, 0.0),
+            "wg-m64n512c2s6": (5.235, 0.89, 0.0, 3.698, 3.954),
+        },
+        "per_channel": {
+            "wg-m128n128c1s3-sk": (10.843, 0.433, 0.0, 0.0, 0.0),
+            "wg-m128n128c1s4": (2.621, 0.367, 0.045, 4.289, 4.967),
+            "wg-m128n128c2s6": (2.293, 0.411, 0.0, 2.326, 3.338),
+            "wg-m128n128c2s6-sk": (6.466, 0.466, 0.0, 0.0, 0.0),
+            "wg-m128n256c2s5-sk": (12.561, 0.811, 0.0, 0.0, 0.0),
+            "wg-m128n256c2s6": (3.587, 0.695, 0.0, 3.985, 4.542),
+            "wg-m256n128c2s5": (3.276, 0.703, 0.0, 4.041, 4.68),
+            "wg-m64n128c1s8": (5.567, 0.205, 0.051, 2.561, 0.0),
+            "wg-m64n256c1s4-sk": (13.048, 0.495, 0.0, 0.0, 0.0),
+            "wg-m64n256c1s6": (4.965, 0.397, 0.038, 3.776, 4.245),
+            "wg-m64n256c2s6": (5.663, 0.457, 0.0, 2.094, 2.381),
+            "wg-m64n256c2s6-sk": (8.612, 0.524, 0.0, 0.0, 0.0),
+            "wg-m64n512c2s6": (6.339, 0.792, 0.0, 3.623, 3.871),
+        },
     },
 }
 
@@ -443,11 +480,16 @@ def split_fits_clusters(cfg: HopperConfig, slices: int | None, m: int, n: int,
     return (n // cfg.bn) * -(-m // cfg.mt) <= dict(clusters).get(slices, 0)
 
 
+def hopper_time_model(m: int, grouped: bool = True) -> dict[str, tuple[float, ...]]:
+    """HOPPER_TIME_MODEL's coefficients for m's regime and the weight's format, by configuration."""
+    return HOPPER_TIME_MODEL["large_m" if m >= MODEL_LARGE_M else "small_m"]["grouped" if grouped else "per_channel"]
+
+
 def predicted_hopper_us(cfg: HopperConfig, slices: int | None, m: int, n: int, k: int, sm_count: int,
                         clusters: tuple[tuple[int, int], ...] = H200_CLUSTERS, grouped: bool = True) -> float | None:
     """HOPPER_TIME_MODEL's time for cfg (k split `slices` ways; stream-K: its default grid) on a
     weight with group scales or per-channel ones, or None for a configuration the model does not cover."""
-    coef = HOPPER_TIME_MODEL["grouped" if grouped else "per_channel"].get(cfg.label())
+    coef = hopper_time_model(m, grouped).get(cfg.label())
     if coef is None or n % cfg.bn:
         return None
     features = hopper_plan_features(cfg, slices, m, n, k, sm_count, split_fits_clusters(cfg, slices, m, n, clusters))
@@ -459,7 +501,7 @@ def _hopper_candidates(m: int, n: int, k: int, sm_count: int):
     128+ from m = 512), k splits of >= 4 stages up to 4 waves, stream-K up to m = STREAMK_MAX_M while
     the tiles fill fewer than two waves (it never won beyond; its model overrates it at m = 1024)."""
     for cfg in HOPPER_CONFIGS:
-        if cfg.label() not in HOPPER_TIME_MODEL["grouped"] or n % cfg.bn:
+        if cfg.label() not in hopper_time_model(m) or n % cfg.bn:
             continue
         if cfg.mt > max(32, 2 * m) or (m >= 128 and cfg.mt < 64) or (m >= 512 and cfg.mt < 128):
             continue
@@ -537,7 +579,7 @@ def choose_hopper_slices(cfg: HopperConfig, m: int, n: int, k: int, sm_count: in
     plan_cfg, plan_sl = choose_hopper_plan(m, n, k, sm_count, clusters, grouped)
     if plan_cfg == cfg and plan_sl is not None:
         return plan_sl
-    if m < MODEL_MAX_M and cfg.label() in HOPPER_TIME_MODEL["grouped"]:
+    if m < MODEL_MAX_M and cfg.label() in hopper_time_model(m):
         options = [sl for c, sl in _hopper_candidates(m, n, k, sm_count) if c == cfg]
         if options:
             return min(options, key=lambda sl: predicted_hopper_us(cfg, sl, m, n, k, sm_count, clusters, grouped))
