@@ -4,8 +4,8 @@ scripts/sweep_w4a16_streamk.py, and report how close its picks come to the faste
     time (us) = F + T x load + A x rounds + PHI x fixup + PHI_C x cluster fixup
 
 with the features of ops.w4a16.hopper_plan_features (load: 64-k stages of the busiest SM; rounds:
-the same with co-resident CTAs counted once; fixup: log2(slices) x waves, through the workspace or
-through DSMEM clusters). Per weight format (group scales or per-channel: the sweeps' records say
+the same with co-resident CTAs counted once; fixup: log2(slices), x waves at m < 256
+(ops.w4a16.FIXUP_PER_WAVE), through the workspace or through DSMEM clusters). Per weight format (group scales or per-channel: the sweeps' records say
 which), m regime (below ops.w4a16.MODEL_LARGE_M, where the launches are bound by memory and
 latency, and from it up, where they are bound by the tensor cores: one fit across both was 1-4%
 behind the best plan at m = 256-1024 where fits of their own were 0.1-1.8%) and configuration,
@@ -63,8 +63,7 @@ def fit(recs):
     return model, dropped
 
 
-def regime(m):
-    return "large_m" if m >= ops.MODEL_LARGE_M else "small_m"
+regime = ops.hopper_model_regime
 
 
 def main():

@@ -244,8 +244,8 @@ def test_separate_tail_modes(monkeypatch):
 
 
 def test_time_model_features():
-    """hopper_plan_features: co-resident CTAs count once in rounds, and every wave of split tiles
-    pays its own fixup."""
+    """hopper_plan_features: co-resident CTAs count once in rounds; below m = 256 every wave of split
+    tiles pays its own fixup, from it up the launch pays one."""
     two = ops.HopperConfig(32, 4, 1, 6)  # 2 CTAs an SM
     assert two.ctas_per_sm(128, False) == 2
     # k 28672 x n 8192, m = 32: 32 tiles; 8-way split = 256 CTAs, one wave at 2 an SM
@@ -253,8 +253,11 @@ def test_time_model_features():
     assert (one, load, rounds, fixup, cl) == (1.0, 112.0, 56.0, 3.0, 0.0)
     # the 4-way split: 128 CTAs, one an SM; as clusters its fixup is DSMEM's
     assert ops.hopper_plan_features(two, 4, 32, 8192, 28672, 132, True) == (1.0, 112.0, 112.0, 0.0, 2.0)
-    # three waves of split tiles at one CTA an SM: three fixups
-    wide = ops.HopperConfig(128, 2, 2, 6)  # 1 CTA an SM
+    # m < 256: each wave of split tiles pays its own fixup (FIXUP_PER_WAVE)
+    wide = ops.HopperConfig(128, 2, 2, 6)  # 1 CTA an SM, 256 columns
+    _, load, rounds, fixup, _ = ops.hopper_plan_features(wide, 8, 128, 6144, 4096, 132, False)
+    assert (load, rounds, fixup) == (16.0, 16.0, 6.0)  # 24 tiles x 8 = 192 CTAs: 2 waves of 8 stages
+    # m >= 256: the launch pays one
     _, load, rounds, fixup, _ = ops.hopper_plan_features(wide, 2, 1024, 6144, 4096, 132, False)
-    assert (load, rounds, fixup) == (96.0, 96.0, 3.0)  # 192 tiles x 2 = 384 CTAs: 3 waves of 32 stages
+    assert (load, rounds, fixup) == (96.0, 96.0, 1.0)  # 192 tiles x 2 = 384 CTAs: 3 waves of 32 stages
     assert ops.hopper_plan_load(wide, 2, 1024, 6144, 4096, 132) == load

@@ -339,10 +339,10 @@ H200_CLUSTERS = ((2, 66), (3, 39), (4, 30), (5, 22), (6, 17), (7, 15), (8, 15))
 # m = 512-1024 picks 1-2.4% behind the best plan, fits of their own 0.1-0.5%):
 #   time (us) = F + T x load + A x rounds + PHI x fixup + PHI_C x cluster fixup
 # with the features of hopper_plan_features: load = 64-k stages of the busiest SM, rounds = the same
-# with its co-resident CTAs counted once, fixup = log2(slices) x waves (through the workspace, or
-# through DSMEM when the split runs as clusters). F is launch, ramp and epilogue (stream-K's larger F
+# with its co-resident CTAs counted once, fixup = log2(slices) (x waves at m < 256: FIXUP_PER_WAVE),
+# through the workspace or through DSMEM when the split runs as clusters. F is launch, ramp and epilogue (stream-K's larger F
 # also holds its two partial tiles a CTA). Coefficients (F, T, A, PHI, PHI_C). In-sample its pick is
-# 0.7-1.1% behind the best measured plan on average, 6-14% at worst (the previous form, without
+# 0.7-1.2% behind the best measured plan on average, 7-14% at worst (the previous form, without
 # rounds and with one fixup per launch, one fit for all m: 2.8% on average, 30% at worst).
 HOPPER_TIME_MODEL = {
     "small_m": {
@@ -394,33 +394,33 @@ HOPPER_TIME_MODEL = {
     "large_m": {
         "grouped": {
             "wg-m128n128c1s3-sk": (9.867, 0.472, 0.0, 0.0, 0.0),
-            "wg-m128n128c1s4": (2.295, 0.415, 0.0, 3.644, 4.936),
-            "wg-m128n128c2s6": (2.515, 0.468, 0.0, 2.313, 2.984),
+            "wg-m128n128c1s4": (0.0, 0.4, 0.036, 7.056, 6.271),
+            "wg-m128n128c2s6": (0.278, 0.476, 0.0, 7.967, 4.909),
             "wg-m128n128c2s6-sk": (6.307, 0.52, 0.0, 0.0, 0.0),
             "wg-m128n256c2s5-sk": (11.975, 0.881, 0.0, 0.0, 0.0),
-            "wg-m128n256c2s6": (1.446, 0.765, 0.0, 4.061, 4.669),
-            "wg-m256n128c2s5": (0.697, 0.742, 0.0, 4.257, 5.427),
-            "wg-m64n128c1s8": (4.918, 0.238, 0.074, 2.235, 0.0),
+            "wg-m128n256c2s6": (0.0, 0.782, 0.0, 9.852, 5.347),
+            "wg-m256n128c2s5": (0.0, 0.754, 0.0, 10.038, 5.613),
+            "wg-m64n128c1s8": (3.772, 0.229, 0.094, 4.79, 0.0),
             "wg-m64n256c1s4-sk": (12.638, 0.562, 0.0, 0.0, 0.0),
-            "wg-m64n256c1s6": (5.748, 0.457, 0.041, 2.601, 3.081),
-            "wg-m64n256c2s6": (5.183, 0.532, 0.0, 2.122, 2.543),
+            "wg-m64n256c1s6": (2.399, 0.43, 0.098, 5.826, 5.156),
+            "wg-m64n256c2s6": (1.935, 0.543, 0.0, 7.652, 5.331),
             "wg-m64n256c2s6-sk": (7.821, 0.605, 0.0, 0.0, 0.0),
-            "wg-m64n512c2s6": (5.235, 0.89, 0.0, 3.698, 3.954),
+            "wg-m64n512c2s6": (0.0, 0.929, 0.0, 9.512, 6.907),
         },
         "per_channel": {
             "wg-m128n128c1s3-sk": (10.843, 0.433, 0.0, 0.0, 0.0),
-            "wg-m128n128c1s4": (2.621, 0.367, 0.045, 4.289, 4.967),
-            "wg-m128n128c2s6": (2.293, 0.411, 0.0, 2.326, 3.338),
+            "wg-m128n128c1s4": (0.0, 0.349, 0.089, 8.224, 6.429),
+            "wg-m128n128c2s6": (0.202, 0.418, 0.0, 7.947, 5.127),
             "wg-m128n128c2s6-sk": (6.466, 0.466, 0.0, 0.0, 0.0),
             "wg-m128n256c2s5-sk": (12.561, 0.811, 0.0, 0.0, 0.0),
-            "wg-m128n256c2s6": (3.587, 0.695, 0.0, 3.985, 4.542),
-            "wg-m256n128c2s5": (3.276, 0.703, 0.0, 4.041, 4.68),
-            "wg-m64n128c1s8": (5.567, 0.205, 0.051, 2.561, 0.0),
+            "wg-m128n256c2s6": (0.0, 0.722, 0.0, 10.357, 6.607),
+            "wg-m256n128c2s5": (0.0, 0.728, 0.0, 10.437, 6.55),
+            "wg-m64n128c1s8": (4.549, 0.197, 0.069, 5.239, 0.0),
             "wg-m64n256c1s4-sk": (13.048, 0.495, 0.0, 0.0, 0.0),
-            "wg-m64n256c1s6": (4.965, 0.397, 0.038, 3.776, 4.245),
-            "wg-m64n256c2s6": (5.663, 0.457, 0.0, 2.094, 2.381),
+            "wg-m64n256c1s6": (1.399, 0.368, 0.099, 7.689, 6.38),
+            "wg-m64n256c2s6": (2.645, 0.467, 0.0, 7.477, 4.969),
             "wg-m64n256c2s6-sk": (8.612, 0.524, 0.0, 0.0, 0.0),
-            "wg-m64n512c2s6": (6.339, 0.792, 0.0, 3.623, 3.871),
+            "wg-m64n512c2s6": (0.0, 0.837, 0.0, 9.677, 7.496),
         },
     },
 }
@@ -446,6 +446,19 @@ def hopper_plan_load(cfg: HopperConfig, slices: int | None, m: int, n: int, k: i
     return hopper_plan_features(cfg, slices, m, n, k, sm_count, False)[1]
 
 
+def hopper_model_regime(m: int) -> str:
+    return "large_m" if m >= MODEL_LARGE_M else "small_m"
+
+
+# Whether each wave of split tiles pays its own k-split fixup in the model (fixup = log2(slices) x
+# waves) or the launch pays one (log2(slices)). Per wave fitted the m < 256 sweeps better (in-sample
+# picks at m = 16-32 0.2-0.4% behind the best plan on average instead of 1.9-2.5%; m = 64-128
+# alike). At m >= 256 it did not: m = 256 picks 1.8% behind on average instead of 0.3%, up to 12%
+# (k 14336 x n 4096, m = 256: a 4-way split of 128 x 256 tiles over the 2-way split of 128 x 128
+# ones, 52.4 against 49.2 us in a same-process A/B), so there the launch pays one.
+FIXUP_PER_WAVE = {"small_m": True, "large_m": False}
+
+
 def hopper_plan_features(cfg: HopperConfig, slices: int | None, m: int, n: int, k: int, sm_count: int,
                          cluster: bool) -> tuple[float, float, float, float, float]:
     """The time model's features of a plan, (1, load, rounds, fixup, cluster fixup):
@@ -454,8 +467,8 @@ def hopper_plan_features(cfg: HopperConfig, slices: int | None, m: int, n: int, 
       CTAs sharing an SM stream faster than one alone (the memory-bound m = 16-64 plans: k 28672 x
       n 8192, m = 32, an 8-way split at two CTAs an SM beat the 4-way split at one by 8%), which
       load alone, the same for both, could not tell;
-    - fixup: log2(slices) x waves, through the workspace or (cluster: the split runs as clusters,
-      one CTA an SM) through DSMEM; each wave of split tiles pays its own fixup."""
+    - fixup: log2(slices), times the waves where FIXUP_PER_WAVE says so for m's regime, through the
+      workspace or (cluster: the split runs as clusters, one CTA an SM) through DSMEM."""
     tiles, stages = (n // cfg.bn) * -(-m // cfg.mt), k // HOPPER_BK
     resident = 1 if cluster else cfg.ctas_per_sm(128, False)
     if cfg.sk:
@@ -467,7 +480,7 @@ def hopper_plan_features(cfg: HopperConfig, slices: int | None, m: int, n: int, 
         ctas, per_cta, split = tiles * s, stages / s, math.log2(s)
     waves = -(-ctas // (sm_count * resident))
     load = per_cta * -(-ctas // sm_count)
-    fixup = split * waves
+    fixup = split * (waves if FIXUP_PER_WAVE[hopper_model_regime(m)] else 1)
     return 1.0, load, per_cta * waves, 0.0 if cluster else fixup, fixup if cluster else 0.0
 
 
@@ -482,7 +495,7 @@ def split_fits_clusters(cfg: HopperConfig, slices: int | None, m: int, n: int,
 
 def hopper_time_model(m: int, grouped: bool = True) -> dict[str, tuple[float, ...]]:
     """HOPPER_TIME_MODEL's coefficients for m's regime and the weight's format, by configuration."""
-    return HOPPER_TIME_MODEL["large_m" if m >= MODEL_LARGE_M else "small_m"]["grouped" if grouped else "per_channel"]
+    return HOPPER_TIME_MODEL[hopper_model_regime(m)]["grouped" if grouped else "per_channel"]
 
 
 def predicted_hopper_us(cfg: HopperConfig, slices: int | None, m: int, n: int, k: int, sm_count: int,
