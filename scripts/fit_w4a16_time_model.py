@@ -5,14 +5,16 @@ scripts/sweep_w4a16_streamk.py, and report how close its picks come to the faste
 
 with the features of ops.w4a16.hopper_plan_features (load: 64-k stages of the busiest SM; rounds:
 the same with co-resident CTAs counted once; fixup: log2(slices), x waves at m < 256
-(ops.w4a16.FIXUP_PER_WAVE), through the workspace or through DSMEM clusters). Per weight format (group scales or per-channel: the sweeps' records say
-which), m regime (below ops.w4a16.MODEL_LARGE_M, where the launches are bound by memory and
-latency, and from it up, where they are bound by the tensor cores: one fit across both was 1-4%
-behind the best plan at m = 256-1024 where fits of their own were 0.1-1.8%) and configuration,
-non-negative least squares on relative error (rows divided by the measured time), so short and
-long launches weigh alike; fp16 and bf16 sweeps of a format go into one fit. Stream-K configurations have no k split: F, T and A only. Robust: a second pass drops the
-samples measured at more than 1.5x their first-pass prediction (a sweep now and then catches the
-machine in a slow spell: one plan at 141.6 us between neighbours at 15-17) and says how many.
+(ops.w4a16.FIXUP_PER_WAVE), through the workspace or through DSMEM clusters). One fit per weight
+format (group scales or per-channel: the sweeps' records say which), m regime (below
+ops.w4a16.MODEL_LARGE_M the launches are bound by memory and latency, from it up by the tensor
+cores; one fit across both left its m = 256 / 1024 picks 1.9 / 1.0% behind the best plan on
+average, fits of their own 0.3 / 0.1%) and configuration: non-negative least squares on relative
+error (rows divided by the measured time), so short and long launches weigh alike; fp16 and bf16
+sweeps of a format go into one fit. Stream-K configurations have no k split: F, T and A only.
+Robust: a second pass drops the samples measured at more than 1.5x their first-pass prediction (a
+sweep now and then catches the machine in a slow spell: one plan at 141.6 us between neighbours
+at 15-17) and says how many.
 
 Usage: python scripts/fit_w4a16_time_model.py SWEEP.json [SWEEP.json ...]
 Prints the HOPPER_TIME_MODEL literal, then the in-sample pick quality per sweep.

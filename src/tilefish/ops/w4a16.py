@@ -335,13 +335,14 @@ H200_CLUSTERS = ((2, 66), (3, 39), (4, 30), (5, 22), (6, 17), (7, 15), (8, 15))
 # multiplies shift the best tile), the 8 benchmark shapes, m = 16..1024, k splits through the
 # workspace and through DSMEM clusters (bench/results/h200/w4a16_streamk_sweep_settled_*.json,
 # docs/w4a16.md). Two regimes, each fitted on its own sweeps: "small_m" (m < MODEL_LARGE_M, bound
-# by memory and latency) and "large_m" (bound by the tensor cores; one fit across both put its
-# m = 512-1024 picks 1-2.4% behind the best plan, fits of their own 0.1-0.5%):
+# by memory and latency) and "large_m" (bound by the tensor cores; one fit across both left its
+# m = 256 / 1024 picks 1.9 / 1.0% behind the best plan on average, fits of their own 0.3 / 0.1%):
 #   time (us) = F + T x load + A x rounds + PHI x fixup + PHI_C x cluster fixup
 # with the features of hopper_plan_features: load = 64-k stages of the busiest SM, rounds = the same
 # with its co-resident CTAs counted once, fixup = log2(slices) (x waves at m < 256: FIXUP_PER_WAVE),
-# through the workspace or through DSMEM when the split runs as clusters. F is launch, ramp and epilogue (stream-K's larger F
-# also holds its two partial tiles a CTA). Coefficients (F, T, A, PHI, PHI_C). In-sample its pick is
+# through the workspace or through DSMEM when the split runs as clusters. F is launch, ramp and
+# epilogue (stream-K's larger F also holds its two partial tiles a CTA). Coefficients (F, T, A, PHI,
+# PHI_C). In-sample its pick is
 # 0.7-1.2% behind the best measured plan on average, 7-14% at worst (the previous form, without
 # rounds and with one fixup per launch, one fit for all m: 2.8% on average, 30% at worst).
 HOPPER_TIME_MODEL = {
