@@ -5,8 +5,11 @@ Each plan is recorded as [time us, label, cluster]: cluster = 1 when its k split
 its slices (the DSMEM fixup, `ops.HOPPER_DSMEM_SPLIT`), which the time model weighs apart.
 
 Usage: python scripts/sweep_w4a16_streamk.py OUT.json [fp16|bf16] [group] [m,m,...]
+Env CONFIGS=label,label limits the plans to those configurations (HopperConfig labels, every k
+split of each), to add configurations to an existing sweep; SHAPES=KxN,KxN limits the shapes.
 """
 import json
+import os
 import sys
 
 import torch
@@ -18,7 +21,10 @@ from tilefish.reference import w4a16_matmul
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (8192, 8192),
           (8192, 57344), (28672, 8192)]
+if os.environ.get("SHAPES"):
+    SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ["SHAPES"].split(",")]
 MS = [16, 24, 32, 64, 128, 256, 512, 1024]
+ONLY = set(os.environ["CONFIGS"].split(",")) if os.environ.get("CONFIGS") else None
 SLICES = (1, 2, 3, 4, 6, 8)
 
 
@@ -31,6 +37,8 @@ def candidates(m, n, k, sms):
     stream-K configs with their default one-wave grid (slices None)."""
     out = []
     for cfg in ops.HOPPER_CONFIGS:
+        if ONLY is not None and cfg.label() not in ONLY:
+            continue
         if n % cfg.bn or cfg.mt > max(32, 2 * m) or (m >= 128 and cfg.mt < 64) or (m >= 512 and cfg.mt < 128):
             continue
         if cfg.sk:
@@ -71,8 +79,8 @@ def main():
                 cl = sl is not None and ops.hopper_split_uses_clusters(cfg, m, n, k, sl, group, False, dt, x.device)
                 rows.append((t, cfg.label() + ("" if sl is None else f"/x{sl}"), int(cl)))
             rows.sort()
-            best_sk = next(((t, lab) for t, lab, _ in rows if lab.endswith("-sk")), None)
-            best_tile = next(((t, lab) for t, lab, _ in rows if not lab.endswith("-sk")), None)
+            best_sk = next(((t, lab) for t, lab, _ in rows if lab.endswith("-sk")), (float("nan"), "-"))
+            best_tile = next(((t, lab) for t, lab, _ in rows if not lab.endswith("-sk")), (float("nan"), "-"))
             auto_sl = (ops.choose_hopper_slices(auto, m, n, k, sms)
                        if isinstance(auto, ops.HopperConfig) and not auto.sk else None)
             rec = {"k": k, "n": n, "m": m, "dtype": str(dt), "group": group, "cublas_us": t_cublas,

@@ -3,7 +3,7 @@
 streaming, the stream-K fixup tail. Each CTA stamps (ns): 0 entry, 1 barriers ready, 2 first stage
 landed, 3 end of its last segment's main loop, 4 exit; plus its SM id.
 
-Usage: [CTA_FACTORS=1,2,4] python scripts/timeline_w4a16_skinny.py   (one block per shape x config x grid)
+Usage: [CTA_FACTORS=1,2,4] [SHAPES=KxN,...] python scripts/timeline_w4a16_skinny.py   (one block per shape x config x grid)
 """
 import dataclasses
 import os
@@ -16,6 +16,8 @@ from tilefish.quant.int4 import quantize_rtn
 from tilefish.runtime import get_kernel, i32, launch, tensor_map_2d
 
 CASES = [(4096, 4096), (8192, 8192), (28672, 8192)]
+if os.environ.get("SHAPES"):
+    CASES = [tuple(int(v) for v in s.split("x")) for s in os.environ["SHAPES"].split(",")]
 CONFIGS = [ops.SkinnyConfig(8, 4, 1, 4, 2), ops.SkinnyConfig(8, 4, 2, 4, 2)]
 CTA_FACTORS = [int(v) for v in os.environ.get("CTA_FACTORS", "1").split(",")]  # x SMs x ctas_per_sm
 

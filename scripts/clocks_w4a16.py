@@ -1,0 +1,84 @@
+"""SM clock and board power while a W4A16 plan (or cuBLAS) runs back to back: is a launch bound by
+the board's power limit? Each callable runs for SECONDS (L2 not flushed: the weights of these
+shapes are far larger than the L2) while `nvidia-smi` samples clocks and power every 20 ms; the
+samples inside the second half of its window (clocks settled) are averaged.
+
+Usage: python scripts/clocks_w4a16.py OUT.json   (env SECONDS, default 2)
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from tilefish.ops import w4a16 as ops
+from tilefish.quant.int4 import quantize_rtn
+
+SECONDS = float(os.environ.get("SECONDS", "2"))
+# (k, n, m, label): label a plan as ab_w4a16_plans.py writes it, "auto" or "cuBLAS".
+CASES = [(8192, 57344, 64, "cuBLAS"), (8192, 57344, 64, "wg-m64n512c2s6/x1"), (8192, 57344, 64, "wg-m64n512c2s5-sk"),
+         (8192, 57344, 32, "cuBLAS"), (8192, 57344, 32, "auto"), (8192, 57344, 1, "auto"),
+         (8192, 57344, 128, "cuBLAS"), (8192, 57344, 128, "auto"), (8192, 8192, 4096, "cuBLAS"),
+         (8192, 8192, 4096, "auto")]
+
+
+def plan(label):
+    sys.path.insert(0, os.path.dirname(__file__))
+    from ab_w4a16_plans import parse
+    return parse(label)
+
+
+def main():
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu",
+                            "--format=csv,noheader,nounits", "-lms", "20"], stdout=subprocess.PIPE, text=True)
+    windows, weights = [], {}
+    for k, n, m, label in CASES:
+        if (k, n) not in weights:
+            q = quantize_rtn(torch.randn(n, k, device="cuda", dtype=torch.float16), 128, True,
+                             scale_dtype=torch.float16, clip_search=False)
+            weights[(k, n)] = (ops.pack(q), q.dequantize(torch.float32).half())
+        p, deq = weights[(k, n)]
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        if label == "cuBLAS":
+            fn = lambda: torch.nn.functional.linear(x, deq)  # noqa: E731
+        else:
+            cfg, sl = plan(label)
+            fn = lambda: ops.matmul_impl(x, p, cfg=cfg, slices=sl)  # noqa: E731
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        t0 = time.time()
+        while time.time() - t0 < SECONDS:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            for _ in range(20):
+                fn()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e) * 1e3 / 20)
+        t1 = time.time()
+        windows.append((k, n, m, label, t0 + (t1 - t0) / 2, t1, sorted(times[len(times) // 2:])))
+        time.sleep(0.3)
+    time.sleep(0.2)
+    smi.terminate()
+    samples = []
+    for line in smi.communicate()[0].splitlines():
+        ts, clk, pw, temp = [v.strip() for v in line.split(",")]
+        t = time.mktime(time.strptime(ts.split(".")[0], "%Y/%m/%d %H:%M:%S")) + float("0." + ts.split(".")[1])
+        samples.append((t, float(clk), float(pw), float(temp)))
+    out = []
+    for k, n, m, label, a, b, times in windows:
+        inside = [s for s in samples if a <= s[0] <= b]
+        avg = [sum(s[i] for s in inside) / max(1, len(inside)) for i in (1, 2, 3)]
+        us = times[len(times) // 2]
+        out.append({"k": k, "n": n, "m": m, "plan": label, "us": us, "sm_mhz": avg[0], "watts": avg[1],
+                    "temp_c": avg[2], "samples": len(inside)})
+        print(f"k{k} n{n} m{m:5d} {label:22s} {us:8.1f} us  SM {avg[0]:6.0f} MHz  {avg[1]:5.0f} W  {avg[2]:3.0f} C  "
+              f"({len(inside)} samples)", flush=True)
+    json.dump(out, open(sys.argv[1], "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
