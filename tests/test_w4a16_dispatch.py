@@ -53,17 +53,19 @@ def test_skinny_dispatch_follows_the_sweep():
         for m in (1, 2, 4, 8):
             assert isinstance(pick(m, n, k), ops.SkinnyConfig), (m, n, k)
     assert pick(1, 57344, 8192).wk == 1 and pick(2, 57344, 8192).wk == 1  # one warp a strip up to m = 2
-    assert pick(4, 8192, 8192).ctas_per_sm == 1 and pick(8, 8192, 28672).wk == 2
+    assert pick(4, 8192, 8192).ctas_per_sm == 1 and pick(8, 8192, 8192).wk == 2
     assert isinstance(pick(1, 4096, 4096), ops.GemmConfig)       # the smallest weight: the mma.sync kernel's ramp
     assert isinstance(pick(8, 4096, 4096), ops.SkinnyConfig)
-    # m = 3-8 on large weights (n x k >= SMALL_WEIGHT_NK): two CTAs an SM in bf16, where the A/Bs had them ahead
+    # m = 3-8 on large weights (n x k >= SMALL_WEIGHT_NK): two CTAs an SM where the A/Bs had them
+    # ahead (group scales in both dtypes, per-channel in bf16); 3 stages for the one-warp configuration
     big = lambda m, n, k, g, dt: ops.choose_config(m, n, k, 132, 90, g, dtype=dt)  # noqa: E731
+    assert pick(1, 57344, 8192) == ops.SkinnyConfig(8, 4, 1, 3, 2)
     for n, k in ((57344, 8192), (8192, 28672), (28672, 4096)):
         for m in (3, 4, 8):
-            assert big(m, n, k, 128, torch.bfloat16) == ops.SkinnyConfig(8, 4, 1, 4, 2), (m, n, k)
+            assert big(m, n, k, 128, torch.bfloat16) == ops.SkinnyConfig(8, 4, 1, 3, 2), (m, n, k)
             assert big(m, n, k, -1, torch.bfloat16) == ops.SkinnyConfig(8, 4, 2, 4, 2), (m, n, k)
             assert big(m, n, k, -1, torch.float16) == ops.SkinnyConfig(8, 4, 2, 8, 1), (m, n, k)
-            assert big(m, n, k, 128, torch.float16) == ops.SkinnyConfig(8, 4, 2, 8, 1), (m, n, k)
+            assert big(m, n, k, 128, torch.float16) == ops.SkinnyConfig(8, 4, 1, 3, 2), (m, n, k)
     for n, k in ((10240, 8192), (8192, 8192), (4096, 14336)):  # below SMALL_WEIGHT_NK: one CTA of 8 stages
         for g in (-1, 128):
             for dt in (torch.float16, torch.bfloat16):

@@ -303,7 +303,7 @@ HOPPER_CONFIGS = [HopperConfig(16, 4, 1, 8), HopperConfig(16, 4, 2, 8), HopperCo
                   HopperConfig(128, 2, 2, 5, True)]
 
 # The skinny (stream-K) kernel's design space.
-SKINNY_CONFIGS = [SkinnyConfig(8, 4, 2, 4, 2), SkinnyConfig(8, 4, 1, 4, 2), SkinnyConfig(8, 2, 4, 8, 2), SkinnyConfig(8, 4, 2, 8, 1),
+SKINNY_CONFIGS = [SkinnyConfig(8, 4, 2, 4, 2), SkinnyConfig(8, 4, 1, 3, 2), SkinnyConfig(8, 2, 4, 8, 2), SkinnyConfig(8, 4, 2, 8, 1),
                   SkinnyConfig(16, 4, 1, 4, 2), SkinnyConfig(16, 2, 2, 6, 2), SkinnyConfig(16, 2, 2, 8, 1), SkinnyConfig(16, 4, 2, 8, 1),
                   SkinnyConfig(16, 2, 4, 8, 1), SkinnyConfig(32, 4, 2, 6, 1), SkinnyConfig(32, 2, 4, 8, 1)]
 
@@ -653,14 +653,16 @@ def choose_skinny_config(m: int, n: int, k: int, sm_count: int, group: int | Non
         return SkinnyConfig(8, 2, 4, 8, 2)
     # m <= 2: one warp a strip, two CTAs an SM (128 registers: group scales on the fp32 partial
     # sums); m = 3-8: two warps a strip with one CTA of 8 stages an SM (the m = 4 / 8 best on 7 of
-    # the 8 shapes of the sweep, 1-9% ahead of the two-CTA configuration), except in bf16 on large
-    # weights (same-process A/Bs in rotating order, w4a16_skinny_ab_m3-16_rotated_*.json): two
-    # CTAs of one warp a strip with group scales (2-10% ahead), of two warps a strip per-channel
-    # (0-6%). fp16 stays on one CTA: the two-CTA configurations were -8% to +2% by shape.
+    # the 8 shapes of the sweep, 1-9% ahead of the two-CTA configuration), except on large weights
+    # (same-process A/Bs, w4a16_skinny_ab_m3-16_rotated_*.json and w4a16_skinny_ab_stages_*.json):
+    # with group scales, two CTAs of one warp a strip (bf16 2-10% ahead; fp16 0-7% since they run
+    # 3 stages); per-channel in bf16, two CTAs of two warps a strip (0-6%).
+    # The one-warp configuration runs 3 stages: 1-7% ahead of 4 on the mid and large weights at
+    # m = 1-4 (geomean 1.2-2.7% by format; w4a16_skinny_ab_stages_*.json), even on the small ones.
     if m <= 2:
-        return SkinnyConfig(8, 4, 1, 4, 2)
-    if n * k >= SMALL_WEIGHT_NK and dtype == torch.bfloat16:
-        return SkinnyConfig(8, 4, 1, 4, 2) if grouped else SkinnyConfig(8, 4, 2, 4, 2)
+        return SkinnyConfig(8, 4, 1, 3, 2)
+    if n * k >= SMALL_WEIGHT_NK and (grouped or dtype == torch.bfloat16):
+        return SkinnyConfig(8, 4, 1, 3, 2) if grouped else SkinnyConfig(8, 4, 2, 4, 2)
     return SkinnyConfig(8, 4, 2, 8, 1)
 
 
