@@ -1,9 +1,10 @@
 """SM clock and board power while a W4A16 plan (or cuBLAS) runs back to back: is a launch bound by
-the board's power limit? Each callable runs for SECONDS (L2 not flushed: the weights of these
-shapes are far larger than the L2) while `nvidia-smi` samples clocks and power every 20 ms; the
-samples inside the second half of its window (clocks settled) are averaged.
+the board's power limit? Each callable runs for CLOCKS_SECONDS (L2 not flushed: the n 57344
+weights are ~5x the L2, and the m = 4096 case is compute-bound) while `nvidia-smi` samples clocks
+and power every 20 ms; the samples inside the second half of its window (clocks settled) are
+averaged, and the median launch time of that half is reported.
 
-Usage: python scripts/clocks_w4a16.py OUT.json   (env SECONDS, default 2)
+Usage: python scripts/clocks_w4a16.py OUT.json   (env CLOCKS_SECONDS, default 2)
 """
 import json
 import os
@@ -16,18 +17,15 @@ import torch
 from tilefish.ops import w4a16 as ops
 from tilefish.quant.int4 import quantize_rtn
 
-SECONDS = float(os.environ.get("SECONDS", "2"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ab_w4a16_plans import parse as plan  # noqa: E402  (a plan label -> config, k slices)
+
+SECONDS = float(os.environ.get("CLOCKS_SECONDS", "2"))
 # (k, n, m, label): label a plan as ab_w4a16_plans.py writes it, "auto" or "cuBLAS".
 CASES = [(8192, 57344, 64, "cuBLAS"), (8192, 57344, 64, "wg-m64n512c2s6/x1"), (8192, 57344, 64, "wg-m64n512c2s5-sk"),
          (8192, 57344, 32, "cuBLAS"), (8192, 57344, 32, "auto"), (8192, 57344, 1, "auto"),
          (8192, 57344, 128, "cuBLAS"), (8192, 57344, 128, "auto"), (8192, 8192, 4096, "cuBLAS"),
          (8192, 8192, 4096, "auto")]
-
-
-def plan(label):
-    sys.path.insert(0, os.path.dirname(__file__))
-    from ab_w4a16_plans import parse
-    return parse(label)
 
 
 def main():
