@@ -3,7 +3,8 @@
 streaming, the stream-K fixup tail. Each CTA stamps (ns): 0 entry, 1 barriers ready, 2 first stage
 landed, 3 end of its last segment's main loop, 4 exit; plus its SM id.
 
-Usage: [CTA_FACTORS=1,2,4] [SHAPES=KxN,...] python scripts/timeline_w4a16_skinny.py   (one block per shape x config x grid)
+Usage: [CTA_FACTORS=1,2,4] [SHAPES=KxN,...] python scripts/timeline_w4a16_skinny.py
+(one block per shape x config x grid)
 """
 import dataclasses
 import os
