@@ -10,14 +10,14 @@ from tilefish import w4a16
 from tilefish.ops import w4a16 as ops
 from tilefish.quant.int4 import quantize_rtn
 
-if "--ncu" in sys.argv:  # a few launches of the cases worth looking at under ncu (env NCU_CASES="m,k,n;...")
-    import os
+if "--ncu" in sys.argv:  # a few launches of the cases worth looking at under ncu
+    import os  # env NCU_CASES="m,k,n[,group];...", group 128 unless given (-1: per channel); fp16
 
-    cases = [tuple(int(v) for v in c.split(",")) for c in os.environ.get("NCU_CASES", "1,28672,8192;1,8192,57344").split(";")]
-    for m, k, n in cases:
-        p = ops.pack(quantize_rtn(torch.randn(n, k, device="cuda"), 128, True, scale_dtype=torch.float16, clip_search=False))
+    cases = [[int(v) for v in c.split(",")] for c in os.environ.get("NCU_CASES", "1,28672,8192;1,8192,57344").split(";")]
+    for m, k, n, group in ((c + [128])[:4] for c in cases):
+        p = ops.pack(quantize_rtn(torch.randn(n, k, device="cuda"), group, True, scale_dtype=torch.float16, clip_search=False))
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-        print(f"m {m} k {k} n {n}: {ops.choose_config(m, n, k, 132, 90, 128).label()}", file=sys.stderr)
+        print(f"m {m} k {k} n {n} g{group}: {ops.choose_config(m, n, k, 132, 90, group).label()}", file=sys.stderr)
         for _ in range(3):  # ncu skips the first launches: they compile and warm up
             ops.matmul_impl(x, p)
     torch.cuda.synchronize()

@@ -1,10 +1,13 @@
 """Per-CTA %globaltimer timeline of the W4A16 skinny kernel (kernels/w4a16/skinny.cu built with
 -D TF_TIMELINE), to see where the time of a decode-size launch goes: launch skew, first data,
 streaming, the stream-K fixup tail. Each CTA stamps (ns): 0 entry, 1 barriers ready, 2 first stage
-landed, 3 end of its last segment's main loop, 4 exit; plus its SM id.
+landed, 3 end of its last segment's main loop, 4 the finisher's exit, 5 the consumers' end (after
+the final fixup); plus its SM id.
 
-Usage: [CTA_FACTORS=1,2,4] [SHAPES=KxN,...] python scripts/timeline_w4a16_skinny.py
-(one block per shape x config x grid)
+Usage: [CTA_FACTORS=1,2,4] [SHAPES=KxN,...] [M=1,8] [CONFIGS=sk-m8n256w1s3x2,...]
+       [VARIANTS=,TF_W4A16_SC_FENCES] python scripts/timeline_w4a16_skinny.py
+(one line per shape x m x config x grid x variant; a variant is a define added to the build, or
+none: the shipped kernel)
 """
 import dataclasses
 import os
@@ -19,7 +22,12 @@ from tilefish.runtime import get_kernel, i32, launch, tensor_map_2d
 CASES = [(4096, 4096), (8192, 8192), (28672, 8192)]
 if os.environ.get("SHAPES"):
     CASES = [tuple(int(v) for v in s.split("x")) for s in os.environ["SHAPES"].split(",")]
-CONFIGS = [ops.SkinnyConfig(8, 4, 1, 4, 2), ops.SkinnyConfig(8, 4, 2, 4, 2)]
+CONFIGS = [ops.SkinnyConfig(8, 4, 1, 3, 2), ops.SkinnyConfig(8, 4, 2, 4, 2)]
+if os.environ.get("CONFIGS"):
+    from ab_w4a16_plans import parse  # noqa: E402 (scripts/ is the script's own directory)
+    CONFIGS = [parse(label)[0] for label in os.environ["CONFIGS"].split(",")]
+MS = [int(v) for v in os.environ.get("M", "1").split(",")]
+VARIANTS = os.environ.get("VARIANTS", "").split(",")
 CTA_FACTORS = [int(v) for v in os.environ.get("CTA_FACTORS", "1").split(",")]  # x SMs x ctas_per_sm
 
 
@@ -33,21 +41,23 @@ def main():
     for k, n in CASES:
         dense = torch.randn(n, k, device="cuda", dtype=torch.float16)
         w = ops.pack(quantize_rtn(dense, 128, True, scale_dtype=torch.float16, clip_search=False))
-        x = torch.randn(1, k, device="cuda", dtype=torch.float16)
-        for cfg, factor in [(c, f) for c in CONFIGS for f in CTA_FACTORS]:
+        for m, cfg, factor, variant in [(m, c, f, v) for m in MS for c in CONFIGS for f in CTA_FACTORS for v in VARIANTS
+                                        if m <= c.mt]:
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             spec = ops.kernel_spec(torch.float16, cfg, 128, False)
-            spec = dataclasses.replace(spec, defines=spec.defines + (("TF_TIMELINE", "1"),))
+            extra = ((variant, "1"),) if variant else ()
+            spec = dataclasses.replace(spec, defines=spec.defines + (("TF_TIMELINE", "1"),) + extra)
             kern = get_kernel(spec)
             ctas = sms * cfg.ctas_per_sm * factor
             slot_floats = ctas * 2 * cfg.mt * cfg.bn
             ws = torch.zeros(slot_floats + ctas * 16, dtype=torch.float32, device="cuda")
             counters = torch.zeros(n // cfg.bn, dtype=torch.int32, device="cuda")
-            out = torch.empty(1, n, dtype=torch.float16, device="cuda")
+            out = torch.empty(m, n, dtype=torch.float16, device="cuda")
             map_x = tensor_map_2d(x, cfg.mt, 64)
 
             def run():
                 launch(kern, ctas, cfg.threads, map_x, w.packed.data_ptr(), w.scales.data_ptr(), 0, 0,
-                       out.data_ptr(), ws.data_ptr(), counters.data_ptr(), i32(1), i32(n), i32(k),
+                       out.data_ptr(), ws.data_ptr(), counters.data_ptr(), i32(m), i32(n), i32(k),
                        smem=cfg.smem_bytes(128, False))
             for _ in range(3):
                 run()
@@ -58,14 +68,14 @@ def main():
                 s.record(); run(); e.record(); e.synchronize()
                 tl = ws[slot_floats:].view(torch.int64).view(ctas, 8).cpu()
                 t0 = tl[:, 0].min().item()
-                rel = (tl[:, :5] - t0).float() / 1e3  # us from the first CTA's entry
+                rel = (tl[:, :6] - t0).float() / 1e3  # us from the first CTA's entry
                 spans.append((s.elapsed_time(e) * 1e3, rel))
             spans.sort(key=lambda r: r[0])
             ev, rel = spans[len(spans) // 2]
-            c = {i: rel[:, i].tolist() for i in range(5)}
-            print(f"k{k} n{n} m1 {cfg.label()} ctas {ctas}: events {ev:5.1f} us, span {max(c[4]):5.1f} | first data "
+            c = {i: rel[:, i].tolist() for i in range(6)}
+            print(f"k{k} n{n} m{m} {cfg.label()}{' ' + variant if variant else ''} ctas {ctas}: events {ev:5.1f} us, span {max(max(c[4]), max(c[5])):5.1f} | first data "
                   f"p50 {q(c[2], .5):4.1f} max {max(c[2]):4.1f} | loop end p10 {q(c[3], .1):5.1f} p50 {q(c[3], .5):5.1f} "
-                  f"max {max(c[3]):5.1f} | exit p50 {q(c[4], .5):5.1f} p90 {q(c[4], .9):5.1f} max {max(c[4]):5.1f} | "
+                  f"max {max(c[3]):5.1f} | consumers' end p50 {q(c[5], .5):5.1f} p90 {q(c[5], .9):5.1f} max {max(c[5]):5.1f} | "
                   f"last entry {max(c[0]):5.1f}")
             ref = ops.matmul_impl(x, w)
             err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()

@@ -229,10 +229,12 @@ def test_skinny_groups_zero_points_dtypes(group, sym, dtype):
 def test_skinny_fixup_many_slots(dtype):
     """One tile split over up to 64 CTAs: the last arriver's fixup sums more slots than it has loads
     in flight (several batches); run by the finisher warp mid-stream or by the consumers at the
-    end, whichever segment happens to arrive last."""
+    end, whichever segment happens to arrive last; threads holding more than one float4 of the
+    tile from m = 3 (one-warp configuration), 16-row tiles too."""
     q, p = _case(8192, 256, 128, True, dtype)
-    for cfg in (ops.SkinnyConfig(8, 4, 2, 4, 2), ops.SkinnyConfig(8, 4, 1, 3, 2)):
-        for m in (1, 2, 8):
+    for cfg, ms in ((ops.SkinnyConfig(8, 4, 2, 4, 2), (1, 2, 8)), (ops.SkinnyConfig(8, 4, 1, 3, 2), (1, 2, 5, 8)),
+                    (ops.SkinnyConfig(16, 2, 2, 6, 2), (1, 11, 16))):
+        for m in ms:
             for ctas in (64, 41, 17):
                 _check(torch.randn(m, 8192, device="cuda", dtype=dtype), q, p, cfg=cfg, slices=ctas)
 

@@ -312,12 +312,19 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
                         if (m0 + row < m) __stcg(dst + row * BN + wn * 64 + acc_col(j, c), acc[a][j][c]);
                     }
         }
+        // __syncthreads orders every thread's slice stores before thread 0's atomic, whose release
+        // publishes them and whose acquire (passed on by the second __syncthreads) makes the other
+        // slices' visible: no per-thread fence.sc (MEMBAR.SC.GPU) on the tail's critical path.
+#ifdef TF_W4A16_SC_FENCES  // A/B builds only (scripts/ab_w4a16_builds.py): the fences before
         __threadfence();
+#endif
         __syncthreads();
         if (tid == 0) s_is_last = atomic_add_acq_rel(counters + tile, 1) == slices - 1;
         __syncthreads();
         if (!s_is_last) return;
+#ifdef TF_W4A16_SC_FENCES
         __threadfence();
+#endif
         // The last block reduces with all 256 threads: each owns column pairs of valid rows and
         // sums the slices in slice order (deterministic); the loads of different slices are
         // independent, so they are in flight together.

@@ -93,7 +93,8 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
     const int u0 = unit_begin(b, units, ctas), u1 = unit_begin(b + 1, units, ctas);
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
 #ifdef TF_TIMELINE
-    // Debug builds only: per-CTA %globaltimer stamps after the workspace slots (8 a CTA).
+    // Debug builds only: per-CTA %globaltimer stamps after the workspace slots (8 a CTA): 0 entry,
+    // 1 barriers ready, 2 first stage landed, 3 loop end, 4 the finisher's exit, 5 the consumers' end; 7 SM id.
     long long* tl = reinterpret_cast<long long*>(workspace + (size_t)ctas * 2 * MT * L::BN) + blockIdx.x * 8;
     auto stamp = [&](int i) {
         long long t;
@@ -105,6 +106,11 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
 #define TF_STAMP(i) if (threadIdx.x == 0) stamp(i)
 #else
 #define TF_STAMP(i)
+#endif
+#ifdef TF_W4A16_SC_FENCES  // A/B builds only (scripts/ab_w4a16_builds.py): the hand-offs' fences before
+#define SC_FENCE() __threadfence()
+#else
+#define SC_FENCE()
 #endif
 
     if (threadIdx.x == 0) {
@@ -187,7 +193,10 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
                 const int tile = rec.x;
                 int is_last = 0;
                 if (lane == 0) {
-                    __threadfence();
+                    // The atomic's release publishes the consumers' slot stores (they reached this
+                    // lane through seg_full's release / acquire), its acquire the other CTAs': no
+                    // fence.sc needed around it (a MEMBAR.SC.GPU, on the kernel's critical tail).
+                    SC_FENCE();
                     const int span = cta_of_unit((tile + 1) * KS - 1, units, ctas) - cta_of_unit(tile * KS, units, ctas);
                     is_last = atomic_add_acq_rel(counters + tile, 1) == span;
                 }
@@ -204,7 +213,8 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
                     if (4 * (u1 - (tile + 1) * KS) < u1 - u0) {
                         deferred = tile;
                     } else {
-                        __threadfence();
+                        __syncwarp();  // orders the lanes' slot loads after lane 0's acquire
+                        SC_FENCE();
                         fixup(tile, lane, 32);
                         __syncwarp();
                         if (lane == 0) store_relaxed(counters + tile, 0);  // all segments are in: reset for the next launch
@@ -505,15 +515,18 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
     // The tile the finisher left to them, if any, then the final segment's. (One shared copy of the
     // fixup code in a two-pass loop measured 1-3% slower on the main loop than these two.)
     const int fix_tile = s_fix_tile, defer_tile = s_defer_tile;
+    // fix_ready's acquire follows the finisher's acquire of the tile counter: the slots are visible.
     if (defer_tile >= 0) {
-        __threadfence();
+        SC_FENCE();
         fixup(defer_tile, threadIdx.x, CT);
         if (threadIdx.x == 0) store_relaxed(counters + defer_tile, 0);
     }
     if (fix_tile >= 0) {
-        __threadfence();
+        SC_FENCE();
         fixup(fix_tile, threadIdx.x, CT);
         if (threadIdx.x == 0) store_relaxed(counters + fix_tile, 0);  // all segments are in: reset for the next launch
     }
+    TF_STAMP(5);
 #undef TF_STAMP
+#undef SC_FENCE
 }

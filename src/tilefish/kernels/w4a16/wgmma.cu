@@ -147,6 +147,11 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
 #else
 #define TF_STAMP(i)
 #endif
+#ifdef TF_W4A16_SC_FENCES  // A/B builds only (scripts/ab_w4a16_builds.py): the split-k hand-off's fences before
+#define SC_FENCE() __threadfence()
+#else
+#define SC_FENCE()
+#endif
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
@@ -420,7 +425,10 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
                 for (int q = 0; q < ACC / 4; ++q)
                     __stcg(dst + (jj * (ACC / 4) + q) * CT,
                            make_float4(acc[jj][4 * q], acc[jj][4 * q + 1], acc[jj][4 * q + 2], acc[jj][4 * q + 3]));
-            __threadfence();
+            // The barrier orders every consumer's slot stores before thread 0's atomic, whose release
+            // publishes them and whose acquire (passed on by the second barrier) makes the other
+            // slices' visible: no per-thread fence.sc (MEMBAR.SC.GPU) on the tail's critical path.
+            SC_FENCE();
             named_barrier_sync(1, CT);
             if (ctid == 0) s_is_last = atomic_add_acq_rel(counters + tile, 1) == count - 1;
             named_barrier_sync(1, CT);
@@ -431,7 +439,7 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
                 TF_STAMP(4);
                 return;
             }
-            __threadfence();
+            SC_FENCE();
             // Loads in batches of BATCH independent float4 per contributor: one L2 round trip per
             // (batch, contributor). One chunk at a time (each waiting on its own loads) made a 4-way
             // split of a k 4096 tile cost ~14 us; batches of 16 beat 8 by 2-7% on split plans, and
@@ -519,3 +527,4 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
     }
 }
 #undef TF_STAMP
+#undef SC_FENCE
