@@ -22,10 +22,7 @@ from tilefish.ops import w4a16 as ops
 from tilefish.quant.int4 import quantize_rtn
 from tilefish.runtime import get_kernel
 
-SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (8192, 8192),
-          (8192, 57344), (28672, 8192)]
-if os.environ.get("SHAPES"):
-    SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ["SHAPES"].split(",")]
+from ab_w4a16_plans import SHAPES  # noqa: E402 (scripts/ is the script's own directory; env SHAPES applied there)
 VARIANTS = [(v.partition(":")[0], v.partition(":")[2])
             for v in os.environ.get("VARIANTS", "fences:TF_W4A16_SC_FENCES,shipped:").split(",")]
 
