@@ -5,10 +5,13 @@ comparison drifts with the clocks (m >= 2048).
 
 Usage: python scripts/ab_w4a16_plans.py OUT.json fp16|bf16 GROUP M[,M...] PLAN [PLAN ...]
 PLAN is a configuration label with an optional k split, as in the sweeps: wg-m128n256c2s6/x1,
-wg-m128n256c2s5-sk, or a skinny one (sk-m8n256w1s4x2, any stage count); "auto" is the dispatcher's
-choice, "wg-model" the time model's wgmma plan (choose_hopper_plan) where the dispatcher may take
-another kernel. Env SHAPES=KxN,KxN limits the shapes (default: the eight benchmark shapes).
+wg-m128n256c2s5-sk, or a skinny one (sk-m8n256w1s4x2, any stage count; -st: the staged-fixup
+build); "auto" is the dispatcher's choice, "auto-st" its skinny configuration as the staged-fixup
+build (skipped where the dispatcher takes another kernel; checked bitwise against "auto"),
+"wg-model" the time model's wgmma plan (choose_hopper_plan) where the dispatcher may take another
+kernel. Env SHAPES=KxN,KxN limits the shapes (default: the eight benchmark shapes).
 """
+import dataclasses
 import os
 import json
 import re
@@ -30,12 +33,12 @@ ROUNDS, PER_ROUND = 4, 6
 def parse(label):
     """A label as HopperConfig.label() writes it (any stage count, not only HOPPER_CONFIGS'), plus
     an optional /x<k slices>."""
-    if label in ("auto", "wg-model"):
+    if label in ("auto", "auto-st", "wg-model"):
         return None, None
-    skinny = re.fullmatch(r"sk-m(\d+)n(\d+)w(\d)s(\d+)x(\d)", label)
+    skinny = re.fullmatch(r"sk-m(\d+)n(\d+)w(\d)s(\d+)x(\d)(-st)?", label)
     if skinny:
-        mt, bn, wk, stages, cps = (int(v) for v in skinny.groups())
-        return ops.SkinnyConfig(mt, bn // 64, wk, stages, cps), None
+        mt, bn, wk, stages, cps = (int(v) for v in skinny.groups()[:5])
+        return ops.SkinnyConfig(mt, bn // 64, wk, stages, cps, skinny.group(6) is not None), None
     name, _, sl = label.partition("/x")
     mt, bn, cons, stages, sk = re.fullmatch(r"wg-m(\d+)n(\d+)c(\d)s(\d+)(-sk)?", name).groups()
     cfg = ops.HopperConfig(int(mt), int(bn) // (64 * int(cons)), int(cons), int(stages), sk is not None)
@@ -62,8 +65,17 @@ def main():
                     cfg, sl = ops.choose_hopper_plan(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count,
                                                      grouped=group != -1)
                     chosen[label] = cfg.label() + ("" if sl is None else f"/x{sl}")
+                if label == "auto-st":  # the dispatcher's skinny choice as its staged-fixup build
+                    cfg = ops.choose_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count, 90,
+                                            group, dtype=dt)
+                    if not isinstance(cfg, ops.SkinnyConfig):
+                        continue
+                    cfg = dataclasses.replace(cfg, staged=True)
+                    chosen[label] = cfg.label()
                 if cfg is None or (n % cfg.bn == 0 and m <= (cfg.mt if isinstance(cfg, ops.SkinnyConfig) else m)):
                     fns[label] = lambda cfg=cfg, sl=sl: ops.matmul_impl(x, p, cfg=cfg, slices=sl)
+            if "auto" in fns and "auto-st" in fns:  # same sums in the same order: bitwise equal
+                assert torch.equal(fns["auto"](), fns["auto-st"]()), f"k{k} n{n} m{m}: auto-st differs from auto"
             us = time_alternating_us(fns, rounds=ROUNDS, per_round=PER_ROUND)
             best = min((u, name) for name, u in us.items() if name != "cuBLAS")
             results.append({"k": k, "n": n, "m": m, "dtype": dname, "group": group, "us": us, "plans": chosen})

@@ -1,8 +1,9 @@
 """Per-CTA %globaltimer timeline of the W4A16 skinny kernel (kernels/w4a16/skinny.cu built with
 -D TF_TIMELINE), to see where the time of a decode-size launch goes: launch skew, first data,
 streaming, the stream-K fixup tail. Each CTA stamps (ns): 0 entry, 1 barriers ready, 2 first stage
-landed, 3 end of its last segment's main loop, 4 the finisher's exit, 5 the consumers' end (after
-the final fixup); plus its SM id.
+landed, 3 its consumers' final hand-off done, 4 the finisher's exit, 5 the consumers' end (after
+the final fixup), 8 its final segment's main loop end, 9 the tile counter's reply to the final
+record, 10 the consumers past fix_ready; plus its SM id. The last CTA's chain is printed.
 
 Usage: [CTA_FACTORS=1,2,4] [SHAPES=KxN,...] [M=1,8] [CONFIGS=sk-m8n256w1s3x2,...]
        [VARIANTS=,TF_W4A16_SC_FENCES] python scripts/timeline_w4a16_skinny.py
@@ -50,7 +51,7 @@ def main():
             kern = get_kernel(spec)
             ctas = sms * cfg.ctas_per_sm * factor
             slot_floats = ctas * 2 * cfg.mt * cfg.bn
-            ws = torch.zeros(slot_floats + ctas * 16, dtype=torch.float32, device="cuda")
+            ws = torch.zeros(slot_floats + ctas * 32, dtype=torch.float32, device="cuda")
             counters = torch.zeros(n // cfg.bn, dtype=torch.int32, device="cuda")
             out = torch.empty(m, n, dtype=torch.float16, device="cuda")
             map_x = tensor_map_2d(x, cfg.mt, 64)
@@ -66,17 +67,19 @@ def main():
                 flush_l2()
                 s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 s.record(); run(); e.record(); e.synchronize()
-                tl = ws[slot_floats:].view(torch.int64).view(ctas, 8).cpu()
+                tl = ws[slot_floats:].view(torch.int64).view(ctas, 16).cpu()
                 t0 = tl[:, 0].min().item()
-                rel = (tl[:, :6] - t0).float() / 1e3  # us from the first CTA's entry
+                rel = (tl[:, :11] - t0).float() / 1e3  # us from the first CTA's entry
                 spans.append((s.elapsed_time(e) * 1e3, rel))
             spans.sort(key=lambda r: r[0])
             ev, rel = spans[len(spans) // 2]
-            c = {i: rel[:, i].tolist() for i in range(6)}
+            c = {i: rel[:, i].tolist() for i in range(11)}
+            last = max(range(ctas), key=lambda j: c[5][j])  # the CTA that ends the launch
             print(f"k{k} n{n} m{m} {cfg.label()}{' ' + variant if variant else ''} ctas {ctas}: events {ev:5.1f} us, span {max(max(c[4]), max(c[5])):5.1f} | first data "
-                  f"p50 {q(c[2], .5):4.1f} max {max(c[2]):4.1f} | loop end p10 {q(c[3], .1):5.1f} p50 {q(c[3], .5):5.1f} "
-                  f"max {max(c[3]):5.1f} | consumers' end p50 {q(c[5], .5):5.1f} p90 {q(c[5], .9):5.1f} max {max(c[5]):5.1f} | "
-                  f"last entry {max(c[0]):5.1f}")
+                  f"p50 {q(c[2], .5):4.1f} max {max(c[2]):4.1f} | loop end p10 {q(c[8], .1):5.1f} p50 {q(c[8], .5):5.1f} "
+                  f"max {max(c[8]):5.1f} | consumers' end p50 {q(c[5], .5):5.1f} p90 {q(c[5], .9):5.1f} max {max(c[5]):5.1f} | "
+                  f"last entry {max(c[0]):5.1f} | last CTA: loop end {c[8][last]:5.1f}, hand-off {c[3][last]:5.1f}, "
+                  f"counter {c[9][last]:5.1f}, fix_ready {c[10][last]:5.1f}, end {c[5][last]:5.1f}")
             ref = ops.matmul_impl(x, w)
             err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
             assert err < 1e-2, err

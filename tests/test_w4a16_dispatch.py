@@ -1,6 +1,7 @@
 """W4A16 dispatch and the Hopper kernel's code, checked without a GPU (NVRTC compiles for sm_90a)."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -47,7 +48,10 @@ def test_hopper_dispatch_is_consistent():
 
 def test_skinny_dispatch_follows_the_sweep():
     """Where the H200 sweeps measured the skinny kernel ahead (docs/w4a16.md), and where not."""
-    pick = lambda m, n, k: ops.choose_config(m, n, k, 132, 90)  # noqa: E731
+    def unstaged(cfg):  # the configuration, whichever fixup build (test_skinny_staged_dispatch)
+        return dataclasses.replace(cfg, staged=False) if isinstance(cfg, ops.SkinnyConfig) else cfg
+
+    pick = lambda m, n, k: unstaged(ops.choose_config(m, n, k, 132, 90))  # noqa: E731
     for n, k in ((10240, 8192), (57344, 8192), (8192, 8192), (8192, 28672), (4096, 14336), (28672, 4096),
                  (6144, 4096)):
         for m in (1, 2, 4, 8):
@@ -58,7 +62,7 @@ def test_skinny_dispatch_follows_the_sweep():
     assert isinstance(pick(8, 4096, 4096), ops.SkinnyConfig)
     # m = 3-8 on large weights (n x k >= SMALL_WEIGHT_NK): two CTAs an SM where the A/Bs had them
     # ahead (group scales in both dtypes, per-channel in bf16); 3 stages for the one-warp configuration
-    big = lambda m, n, k, g, dt: ops.choose_config(m, n, k, 132, 90, g, dtype=dt)  # noqa: E731
+    big = lambda m, n, k, g, dt: unstaged(ops.choose_config(m, n, k, 132, 90, g, dtype=dt))  # noqa: E731
     assert pick(1, 57344, 8192) == ops.SkinnyConfig(8, 4, 1, 3, 2)
     for n, k in ((57344, 8192), (8192, 28672), (28672, 4096)):
         for m in (3, 4, 8):
@@ -84,9 +88,9 @@ def test_skinny_dispatch_follows_the_sweep():
     assert isinstance(pick(17, 57344, 8192), ops.HopperConfig)
     # per-channel weights at m = 13-16 on the widest weight: the wgmma kernel's stream-K plan
     assert isinstance(ops.choose_config(16, 57344, 8192, 132, 90, -1), ops.HopperConfig)
-    assert ops.choose_config(12, 57344, 8192, 132, 90, -1) == ops.SkinnyConfig(16, 4, 1, 4, 2)
-    assert ops.choose_config(16, 57344, 8192, 132, 90, 128) == ops.SkinnyConfig(16, 4, 1, 4, 2)
-    assert ops.choose_config(16, 8192, 28672, 132, 90, 128) == ops.SkinnyConfig(16, 2, 2, 6, 2)
+    assert unstaged(ops.choose_config(12, 57344, 8192, 132, 90, -1)) == ops.SkinnyConfig(16, 4, 1, 4, 2)
+    assert unstaged(ops.choose_config(16, 57344, 8192, 132, 90, 128)) == ops.SkinnyConfig(16, 4, 1, 4, 2)
+    assert unstaged(ops.choose_config(16, 8192, 28672, 132, 90, 128)) == ops.SkinnyConfig(16, 2, 2, 6, 2)
     # per-channel at m = 9-16 on long-k or wide weights (not n 57344 at m <= 12): the wgmma kernel
     for m in (9, 12, 16):
         for n, k in ((8192, 28672), (28672, 4096), (4096, 14336)):
@@ -95,6 +99,30 @@ def test_skinny_dispatch_follows_the_sweep():
             assert isinstance(ops.choose_config(m, n, k, 132, 90, -1), ops.SkinnyConfig), (m, n, k)
     for n, k in ((10240, 8192), (28672, 4096), (4096, 4096)):
         assert isinstance(pick(32, n, k), ops.HopperConfig)
+
+
+def test_skinny_staged_dispatch():
+    """The staged-fixup build where the register fixup takes SKINNY_STAGED_MIN_TRIPS L2 round trips
+    or more (not on the 128-column 16-row configuration), and never at m <= 2."""
+    pick = lambda m, n, k, g=128: ops.choose_config(m, n, k, 132, 90, g)  # noqa: E731
+    # k 28672 x n 8192: 9 slots a tile; m = 3-4 two float4 a thread (2 batches: 4 trips), m = 8 four
+    assert ops.skinny_fixup_trips(ops.SkinnyConfig(8, 4, 1, 3, 2), 8, 8192, 28672, 132) == 8
+    assert ops.skinny_fixup_trips(ops.SkinnyConfig(8, 4, 1, 3, 2), 1, 8192, 28672, 132) == 2
+    for m in (3, 4, 8):
+        assert pick(m, 8192, 28672) == ops.SkinnyConfig(8, 4, 1, 3, 2, staged=True), m
+    assert pick(8, 57344, 8192) == ops.SkinnyConfig(8, 4, 1, 3, 2, staged=True)
+    assert pick(6, 57344, 8192) == ops.SkinnyConfig(8, 4, 1, 3, 2)  # 3 trips
+    assert pick(16, 57344, 8192) == ops.SkinnyConfig(16, 4, 1, 4, 2, staged=True)
+    assert pick(16, 8192, 28672) == ops.SkinnyConfig(16, 2, 2, 6, 2)  # 128 columns, 16 rows: registers
+    assert pick(8, 4096, 14336) == ops.SkinnyConfig(8, 4, 2, 8, 1, staged=True)
+    assert pick(8, 8192, 8192) == ops.SkinnyConfig(8, 4, 2, 8, 1)  # 2 trips
+    for k, n in SHAPES:
+        for m in (1, 2):
+            cfg = pick(m, n, k)
+            assert not getattr(cfg, "staged", False), (m, n, k)
+    cfg = ops.SkinnyConfig(8, 4, 1, 3, 2, staged=True)
+    assert cfg.label() == "sk-m8n256w1s3x2-st" and cfg.smem_bytes(128, False) == cfg.smem_limit()
+    assert "true>" in ops.kernel_spec(torch.float16, cfg, 128, False).name
 
 
 SWEEPS = ["w4a16_streamk_sweep_settled_fp16_g128.json", "w4a16_streamk_sweep_settled_fp16_g-1.json",

@@ -1,6 +1,8 @@
 """W4A16 tensor-core GEMM against the float64 reference: shapes, m, dtypes, groups, zero points, bias."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -202,7 +204,7 @@ def test_skinny_every_config_and_cta_count():
     """Every stream-K configuration, m from 1 to its tile, any grid (1 CTA up to more CTAs than units:
     whole tiles, tiles split 2..n ways, CTAs inside one tile)."""
     q, p = _case(1024, 512, 128, False, torch.float16)
-    for cfg in ops.SKINNY_CONFIGS:
+    for cfg in ops.SKINNY_CONFIGS + [dataclasses.replace(c, staged=True) for c in ops.SKINNY_CONFIGS]:
         for m in sorted({1, 3, cfg.mt // 2 + 1, cfg.mt}):
             x = torch.randn(m, 1024, device="cuda", dtype=torch.float16)
             bias = torch.randn(512, device="cuda", dtype=torch.float16) if m % 2 else None
@@ -219,7 +221,8 @@ def test_skinny_every_config_and_cta_count():
 def test_skinny_groups_zero_points_dtypes(group, sym, dtype):
     q, p = _case(768, 256, group, sym, dtype)
     for cfg in (ops.SkinnyConfig(8, 4, 2, 4, 2), ops.SkinnyConfig(8, 4, 1, 3, 2), ops.SkinnyConfig(16, 2, 2, 6, 2),
-                ops.SkinnyConfig(32, 2, 4, 8, 1)):
+                ops.SkinnyConfig(32, 2, 4, 8, 1), ops.SkinnyConfig(8, 4, 1, 3, 2, staged=True),
+                ops.SkinnyConfig(16, 4, 1, 4, 2, staged=True)):
         for m in (1, cfg.mt):
             _check(torch.randn(m, 768, device="cuda", dtype=dtype), q, p, cfg=cfg, slices=7)
 
@@ -236,7 +239,13 @@ def test_skinny_fixup_many_slots(dtype):
                     (ops.SkinnyConfig(16, 2, 2, 6, 2), (1, 11, 16))):
         for m in ms:
             for ctas in (64, 41, 17):
-                _check(torch.randn(m, 8192, device="cuda", dtype=dtype), q, p, cfg=cfg, slices=ctas)
+                x = torch.randn(m, 8192, device="cuda", dtype=dtype)
+                out = _check(x, q, p, cfg=cfg, slices=ctas)
+                # The staged-fixup build: the same sums in the same order, through shared memory in
+                # batches (64 slots of up to 8 KB are more than one batch holds).
+                _poison_allocator(m, 256, dtype)
+                staged = ops.matmul_impl(x, p, cfg=dataclasses.replace(cfg, staged=True), slices=ctas)
+                assert torch.equal(staged, out), (cfg.label(), m, ctas)
 
 
 @hopper

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -152,7 +152,7 @@ def kernel_spec(dtype: torch.dtype, cfg: GemmConfig | HopperConfig | SkinnyConfi
     group = 0 if group_size == -1 else group_size
     if isinstance(cfg, SkinnyConfig):
         name = (f"w4a16_skinny<{DTYPES[dtype]}, {cfg.mt}, {cfg.ns}, {cfg.wk}, {cfg.stages}, {cfg.ctas_per_sm}, {group}, "
-                f"{'true' if asym else 'false'}>")
+                f"{'true' if asym else 'false'}, {'true' if cfg.staged else 'false'}>")
         return KernelSpec(SKINNY_SOURCE, name, hot=True, arch_specific=True, min_sm=90)
     if isinstance(cfg, HopperConfig):
         name = (f"w4a16_wgmma<{DTYPES[dtype]}, {cfg.mt}, {cfg.nt}, {cfg.cons}, {cfg.stages}, {group}, "
@@ -233,6 +233,7 @@ class SkinnyConfig:
     wk: int = 2           # consumer warps per strip (they split each stage's 8 k16 rows)
     stages: int = 4
     ctas_per_sm: int = 2  # grid = SMs x this (at most one unit per CTA)
+    staged: bool = False  # the end-of-launch fixups through shared memory (a separate build; see skinny.cu)
     swap = False
     breg = False
 
@@ -253,7 +254,7 @@ class SkinnyConfig:
         return (227 * 1024 if self.ctas_per_sm == 1 else 113 * 1024) - 256
 
     def check_smem(self, group_size: int, asym: bool) -> None:
-        need = self.smem_bytes(group_size, asym)
+        need = self.ring_bytes(group_size, asym)
         if need > self.smem_limit():
             raise ValueError(f"SkinnyConfig {self.label()} with group_size={group_size}{' asym' if asym else ''} "
                              f"needs {need} bytes of shared memory; {self.ctas_per_sm} CTA(s) per SM allow "
@@ -272,9 +273,15 @@ class SkinnyConfig:
         return (self.ns * self.wk + 2) * 32  # consumers, the producer warp, the finisher warp
 
     def label(self) -> str:
-        return f"sk-m{self.mt}n{self.bn}w{self.wk}s{self.stages}x{self.ctas_per_sm}"
+        return f"sk-m{self.mt}n{self.bn}w{self.wk}s{self.stages}x{self.ctas_per_sm}{'-st' if self.staged else ''}"
 
     def smem_bytes(self, group_size: int, asym: bool) -> int:
+        ring = self.ring_bytes(group_size, asym)
+        # A staged build takes all the shared memory its CTAs per SM leave: past the ring it is
+        # room for more slots in one batch of the final fixup.
+        return max(ring, self.smem_limit()) if self.staged else ring
+
+    def ring_bytes(self, group_size: int, asym: bool) -> int:
         x = 2 * self.mt * 128
         w = self.ns * 4096
         s_rows = 0 if group_size == -1 else (1 if group_size >= SKINNY_BK else SKINNY_BK // group_size)
@@ -620,13 +627,40 @@ SKINNY_M16_PER_CHANNEL_MAX_N = 32768  # ... and, per-channel, up to this n
 SKINNY_WIDE_N = 32768            # m = 9-16 above this n: 256-column tiles, one warp a strip
 PER_CHANNEL_WGMMA_MIN_K = 14336  # per-channel weights, m = 9-16: the wgmma kernel from this k ...
 PER_CHANNEL_WGMMA_MIN_N = 16384  # ... or this n (up to SKINNY_WIDE_N)
+SKINNY_STAGED_MIN_TRIPS = 4      # the staged-fixup build where the register fixup takes this many L2 round trips
+
+
+def skinny_fixup_trips(cfg: SkinnyConfig, m: int, n: int, k: int, sm_count: int) -> int:
+    """L2 round trips of the consumers' end-of-launch fixup through registers (skinny.cu's fixup):
+    one per float4 a thread and batch of 8 slots, for the tile split over the most CTAs."""
+    ks, tiles, ctas = k // SKINNY_BK, n // cfg.bn, sm_count * cfg.ctas_per_sm
+    units = tiles * ks
+
+    def cta_of_unit(u):  # skinny.cu's: the CTA whose equal share holds unit u
+        return ((u + 1) * ctas - 1) // units
+    slots = max(cta_of_unit((t + 1) * ks - 1) - cta_of_unit(t * ks) + 1 for t in range(tiles))
+    per_thread = -(-min(cfg.mt, m) * cfg.bn // 4 // (cfg.ns * cfg.wk * 32))
+    return per_thread * -(-slots // 8)
 
 
 def choose_skinny_config(m: int, n: int, k: int, sm_count: int, group: int | None = None,
                          dtype: torch.dtype | None = None) -> SkinnyConfig | None:
     """The stream-K kernel's configuration where it is expected to win on sm_90, else None.
     group: the weight's group size (-1 per channel; None when not known, treated as grouped);
-    dtype: x's (None: fp16's choices)."""
+    dtype: x's (None: fp16's choices). Its staged-fixup build where the register fixup would take
+    SKINNY_STAGED_MIN_TRIPS L2 round trips or more (same-process A/B, m = 1-16, both dtypes and
+    scale formats, bench/results/h200/w4a16_skinny_staged_*.json: 6-8 trips 1-6% faster, 4 trips
+    0-5% on every configuration but the 128-column 16-row one (-2..+4%, kept on registers), 1-3
+    trips 0-9% slower)."""
+    cfg = _choose_skinny_config(m, n, k, sm_count, group, dtype)
+    if (cfg is not None and not (cfg.mt == 16 and cfg.ns == 2)
+            and skinny_fixup_trips(cfg, m, n, k, sm_count) >= SKINNY_STAGED_MIN_TRIPS):
+        return replace(cfg, staged=True)
+    return cfg
+
+
+def _choose_skinny_config(m: int, n: int, k: int, sm_count: int, group: int | None,
+                          dtype: torch.dtype | None) -> SkinnyConfig | None:
     if m > SKINNY_MAX_M or n % 128 or (m <= 2 and n * k <= SKINNY_MMA_MAX_NK):
         return None
     grouped = group != -1
@@ -738,7 +772,8 @@ def dispatch_specs() -> list[KernelSpec]:
 
 def variant_specs() -> list[KernelSpec]:
     """The wgmma and skinny kernels' whole design space (tests and the sweep scripts use it)."""
-    return [kernel_spec(dt, cfg, g, asym) for cfg in HOPPER_CONFIGS + SKINNY_CONFIGS for dt in DTYPES
+    skinny = SKINNY_CONFIGS + [replace(c, staged=True) for c in SKINNY_CONFIGS]
+    return [kernel_spec(dt, cfg, g, asym) for cfg in HOPPER_CONFIGS + skinny for dt in DTYPES
             for g in (-1, 32, 64, 128) for asym in (False, True)]
 
 

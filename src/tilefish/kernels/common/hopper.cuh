@@ -47,6 +47,19 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
+// Order global-memory data this thread has acquired (generic proxy: another CTA's stores, seen
+// through an acquire) before its later async-proxy reads of it (bulk copies global -> shared).
+__device__ __forceinline__ void fence_proxy_async_global() {
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// Bytes of dynamic shared memory this launch was given.
+__device__ __forceinline__ u32 dynamic_smem_size() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+    return r;
+}
+
 // ---- TMA: one instruction moves a whole 2-D box global -> shared, in the tensor map's swizzle,
 // zero-filling what lies outside the tensor (so M/N/K edges need no predication on loads), and
 // signals `bar` with the byte count. c0 is the inner (contiguous) coordinate, c1 the row.

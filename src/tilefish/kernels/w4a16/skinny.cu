@@ -57,7 +57,9 @@ struct Layout {
 
 // CPS: CTAs per SM the launch plans for (the register budget: 2 x 9 warps leave 96 a thread).
 // counters: one per tile, left at zero after every launch.
-template <typename T, int MT, int NS, int WK, int STAGES, int CPS, int GROUP, bool ASYM>
+// STAGED: the consumers' end-of-launch fixups bulk-copy the slots into shared memory (a separate
+// build, dispatched where the register fixup would take many L2 round trips; see fixup_staged).
+template <typename T, int MT, int NS, int WK, int STAGES, int CPS, int GROUP, bool ASYM, bool STAGED>
 __global__ void __launch_bounds__((NS * WK + 2) * 32, CPS)
 w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__ w, const T* __restrict__ scales,
              const T* __restrict__ zeros, const T* __restrict__ bias, T* __restrict__ out,
@@ -83,7 +85,7 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
     float* red = reinterpret_cast<float*>(empty + STAGES);
     // Consumers -> finisher hand-off of finished partial segments (a ring of 2): (tile or -1, final).
     __shared__ int2 s_seg[2];
-    __shared__ __align__(8) u64 seg_full[2], seg_empty[2], fix_ready;
+    __shared__ __align__(8) u64 seg_full[2], seg_empty[2], fix_ready, fix_bar;
     __shared__ int s_fix_tile;    // finisher -> consumers: the tile whose fixup they run at the end, or -1
     __shared__ int s_defer_tile;  // ... and a tile the finisher left to them (see the finisher), or -1
 
@@ -93,9 +95,11 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
     const int u0 = unit_begin(b, units, ctas), u1 = unit_begin(b + 1, units, ctas);
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
 #ifdef TF_TIMELINE
-    // Debug builds only: per-CTA %globaltimer stamps after the workspace slots (8 a CTA): 0 entry,
-    // 1 barriers ready, 2 first stage landed, 3 loop end, 4 the finisher's exit, 5 the consumers' end; 7 SM id.
-    long long* tl = reinterpret_cast<long long*>(workspace + (size_t)ctas * 2 * MT * L::BN) + blockIdx.x * 8;
+    // Debug builds only: per-CTA %globaltimer stamps after the workspace slots (16 a CTA): 0 entry,
+    // 1 barriers ready, 2 first stage landed, 3 the consumers' final hand-off done, 4 the finisher's
+    // exit, 5 the consumers' end; 7 SM id; 8 the final segment's main loop end, 9 the finisher's tile
+    // counter returned for the final record, 10 the consumers past fix_ready.
+    long long* tl = reinterpret_cast<long long*>(workspace + (size_t)ctas * 2 * MT * L::BN) + blockIdx.x * 16;
     auto stamp = [&](int i) {
         long long t;
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -123,6 +127,7 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
             mbar_init(&seg_empty[i], 1);
         }
         mbar_init(&fix_ready, 1);
+        if constexpr (STAGED) mbar_init(&fix_bar, 1);
         fence_barrier_init();
     }
     __syncthreads();
@@ -132,6 +137,20 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
     // A slot is the tile's valid rows, row-major MT x BN fp32: rows past m are neither written nor
     // read (at m = 1 that is 1/8 of an 8-row tile).
     auto slot_ptr = [&](int c, int which) { return workspace + ((size_t)c * 2 + which) * (MT * BN); };
+    // A finished float4 of split tile `tile` (valid row `row`, float4 `c4` of the row): per-channel
+    // scale, bias, store.
+    auto store_sum = [&](int tile, int row, int c4, float4 sum) {
+        const int col = tile * BN + 4 * c4;
+        float r[4] = {sum.x, sum.y, sum.z, sum.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            if constexpr (GROUP == 0) r[q] *= to_float(scales[col + q]);
+            if (bias != nullptr) r[q] += to_float(bias[col + q]);
+        }
+        typename V2::type* o = reinterpret_cast<typename V2::type*>(out + (size_t)row * n + col);
+        o[0] = V2::make(r[0], r[1]);
+        o[1] = V2::make(r[2], r[3]);
+    };
     // The fixup of a split tile, by `nthr` threads from `tid`: the last arriver sums the slots of the
     // tile's CTAs in CTA order (bitwise deterministic), a float4 of one valid row a thread, FIX
     // slots' loads in flight at once (a few L2 round trips, not one a slot), then scales / bias / store.
@@ -159,17 +178,66 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
                         sum.x += v[i].x; sum.y += v[i].y; sum.z += v[i].z; sum.w += v[i].w;
                     }
             }
-            const int col = tile * BN + 4 * c4;
-            float r[4] = {sum.x, sum.y, sum.z, sum.w};
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                if constexpr (GROUP == 0) r[q] *= to_float(scales[col + q]);
-                if (bias != nullptr) r[q] += to_float(bias[col + q]);
-            }
-            typename V2::type* o = reinterpret_cast<typename V2::type*>(out + (size_t)row * n + col);
-            o[0] = V2::make(r[0], r[1]);
-            o[1] = V2::make(r[2], r[3]);
+            store_sum(tile, row, c4, sum);
         }
+    };
+
+    // The same fixup by all consumer threads at the end of the launch, staged through shared memory
+    // (STAGED builds): thread 0 bulk-copies as many slots as fit (a slot's valid rows are contiguous)
+    // into the idle ring and the dynamic bytes past `red`, then every thread sums its float4s from
+    // shared memory in the same CTA order. Through registers that tail takes one L2 round trip per
+    // element a thread and batch of FIX slots (8 at m = 8 on long k: 4 elements, ~9 slots); this
+    // takes one per batch (one where all slots fit). A separate build: with this code in the kernel
+    // ptxas schedules the main loop differently, 1.5-3% slower where the fixup is short.
+    u32 fix_phase = 0;
+    auto fixup_staged = [&](int tile) {
+        constexpr int EMAX = (MT * (BN / 4) + CT - 1) / CT;  // float4s a thread
+        const int first_c = cta_of_unit(tile * KS, units, ctas);
+        const int nslots = cta_of_unit((tile + 1) * KS - 1, units, ctas) - first_c + 1;
+        const bool first_split = unit_begin(first_c, units, ctas) < tile * KS;
+        const int total = min(MT, m) * (BN / 4), slot_bytes = total * 16;
+        // Two areas: the ring, and the launch's dynamic bytes past the k reduction's (16-aligned).
+        unsigned char* const area_b = reinterpret_cast<unsigned char*>(red) + (L::RED + 15) / 16 * 16;
+        const int cap_a = STAGES * L::STAGE / slot_bytes;
+        const int cap_b = max(0, (int)(smem_raw + dynamic_smem_size() - area_b)) / slot_bytes;
+        auto staged_slot = [&](int i) { return i < cap_a ? smem + i * slot_bytes : area_b + (i - cap_a) * slot_bytes; };
+        float4 sum[EMAX];
+#pragma unroll
+        for (int j = 0; j < EMAX; ++j) sum[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 1
+        for (int c0 = 0; c0 < nslots; c0 += cap_a + cap_b) {
+            const int cnt = min(cap_a + cap_b, nslots - c0);
+            if (c0 > 0) {  // every thread's reads of the last batch before the copies overwrite it
+                fence_proxy_async_smem();
+                named_barrier_sync(1, CT);
+            }
+            if (threadIdx.x == 0) {
+                fence_proxy_async_global();  // the slots' stores, acquired via the tile counter, before the copies read them
+                mbar_arrive_expect_tx(&fix_bar, cnt * slot_bytes);
+                for (int i = 0; i < cnt; ++i)
+                    bulk_load(staged_slot(i), slot_ptr(first_c + c0 + i, c0 + i == 0 && first_split), slot_bytes, &fix_bar);
+            }
+            mbar_wait(&fix_bar, fix_phase);
+            fix_phase ^= 1;
+#pragma unroll
+            for (int j = 0; j < EMAX; ++j) {
+                const int e = threadIdx.x + j * CT;
+                if (e < total)
+#pragma unroll 1
+                    for (int i = 0; i < cnt; ++i) {
+                        const float4 v = reinterpret_cast<const float4*>(staged_slot(i))[e];
+                        sum[j].x += v.x; sum[j].y += v.y; sum[j].z += v.z; sum[j].w += v.w;
+                    }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < EMAX; ++j) {
+            const int e = threadIdx.x + j * CT;
+            if (e < total) store_sum(tile, e / (BN / 4), e % (BN / 4), sum[j]);
+        }
+        // The next staged fixup (the final tile after a deferred one) overwrites these bytes.
+        fence_proxy_async_smem();
+        named_barrier_sync(1, CT);
     };
 
     const size_t strip_uint4 = (size_t)(k / 16) * 32;  // one strip's whole k run
@@ -199,6 +267,9 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
                     SC_FENCE();
                     const int span = cta_of_unit((tile + 1) * KS - 1, units, ctas) - cta_of_unit(tile * KS, units, ctas);
                     is_last = atomic_add_acq_rel(counters + tile, 1) == span;
+#ifdef TF_TIMELINE
+                    if (rec.y) stamp(9);
+#endif
                 }
                 last = __shfl_sync(0xffffffffu, is_last, 0) != 0;
                 // A first segment that covers most of the CTA's range ends about when the other CTAs
@@ -442,6 +513,7 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
             if (lane == 0) mbar_arrive(&empty[s]);
             if (++s == STAGES) { s = 0; phase ^= 1; }
         }
+        if (final) TF_STAMP(8);
 
         // ---- end of this CTA's segment of `tile`: sum the WK warps of each strip (warp kw = 0 keeps it)
         if constexpr (WK > 1) {
@@ -512,18 +584,21 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
     TF_STAMP(3);
     // The fixup of the tile the CTA's final segment completed, with every consumer thread.
     mbar_wait(&fix_ready, 0);
+    TF_STAMP(10);
     // The tile the finisher left to them, if any, then the final segment's. (One shared copy of the
     // fixup code in a two-pass loop measured 1-3% slower on the main loop than these two.)
     const int fix_tile = s_fix_tile, defer_tile = s_defer_tile;
     // fix_ready's acquire follows the finisher's acquire of the tile counter: the slots are visible.
     if (defer_tile >= 0) {
         SC_FENCE();
-        fixup(defer_tile, threadIdx.x, CT);
+        if constexpr (STAGED) fixup_staged(defer_tile);
+        else fixup(defer_tile, threadIdx.x, CT);
         if (threadIdx.x == 0) store_relaxed(counters + defer_tile, 0);
     }
     if (fix_tile >= 0) {
         SC_FENCE();
-        fixup(fix_tile, threadIdx.x, CT);
+        if constexpr (STAGED) fixup_staged(fix_tile);
+        else fixup(fix_tile, threadIdx.x, CT);
         if (threadIdx.x == 0) store_relaxed(counters + fix_tile, 0);  // all segments are in: reset for the next launch
     }
     TF_STAMP(5);
