@@ -1,7 +1,8 @@
 """Run the W4A16 wgmma kernel under compute-sanitizer (memcheck / racecheck / synccheck) on a few
 shapes that exercise every path: m below / across tiles, split k, groups, zero points, bias.
 With --skinny, the skinny kernel instead: its configurations at m = 1 / 5 / full tile, grids that
-split tiles over 2-24 CTAs (the finisher's mid-stream fixups and the consumers' final ones).
+split tiles over 2-24 CTAs (the finisher's mid-stream fixups and the consumers' final ones,
+through registers or, in the staged builds, through shared memory).
 
 Usage: compute-sanitizer --tool memcheck python scripts/sanitize_w4a16_hopper.py [--skinny]
 """
@@ -17,7 +18,8 @@ if "--skinny" in sys.argv:
     for k, n, group, sym in ((4096, 256, 128, False), (2048, 512, -1, True)):
         q = quantize_rtn(torch.randn(n, k, device="cuda"), group, sym, scale_dtype=torch.float16, clip_search=False)
         p = ops.pack(q)
-        for cfg in (ops.SkinnyConfig(8, 4, 1, 3, 2), ops.SkinnyConfig(8, 4, 2, 8, 1), ops.SkinnyConfig(16, 2, 2, 6, 2)):
+        for cfg in (ops.SkinnyConfig(8, 4, 1, 3, 2), ops.SkinnyConfig(8, 4, 2, 8, 1), ops.SkinnyConfig(16, 2, 2, 6, 2),
+                    ops.SkinnyConfig(8, 4, 1, 3, 2, staged=True), ops.SkinnyConfig(16, 4, 1, 4, 2, staged=True)):
             for m in (1, 5, cfg.mt):
                 for ctas in (3, 24):
                     x = torch.randn(m, k, device="cuda", dtype=torch.float16)
