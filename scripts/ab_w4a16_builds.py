@@ -5,7 +5,7 @@ rounds. For source changes whose gain is a few percent, below the run-to-run spr
 Usage: python scripts/ab_w4a16_builds.py OUT.json [fp16,bf16] [128,-1] [1,4,8,16]
 Env SHAPES=KxN,... limits the shapes (default: the eight benchmark shapes); VARIANTS=name:HOW,...
 names the builds (default "fences:TF_W4A16_SC_FENCES,shipped:"; the first is the reference of the
-printed ratios). HOW is defines joined by "+" (empty: the shipped build), or "@head": the kernel's
+printed ratios). HOW is defines (NAME or NAME=VALUE) joined by "+" (empty: the shipped build), or "@head": the kernel's
 source as kernels/w4a16/_<name>_head.cu (an earlier revision put there by hand, e.g.
 `git show REV:src/tilefish/kernels/w4a16/skinny.cu > src/tilefish/kernels/w4a16/_skinny_head.cu`;
 not committed). Every build's output is checked against fp32 and compared bitwise with the first's.
@@ -31,7 +31,8 @@ def variant_spec(spec, how):
     if how == "@head":
         folder, name = os.path.split(spec.source)
         return dataclasses.replace(spec, source=os.path.join(folder, "_" + name.replace(".cu", "_head.cu")))
-    return dataclasses.replace(spec, defines=spec.defines + tuple((d, "1") for d in how.split("+") if d))
+    return dataclasses.replace(spec, defines=spec.defines + tuple((d.partition("=")[0], d.partition("=")[2] or "1")
+                                                                  for d in how.split("+") if d))
 
 
 def main():
