@@ -192,6 +192,7 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
     u32 fix_phase = 0;
     auto fixup_staged = [&](int tile) {
         constexpr int EMAX = (MT * (BN / 4) + CT - 1) / CT;  // float4s a thread
+        static_assert(STAGES * L::STAGE >= MT * BN * 4, "the ring holds a whole slot: every batch makes progress");
         const int first_c = cta_of_unit(tile * KS, units, ctas);
         const int nslots = cta_of_unit((tile + 1) * KS - 1, units, ctas) - first_c + 1;
         const bool first_split = unit_begin(first_c, units, ctas) < tile * KS;
