@@ -649,9 +649,9 @@ def choose_skinny_config(m: int, n: int, k: int, sm_count: int, group: int | Non
     group: the weight's group size (-1 per channel; None when not known, treated as grouped);
     dtype: x's (None: fp16's choices). Its staged-fixup build where the register fixup would take
     SKINNY_STAGED_MIN_TRIPS L2 round trips or more (same-process A/B, m = 1-16, both dtypes and
-    scale formats, bench/results/h200/w4a16_skinny_staged_*.json: 6-8 trips 1-6% faster, 4 trips
-    0-5% on every configuration but the 128-column 16-row one (-2..+4%, kept on registers), 1-3
-    trips 0-9% slower)."""
+    scale formats, bench/results/h200/w4a16_skinny_staged_*.json; staged / register time: 6-8
+    trips 0.94-0.99, 4 trips 0.95-1.01 on every configuration but the 128-column 16-row one
+    (0.98-1.04, kept on registers), 1-3 trips 0.98-1.09)."""
     cfg = _choose_skinny_config(m, n, k, sm_count, group, dtype)
     if (cfg is not None and not (cfg.mt == 16 and cfg.ns == 2)
             and skinny_fixup_trips(cfg, m, n, k, sm_count) >= SKINNY_STAGED_MIN_TRIPS):
