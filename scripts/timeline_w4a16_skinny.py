@@ -37,6 +37,27 @@ def q(v, p):
     return v[min(len(v) - 1, int(p * len(v)))]
 
 
+def timeline_launch(w, x, cfg, ctas, variant=""):
+    """The TF_TIMELINE build of `cfg` (plus the define `variant`) on fp16 x (m x k) and the packed
+    g128 weight w, over `ctas` CTAs: (run, stamps, out). run() launches it; stamps() is the last
+    launch's (ctas, 16) int64 %globaltimer / SM-id table."""
+    m, k = x.shape
+    n = w.n
+    spec = ops.kernel_spec(torch.float16, cfg, 128, False)
+    extra = ((variant, "1"),) if variant else ()
+    kern = get_kernel(dataclasses.replace(spec, defines=spec.defines + (("TF_TIMELINE", "1"),) + extra))
+    slot_floats = ctas * 2 * cfg.mt * cfg.bn
+    ws = torch.zeros(slot_floats + ctas * 32, dtype=torch.float32, device="cuda")
+    counters = torch.zeros(n // cfg.bn, dtype=torch.int32, device="cuda")
+    out = torch.empty(m, n, dtype=torch.float16, device="cuda")
+    map_x = tensor_map_2d(x, cfg.mt, 64)
+
+    def run():
+        launch(kern, ctas, cfg.threads, map_x, w.packed.data_ptr(), w.scales.data_ptr(), 0, 0, out.data_ptr(),
+               ws.data_ptr(), counters.data_ptr(), i32(m), i32(n), i32(k), smem=cfg.smem_bytes(128, False))
+    return run, lambda: ws[slot_floats:].view(torch.int64).view(ctas, 16), out
+
+
 def main():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for k, n in CASES:
@@ -45,21 +66,8 @@ def main():
         for m, cfg, factor, variant in [(m, c, f, v) for m in MS for c in CONFIGS for f in CTA_FACTORS for v in VARIANTS
                                         if m <= c.mt]:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-            spec = ops.kernel_spec(torch.float16, cfg, 128, False)
-            extra = ((variant, "1"),) if variant else ()
-            spec = dataclasses.replace(spec, defines=spec.defines + (("TF_TIMELINE", "1"),) + extra)
-            kern = get_kernel(spec)
             ctas = sms * cfg.ctas_per_sm * factor
-            slot_floats = ctas * 2 * cfg.mt * cfg.bn
-            ws = torch.zeros(slot_floats + ctas * 32, dtype=torch.float32, device="cuda")
-            counters = torch.zeros(n // cfg.bn, dtype=torch.int32, device="cuda")
-            out = torch.empty(m, n, dtype=torch.float16, device="cuda")
-            map_x = tensor_map_2d(x, cfg.mt, 64)
-
-            def run():
-                launch(kern, ctas, cfg.threads, map_x, w.packed.data_ptr(), w.scales.data_ptr(), 0, 0,
-                       out.data_ptr(), ws.data_ptr(), counters.data_ptr(), i32(m), i32(n), i32(k),
-                       smem=cfg.smem_bytes(128, False))
+            run, stamps, out = timeline_launch(w, x, cfg, ctas, variant)
             for _ in range(3):
                 run()
             spans = []
@@ -67,7 +75,7 @@ def main():
                 flush_l2()
                 s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 s.record(); run(); e.record(); e.synchronize()
-                tl = ws[slot_floats:].view(torch.int64).view(ctas, 16).cpu()
+                tl = stamps().cpu()
                 t0 = tl[:, 0].min().item()
                 rel = (tl[:, :11] - t0).float() / 1e3  # us from the first CTA's entry
                 spans.append((s.elapsed_time(e) * 1e3, rel))

@@ -5,7 +5,6 @@ median), the spread of those means, the first data per SM, and the two CTAs of o
 
 Usage: [SHAPES=KxN,...] [CONFIGS=sk-m8n256w1s3x2,...] python scripts/timeline_w4a16_skinny_sm.py
 """
-import dataclasses
 import os
 import statistics as st
 
@@ -14,31 +13,20 @@ import torch
 from tilefish.bench.timing import flush_l2
 from tilefish.ops import w4a16 as ops
 from tilefish.quant.int4 import quantize_rtn
-from tilefish.runtime import get_kernel, i32, launch, tensor_map_2d
 
 from ab_w4a16_plans import parse  # noqa: E402 (scripts/ is the script's own directory)
+from timeline_w4a16_skinny import timeline_launch  # noqa: E402
 
 LAUNCHES = 15
 
 
 def per_sm_runs(k, n, cfg, sms):
     """Per launch: {SM id: [(loop end, first data) of each of its CTAs]}, us from the first entry."""
-    m = 1
     w = ops.pack(quantize_rtn(torch.randn(n, k, device="cuda", dtype=torch.float16), 128, True,
                               scale_dtype=torch.float16, clip_search=False))
-    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-    spec = ops.kernel_spec(torch.float16, cfg, 128, False)
-    kern = get_kernel(dataclasses.replace(spec, defines=spec.defines + (("TF_TIMELINE", "1"),)))
+    x = torch.randn(1, k, device="cuda", dtype=torch.float16)
     ctas = sms * cfg.ctas_per_sm
-    slot_floats = ctas * 2 * cfg.mt * cfg.bn
-    ws = torch.zeros(slot_floats + ctas * 32, dtype=torch.float32, device="cuda")
-    counters = torch.zeros(n // cfg.bn, dtype=torch.int32, device="cuda")
-    out = torch.empty(m, n, dtype=torch.float16, device="cuda")
-    map_x = tensor_map_2d(x, cfg.mt, 64)
-
-    def run():
-        launch(kern, ctas, cfg.threads, map_x, w.packed.data_ptr(), w.scales.data_ptr(), 0, 0, out.data_ptr(),
-               ws.data_ptr(), counters.data_ptr(), i32(m), i32(n), i32(k), smem=cfg.smem_bytes(128, False))
+    run, stamps, _ = timeline_launch(w, x, cfg, ctas)
     for _ in range(3):
         run()
     runs = []
@@ -46,7 +34,7 @@ def per_sm_runs(k, n, cfg, sms):
         flush_l2()
         run()
         torch.cuda.synchronize()
-        tl = ws[slot_floats:].view(torch.int64).view(ctas, 16).cpu()
+        tl = stamps().cpu()
         rel = (tl - tl[:, 0].min()).float() / 1e3
         by_sm = {}
         for c in range(ctas):
