@@ -4,7 +4,8 @@ weights are ~5x the L2, and the m = 4096 case is compute-bound) while `nvidia-sm
 and power every 20 ms; the samples inside the second half of its window (clocks settled) are
 averaged, and the median launch time of that half is reported.
 
-Usage: python scripts/clocks_w4a16.py OUT.json   (env CLOCKS_SECONDS, default 2)
+Usage: python scripts/clocks_w4a16.py OUT.json   (env CLOCKS_SECONDS, default 2; CLOCKS_CASES, default
+the large-weight cases below: "k:n:m:group:plan,..." with group 128 or -1)
 """
 import json
 import os
@@ -26,18 +27,23 @@ CASES = [(8192, 57344, 64, "cuBLAS"), (8192, 57344, 64, "wg-m64n512c2s6/x1"), (8
          (8192, 57344, 32, "cuBLAS"), (8192, 57344, 32, "auto"), (8192, 57344, 1, "auto"),
          (8192, 57344, 128, "cuBLAS"), (8192, 57344, 128, "auto"), (8192, 8192, 4096, "cuBLAS"),
          (8192, 8192, 4096, "auto")]
+if os.environ.get("CLOCKS_CASES"):
+    CASES = [tuple(int(v) for v in c.split(":")[:4]) + (c.split(":", 4)[4],)
+             for c in os.environ["CLOCKS_CASES"].split(",")]
+else:
+    CASES = [(k, n, m, 128, label) for k, n, m, label in CASES]
 
 
 def main():
     smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu",
                             "--format=csv,noheader,nounits", "-lms", "20"], stdout=subprocess.PIPE, text=True)
     windows, weights = [], {}
-    for k, n, m, label in CASES:
-        if (k, n) not in weights:
-            q = quantize_rtn(torch.randn(n, k, device="cuda", dtype=torch.float16), 128, True,
+    for k, n, m, group, label in CASES:
+        if (k, n, group) not in weights:
+            q = quantize_rtn(torch.randn(n, k, device="cuda", dtype=torch.float16), group, True,
                              scale_dtype=torch.float16, clip_search=False)
-            weights[(k, n)] = (ops.pack(q), q.dequantize(torch.float32).half())
-        p, deq = weights[(k, n)]
+            weights[(k, n, group)] = (ops.pack(q), q.dequantize(torch.float32).half())
+        p, deq = weights[(k, n, group)]
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
         if label == "cuBLAS":
             fn = lambda: torch.nn.functional.linear(x, deq)  # noqa: E731
@@ -57,7 +63,7 @@ def main():
             e.synchronize()
             times.append(s.elapsed_time(e) * 1e3 / 20)
         t1 = time.time()
-        windows.append((k, n, m, label, t0 + (t1 - t0) / 2, t1, sorted(times[len(times) // 2:])))
+        windows.append((k, n, m, f"{label} g{group}", t0 + (t1 - t0) / 2, t1, sorted(times[len(times) // 2:])))
         time.sleep(0.3)
     time.sleep(0.2)
     smi.terminate()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# ncu counters of the W4A16 kernel (default: m = 1 on 2 shapes; env NCU_CASES="m,k,n[,group];..."; default dispatch)
+# ncu counters of the W4A16 kernel (default: m = 1 on 2 shapes; env NCU_CASES="m,k,n[,group[,plan]];..."; default dispatch)
 # -> stdout and $OUT/ncu_w4a16.csv (launches 2 .. of each case's 3; SKIP / COUNT for ncu)
 set -u
 OUT=${OUT:-/tmp/out}
@@ -18,6 +18,7 @@ M+=,smsp__average_warps_issue_stalled_dispatch_stall_per_issue_active.ratio
 M+=,lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_bytes.sum,l1tex__m_xbar2l1tex_read_bytes.sum
 M+=,sm__cycles_elapsed.avg.per_second,lts__t_sectors_srcunit_tex_op_read.sum,smsp__inst_executed_op_global_ld.sum
 M+=,launch__grid_size,launch__occupancy_limit_shared_mem,launch__registers_per_thread
+M+=${NCU_EXTRA:+,$NCU_EXTRA}  # more metrics, comma-separated
 ncu --clock-control none --csv -k regex:w4a16 --launch-skip ${SKIP:-2} --launch-count ${COUNT:-4} --metrics "$M" \
     python3 scripts/profile_w4a16.py --ncu > "$OUT/ncu_w4a16.csv" 2> "$OUT/ncu_w4a16.err"
 python3 - "$OUT/ncu_w4a16.csv" <<'PY'
