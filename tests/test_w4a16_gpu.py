@@ -188,6 +188,32 @@ def test_hopper_stream_k_any_grid_deterministic_counters_reset():
 
 
 @hopper
+def test_hopper_stream_k_peek_is_bitwise_the_slot_path(monkeypatch):
+    """Stream-K: a CTA's last segment that starts its tile first reads the tile counter; if every
+    other contributor is in, it adds their slots to its partial in registers instead of storing the
+    partial and taking the counter. A test build (TF_W4A16_TEST_NO_PEEK) always takes the slot path:
+    the same sums in the same k order, so the outputs must be bitwise equal; counters reset."""
+    q, p = _case(2048, 512, 64, False, torch.float16)
+    cases = []
+    for cfg in [c for c in ops.HOPPER_CONFIGS if c.sk and 512 % c.bn == 0]:
+        for m in (cfg.mt - 3, 2 * cfg.mt + 5):
+            for ctas in (None, 7, 13, 131):
+                x = torch.randn(m, 2048, device="cuda", dtype=torch.float16)
+                bias = torch.randn(512, device="cuda", dtype=torch.float16)
+                cases.append((cfg, ctas, x, bias, _check(x, q, p, bias, cfg=cfg, slices=ctas)))
+    spec_of = ops.kernel_spec
+    monkeypatch.setattr(ops, "kernel_spec", lambda *a: dataclasses.replace(
+        spec_of(*a), defines=spec_of(*a).defines + (("TF_W4A16_TEST_NO_PEEK", "1"),)))
+    monkeypatch.setattr(ops, "_kernels", {})
+    for cfg, ctas, x, bias, shipped in cases:
+        out = _check(x, q, p, bias, cfg=cfg, slices=ctas)
+        assert torch.equal(out, shipped), (cfg.label(), x.shape[0], ctas)
+    torch.cuda.synchronize()
+    for (dev, _), (_, counters) in ops._workspaces.items():
+        assert int(counters.abs().sum()) == 0, "stream-K tile counters must be reset by every launch"
+
+
+@hopper
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_hopper_stream_k_llama_shapes(dtype):
     """Stream-K at the benchmark's mid shapes (tiles that do not fill a wave), grouped and

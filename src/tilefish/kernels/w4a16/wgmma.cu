@@ -104,7 +104,7 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
     unsigned char* sZ = sS + STAGES * L::S_BYTES;
     u64* full = reinterpret_cast<u64*>(sZ + STAGES * L::Z_BYTES);
     u64* empty = full + STAGES;
-    __shared__ int s_is_last;
+    __shared__ int s_is_last, s_peek;
 
     // This CTA's units [u0, u1) of (tile, k stage), unit = tile * KT + stage; tile = n tile x m
     // tiles + m tile.
@@ -131,11 +131,13 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
     }
     const int wg = threadIdx.x / 128;
 #ifdef TF_TIMELINE
-    // Debug builds only (tile mode): per-CTA %globaltimer stamps after the workspace slots (8 a
-    // CTA): 0 entry, 1 first stage landed, 2 main loop done, 5 partial staged / written (split k),
-    // 3 fixup done (or handed on), 4 exit.
+    // Debug builds only: per-CTA %globaltimer stamps after the workspace slots (8 a CTA): 0 entry,
+    // 1 first stage landed, 2 main loop done, 5 partial staged / written (split k), 3 fixup done
+    // (or handed on), 4 exit. Stream-K: 2, 5 and 4 are the last segment's, 6 / 7 the loop end /
+    // partial written of a first segment that is not the last; no 3 (with it, ptxas 13.0 built a
+    // stream-K kernel that hung on the H200).
     long long* tl = reinterpret_cast<long long*>(
-        workspace + (size_t)m_tiles * (n / BN) * slices * MT * BN) +
+        workspace + (size_t)(SK ? 2 * (int)gridDim.x : m_tiles * (n / BN) * slices) * MT * BN) +
         (size_t)cta_index * 8;
     auto stamp = [&](int i) {
         long long t;
@@ -143,7 +145,7 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
         tl[i] = t;
     };
     if (threadIdx.x == 0) stamp(0);
-#define TF_STAMP(i) if (threadIdx.x == 128) stamp(i)
+#define TF_STAMP(i) if (threadIdx.x == 128 && !(SK && (i) == 3)) stamp(i)
 #else
 #define TF_STAMP(i)
 #endif
@@ -315,7 +317,10 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
             if (++s == STAGES) { s = 0; phase ^= 1; }
         }
         wgmma_wait<0>();
-        TF_STAMP(2);
+#ifdef TF_TIMELINE
+        const bool early_segment = SK && seg_begin == u0 && seg_end != u1;
+#endif
+        TF_STAMP(early_segment ? 6 : 2);
         if constexpr (SK) {  // the producer may be waiting for it to start the next segment
             release(prev);
             prev = -1;
@@ -418,26 +423,46 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
                 const int sl = SK ? (i == 0 ? first : 2 * (first / 2 + i)) : first + i;
                 return reinterpret_cast<float4*>(workspace) + (size_t)sl * CHUNKS * CT + ctid;
             };
-            float4* dst = reinterpret_cast<float4*>(workspace) + (size_t)mine * CHUNKS * CT + ctid;
+            // Stream-K, a CTA's last segment that starts its tile (contributor 0): the other
+            // contributors' segments are their first ones, long done as a rule. If the counter
+            // already shows them all in, this CTA is the last without storing its own partial and
+            // waiting for the atomic (~2.1 us a CTA on the launch's tail); its partial, still in
+            // registers, is the sum's first term, so the k order (and every bit) is the same.
+#ifdef TF_W4A16_TEST_NO_PEEK  // tests only: every contributor 0 through its slot and the counter
+            constexpr bool PEEK = false;
+#else
+            constexpr bool PEEK = SK;
+#endif
+            bool own_in_registers = false;
+            if constexpr (PEEK) {
+                if (seg_end == u1 && seg_begin == tile * KT) {
+                    if (ctid == 0) s_peek = load_acquire(counters + tile) == count - 1;  // written once a launch
+                    named_barrier_sync(1, CT);
+                    own_in_registers = s_peek;
+                }
+            }
+            if (!own_in_registers) {
+                float4* dst = reinterpret_cast<float4*>(workspace) + (size_t)mine * CHUNKS * CT + ctid;
 #pragma unroll
-            for (int jj = 0; jj < NT; ++jj)
+                for (int jj = 0; jj < NT; ++jj)
 #pragma unroll
-                for (int q = 0; q < ACC / 4; ++q)
-                    __stcg(dst + (jj * (ACC / 4) + q) * CT,
-                           make_float4(acc[jj][4 * q], acc[jj][4 * q + 1], acc[jj][4 * q + 2], acc[jj][4 * q + 3]));
-            // The barrier orders every consumer's slot stores before thread 0's atomic, whose release
-            // publishes them and whose acquire (passed on by the second barrier) makes the other
-            // slices' visible: no per-thread fence.sc (MEMBAR.SC.GPU) on the tail's critical path.
-            SC_FENCE();
-            named_barrier_sync(1, CT);
-            if (ctid == 0) s_is_last = atomic_add_acq_rel(counters + tile, 1) == count - 1;
-            named_barrier_sync(1, CT);
-            TF_STAMP(5);
-            if (!s_is_last) {
-                if constexpr (SK) continue;
-                TF_STAMP(3);
-                TF_STAMP(4);
-                return;
+                    for (int q = 0; q < ACC / 4; ++q)
+                        __stcg(dst + (jj * (ACC / 4) + q) * CT,
+                               make_float4(acc[jj][4 * q], acc[jj][4 * q + 1], acc[jj][4 * q + 2], acc[jj][4 * q + 3]));
+                // The barrier orders every consumer's slot stores before thread 0's atomic, whose release
+                // publishes them and whose acquire (passed on by the second barrier) makes the other
+                // slices' visible: no per-thread fence.sc (MEMBAR.SC.GPU) on the tail's critical path.
+                SC_FENCE();
+                named_barrier_sync(1, CT);
+                if (ctid == 0) s_is_last = atomic_add_acq_rel(counters + tile, 1) == count - 1;
+                named_barrier_sync(1, CT);
+                TF_STAMP(early_segment ? 7 : 5);
+                if (!s_is_last) {
+                    if constexpr (SK) continue;
+                    TF_STAMP(3);
+                    TF_STAMP(4);
+                    return;
+                }
             }
             SC_FENCE();
             // Loads in batches of BATCH independent float4 per contributor: one L2 round trip per
@@ -446,28 +471,47 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
             // all 32 chunks of a 128-accumulator tile at once spilled.
             constexpr int BATCH = CHUNKS < 16 ? CHUNKS : 16;
             static_assert(CHUNKS % BATCH == 0, "whole batches");
+            if (own_in_registers) {  // contributor 0: its partial, in acc, is the sum's first term
 #pragma unroll
-            for (int c0 = 0; c0 < CHUNKS; c0 += BATCH) {
-                float4 sum[BATCH];
-                const float4* src0 = slot(0) + c0 * CT;
-#pragma unroll
-                for (int b = 0; b < BATCH; ++b) sum[b] = __ldcg(src0 + b * CT);
+                for (int c0 = 0; c0 < CHUNKS; c0 += BATCH) {
 #pragma unroll 1
-                for (int i = 1; i < count; ++i) {
-                    const float4* src = slot(i) + c0 * CT;
-                    float4 v[BATCH];
+                    for (int i = 1; i < count; ++i) {
+                        const float4* src = slot(i) + c0 * CT;
+                        float4 v[BATCH];
 #pragma unroll
-                    for (int b = 0; b < BATCH; ++b) v[b] = __ldcg(src + b * CT);
+                        for (int b = 0; b < BATCH; ++b) v[b] = __ldcg(src + b * CT);
 #pragma unroll
-                    for (int b = 0; b < BATCH; ++b) {
-                        sum[b].x += v[b].x; sum[b].y += v[b].y; sum[b].z += v[b].z; sum[b].w += v[b].w;
+                        for (int b = 0; b < BATCH; ++b) {
+                            const int c = c0 + b, jj = c / (ACC / 4), q = c % (ACC / 4);
+                            acc[jj][4 * q] += v[b].x; acc[jj][4 * q + 1] += v[b].y;
+                            acc[jj][4 * q + 2] += v[b].z; acc[jj][4 * q + 3] += v[b].w;
+                        }
                     }
                 }
+            } else {
 #pragma unroll
-                for (int b = 0; b < BATCH; ++b) {
-                    const int c = c0 + b, jj = c / (ACC / 4), q = c % (ACC / 4);
-                    acc[jj][4 * q] = sum[b].x; acc[jj][4 * q + 1] = sum[b].y;
-                    acc[jj][4 * q + 2] = sum[b].z; acc[jj][4 * q + 3] = sum[b].w;
+                for (int c0 = 0; c0 < CHUNKS; c0 += BATCH) {
+                    float4 sum[BATCH];
+                    const float4* src0 = slot(0) + c0 * CT;
+#pragma unroll
+                    for (int b = 0; b < BATCH; ++b) sum[b] = __ldcg(src0 + b * CT);
+#pragma unroll 1
+                    for (int i = 1; i < count; ++i) {
+                        const float4* src = slot(i) + c0 * CT;
+                        float4 v[BATCH];
+#pragma unroll
+                        for (int b = 0; b < BATCH; ++b) v[b] = __ldcg(src + b * CT);
+#pragma unroll
+                        for (int b = 0; b < BATCH; ++b) {
+                            sum[b].x += v[b].x; sum[b].y += v[b].y; sum[b].z += v[b].z; sum[b].w += v[b].w;
+                        }
+                    }
+#pragma unroll
+                    for (int b = 0; b < BATCH; ++b) {
+                        const int c = c0 + b, jj = c / (ACC / 4), q = c % (ACC / 4);
+                        acc[jj][4 * q] = sum[b].x; acc[jj][4 * q + 1] = sum[b].y;
+                        acc[jj][4 * q + 2] = sum[b].z; acc[jj][4 * q + 3] = sum[b].w;
+                    }
                 }
             }
             if (ctid == 0) store_relaxed(counters + tile, 0);  // all contributors are in: ready for the next launch
