@@ -4,8 +4,13 @@ With --skinny, the skinny kernel instead: its configurations at m = 1 / 5 / full
 split tiles over 2-24 CTAs (the finisher's mid-stream fixups and the consumers' final ones,
 through registers or, in the staged builds, through shared memory).
 
-Usage: compute-sanitizer --tool memcheck python scripts/sanitize_w4a16_hopper.py [--skinny]
+With --stream-k, the wgmma kernel's stream-K builds: grids that cut tiles anywhere (so a CTA's last
+segment takes the counter peek, or falls back to its slot and the atomic) and, with
+TF_W4A16_TEST_NO_PEEK, the slot path everywhere.
+
+Usage: compute-sanitizer --tool memcheck python scripts/sanitize_w4a16_hopper.py [--skinny | --stream-k]
 """
+import dataclasses
 import sys
 
 import torch
@@ -26,6 +31,26 @@ if "--skinny" in sys.argv:
                     ops.matmul_impl(x, p, torch.randn(n, device="cuda", dtype=torch.float16), cfg=cfg, slices=ctas)
     torch.cuda.synchronize()
     print("sanitize run done (skinny)")
+    sys.exit(0)
+if "--stream-k" in sys.argv:
+    spec_of = ops.kernel_spec
+    for no_peek in (False, True):
+        extra = (("TF_W4A16_TEST_NO_PEEK", "1"),) if no_peek else ()
+        ops.kernel_spec = lambda *a: dataclasses.replace(spec_of(*a), defines=spec_of(*a).defines + extra)
+        ops._kernels.clear()
+        for k, n, group, sym in ((2048, 512, 64, False), (1024, 256, -1, True)):
+            q = quantize_rtn(torch.randn(n, k, device="cuda"), group, sym, scale_dtype=torch.float16, clip_search=False)
+            p = ops.pack(q)
+            for cfg in (ops.HopperConfig(128, 1, 2, 6, True), ops.HopperConfig(64, 2, 2, 6, True),
+                        ops.HopperConfig(16, 4, 1, 8, True)):
+                if n % cfg.bn:
+                    continue
+                for m in (cfg.mt - 3, cfg.mt + 5):
+                    for ctas in (None, 7, 13):
+                        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+                        ops.matmul_impl(x, p, torch.randn(n, device="cuda", dtype=torch.float16), cfg=cfg, slices=ctas)
+    torch.cuda.synchronize()
+    print("sanitize run done (stream-k)")
     sys.exit(0)
 for k, n, group, sym in ((512, 256, 128, False), (256, 128, 32, True), (384, 512, -1, False)):
     q = quantize_rtn(torch.randn(n, k, device="cuda"), group, sym, scale_dtype=torch.bfloat16, clip_search=False)
