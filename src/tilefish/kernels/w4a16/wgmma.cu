@@ -471,46 +471,32 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
             // all 32 chunks of a 128-accumulator tile at once spilled.
             constexpr int BATCH = CHUNKS < 16 ? CHUNKS : 16;
             static_assert(CHUNKS % BATCH == 0, "whole batches");
-            if (own_in_registers) {  // contributor 0: its partial, in acc, is the sum's first term
 #pragma unroll
-                for (int c0 = 0; c0 < CHUNKS; c0 += BATCH) {
-#pragma unroll 1
-                    for (int i = 1; i < count; ++i) {
-                        const float4* src = slot(i) + c0 * CT;
-                        float4 v[BATCH];
-#pragma unroll
-                        for (int b = 0; b < BATCH; ++b) v[b] = __ldcg(src + b * CT);
-#pragma unroll
-                        for (int b = 0; b < BATCH; ++b) {
-                            const int c = c0 + b, jj = c / (ACC / 4), q = c % (ACC / 4);
-                            acc[jj][4 * q] += v[b].x; acc[jj][4 * q + 1] += v[b].y;
-                            acc[jj][4 * q + 2] += v[b].z; acc[jj][4 * q + 3] += v[b].w;
-                        }
-                    }
-                }
-            } else {
-#pragma unroll
-                for (int c0 = 0; c0 < CHUNKS; c0 += BATCH) {
-                    float4 sum[BATCH];
+            for (int c0 = 0; c0 < CHUNKS; c0 += BATCH) {
+                // The sum's first term: contributor 0's slot, or this CTA's own partial, still in acc.
+                if (!own_in_registers) {
                     const float4* src0 = slot(0) + c0 * CT;
+                    float4 v[BATCH];
 #pragma unroll
-                    for (int b = 0; b < BATCH; ++b) sum[b] = __ldcg(src0 + b * CT);
-#pragma unroll 1
-                    for (int i = 1; i < count; ++i) {
-                        const float4* src = slot(i) + c0 * CT;
-                        float4 v[BATCH];
-#pragma unroll
-                        for (int b = 0; b < BATCH; ++b) v[b] = __ldcg(src + b * CT);
-#pragma unroll
-                        for (int b = 0; b < BATCH; ++b) {
-                            sum[b].x += v[b].x; sum[b].y += v[b].y; sum[b].z += v[b].z; sum[b].w += v[b].w;
-                        }
-                    }
+                    for (int b = 0; b < BATCH; ++b) v[b] = __ldcg(src0 + b * CT);
 #pragma unroll
                     for (int b = 0; b < BATCH; ++b) {
                         const int c = c0 + b, jj = c / (ACC / 4), q = c % (ACC / 4);
-                        acc[jj][4 * q] = sum[b].x; acc[jj][4 * q + 1] = sum[b].y;
-                        acc[jj][4 * q + 2] = sum[b].z; acc[jj][4 * q + 3] = sum[b].w;
+                        acc[jj][4 * q] = v[b].x; acc[jj][4 * q + 1] = v[b].y;
+                        acc[jj][4 * q + 2] = v[b].z; acc[jj][4 * q + 3] = v[b].w;
+                    }
+                }
+#pragma unroll 1
+                for (int i = 1; i < count; ++i) {
+                    const float4* src = slot(i) + c0 * CT;
+                    float4 v[BATCH];
+#pragma unroll
+                    for (int b = 0; b < BATCH; ++b) v[b] = __ldcg(src + b * CT);
+#pragma unroll
+                    for (int b = 0; b < BATCH; ++b) {
+                        const int c = c0 + b, jj = c / (ACC / 4), q = c % (ACC / 4);
+                        acc[jj][4 * q] += v[b].x; acc[jj][4 * q + 1] += v[b].y;
+                        acc[jj][4 * q + 2] += v[b].z; acc[jj][4 * q + 3] += v[b].w;
                     }
                 }
             }
