@@ -11,12 +11,17 @@ ops.w4a16.MODEL_LARGE_M the launches are bound by memory and latency, from it up
 cores; one fit across both left its m = 256 / 1024 picks 1.9 / 1.0% behind the best plan on
 average, fits of their own 0.3 / 0.1%) and configuration: non-negative least squares on relative
 error (rows divided by the measured time), so short and long launches weigh alike; fp16 and bf16
-sweeps of a format go into one fit. Stream-K configurations have no k split: F, T and A only.
+sweeps of a format go into one fit. Stream-K configurations have no k split: F, T, A and PHI, whose
+feature is log2 of the CTAs that share a tile (the fixup chain of its partial sums).
 Robust: a second pass drops the samples measured at more than 1.5x their first-pass prediction (a
 sweep now and then catches the machine in a slow spell: one plan at 141.6 us between neighbours
 at 15-17) and says how many.
 
-Usage: python scripts/fit_w4a16_time_model.py SWEEP.json [SWEEP.json ...]
+Usage: python scripts/fit_w4a16_time_model.py SWEEP.json[+SK_SWEEP.json] [...]
+SWEEP+SK_SWEEP: SWEEP's stream-K rows replaced by SK_SWEEP's (a sweep of the stream-K configurations
+only, CONFIGS=..., after a change to the stream-K code), each scaled by the day factor: the median
+ratio, SWEEP over SK_SWEEP, of the dispatcher's tile-mode pick timed in both ("auto" with the same
+label), so the two days' clocks do not bias the choice between stream-K and tile plans.
 Prints the HOPPER_TIME_MODEL literal, then the in-sample pick quality per sweep.
 """
 import collections
@@ -26,6 +31,7 @@ import sys
 import numpy as np
 from scipy.optimize import nnls
 
+from tilefish.bench.w4a16 import merge_streamk_resweep
 from tilefish.ops import w4a16 as ops
 
 SMS = 132
@@ -50,7 +56,7 @@ def fit(recs):
             rows[cfg.label()].append((features(cfg, sl, cluster, r["m"], r["n"], r["k"]), t))
     model, dropped = {}, 0
     for label, data in sorted(rows.items()):
-        cols = [0, 1, 2] if label.endswith("-sk") else [0, 1, 2, 3, 4]
+        cols = [0, 1, 2, 3] if label.endswith("-sk") else [0, 1, 2, 3, 4]
         for first in (True, False):
             x = np.array([f for f, _ in data])
             t = np.array([t for _, t in data])
@@ -68,8 +74,18 @@ def fit(recs):
 regime = ops.hopper_model_regime
 
 
+def load(arg):
+    base_path, _, sk_path = arg.partition("+")
+    base = json.load(open(base_path))
+    if not sk_path:
+        return base
+    merged, day = merge_streamk_resweep(base, json.load(open(sk_path)))
+    print(f"# {sk_path}: day factor {day:.3f}", file=sys.stderr)
+    return merged
+
+
 def main():
-    sweeps = {path: json.load(open(path)) for path in sys.argv[1:]}
+    sweeps = {arg: load(arg) for arg in sys.argv[1:]}
     recs = [r for rs in sweeps.values() for r in rs]
     models = {}
     for reg in ("small_m", "large_m"):

@@ -127,18 +127,27 @@ def test_skinny_staged_dispatch():
 
 SWEEPS = ["w4a16_streamk_sweep_settled_fp16_g128.json", "w4a16_streamk_sweep_settled_fp16_g-1.json",
           "w4a16_streamk_sweep_settled_bf16_g128.json", "w4a16_streamk_sweep_settled_bf16_g-1.json"]
+RESULTS = __import__("pathlib").Path(__file__).resolve().parents[1] / "bench" / "results" / "h200"
+
+
+def fitted_sweep(name):
+    """The records the time model was fitted to: the settled sweep with its stream-K rows re-swept
+    after the counter peek (w4a16_streamk_sweep_peek_sk_*), as scripts/fit_w4a16_time_model.py merges them."""
+    import json
+
+    from tilefish.bench.w4a16 import merge_streamk_resweep
+
+    base = json.loads((RESULTS / name).read_text())
+    resweep = json.loads((RESULTS / name.replace("_settled_", "_peek_sk_")).read_text())
+    return merge_streamk_resweep(base, resweep)[0]
 
 
 @pytest.mark.parametrize("name", SWEEPS)
 def test_hopper_time_model_picks_near_the_measured_best(name):
     """The dispatcher's wgmma plan, looked up in the H200 sweep it was fitted to: within 20% of the
     fastest measured plan everywhere and within 2.5% on average (the model's fit, docs/w4a16.md)."""
-    import json
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "results" / "h200" / name
     ratios = []
-    for rec in json.loads(path.read_text()):
+    for rec in fitted_sweep(name):
         m, n, k = rec["m"], rec["n"], rec["k"]
         times = {label: t for t, label, *_ in rec["configs"]}
         cfg, sl = ops.choose_hopper_plan(m, n, k, 132, grouped=rec["group"] != -1)
@@ -291,3 +300,9 @@ def test_time_model_features():
     _, load, rounds, fixup, _ = ops.hopper_plan_features(wide, 2, 1024, 6144, 4096, 132, False)
     assert (load, rounds, fixup) == (96.0, 96.0, 1.0)  # 192 tiles x 2 = 384 CTAs: 3 waves of 32 stages
     assert ops.hopper_plan_load(wide, 2, 1024, 6144, 4096, 132) == load
+    # stream-K: fixup = log2 of the CTAs sharing a tile. k 14336 x n 4096, m = 16: 16 tiles x 224
+    # stages over 264 CTAs (2 an SM), 14 units a CTA, so 16 CTAs a tile
+    thin = ops.HopperConfig(16, 4, 1, 8, True)
+    assert ops.hopper_plan_features(thin, None, 16, 4096, 14336, 132, False) == (1.0, 28.0, 14.0, 4.0, 0.0)
+    # units a CTA at least a tile's stages (n 131072, k 4096: 512 tiles x 64 over 264 CTAs): no chain
+    assert ops.hopper_plan_features(thin, None, 16, 131072, 4096, 132, False)[3] == 0.0

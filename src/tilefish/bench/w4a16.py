@@ -18,6 +18,31 @@ HEAVY_MS = 1.0     # a case whose cuBLAS time passes this heats the GPU ...
 COOLDOWN_S = 0.5   # ... and is followed by this much idle time
 
 
+def merge_streamk_resweep(base: list[dict], resweep: list[dict]) -> tuple[list[dict], float]:
+    """A wgmma plan sweep (scripts/sweep_w4a16_streamk.py records) with its stream-K rows replaced
+    by those of a later sweep of the stream-K configurations alone (after a change to their code),
+    each scaled by the day factor: the median ratio, base over resweep, of the dispatcher's
+    tile-mode pick timed in both (same label), so two days' clocks do not bias stream-K against the
+    tile plans. Returns (merged records, day factor)."""
+    import statistics
+
+    later = {(r["k"], r["n"], r["m"]): r for r in resweep}
+    same = [r["auto_us"] / later[key]["auto_us"] for r in base if (key := (r["k"], r["n"], r["m"])) in later
+            and later[key]["auto"] == r["auto"] and not r["auto"].endswith("-sk")]
+    if not same:
+        raise ValueError("the two sweeps share no tile-mode pick to scale by")
+    day = statistics.median(same)
+    merged = []
+    for r in base:
+        rows = [row for row in r["configs"] if not row[1].endswith("-sk")]
+        if (key := (r["k"], r["n"], r["m"])) in later:
+            rows += [[t * day, label, cluster] for t, label, cluster in later[key]["configs"] if label.endswith("-sk")]
+        else:
+            rows += [row for row in r["configs"] if row[1].endswith("-sk")]
+        merged.append(dict(r, configs=sorted(rows)))
+    return merged, day
+
+
 def sweep(shapes=None, ms=None, dtype: str = "fp16", group: int = 128, reps: int = 20) -> Report:
     """Every (config, slices) for each case: the data the dispatch heuristic is fitted to."""
     from ..ops import w4a16 as ops

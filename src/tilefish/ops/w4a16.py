@@ -341,93 +341,96 @@ H200_CLUSTERS = ((2, 66), (3, 39), (4, 30), (5, 22), (6, 17), (7, 15), (8, 15))
 # bf16, group 128 ("grouped") and per-channel ("per_channel", a model of its own: the group scale's
 # multiplies shift the best tile), the 8 benchmark shapes, m = 16..1024, k splits through the
 # workspace and through DSMEM clusters (bench/results/h200/w4a16_streamk_sweep_settled_*.json,
-# docs/w4a16.md). Two regimes, each fitted on its own sweeps: "small_m" (m < MODEL_LARGE_M, bound
-# by memory and latency) and "large_m" (bound by the tensor cores; one fit across both left its
-# m = 256 / 1024 picks 1.9 / 1.0% behind the best plan on average, fits of their own 0.3 / 0.1%):
+# docs/w4a16.md; the stream-K rows re-swept after the end-of-range counter peek, aceb3fa:
+# w4a16_streamk_sweep_peek_sk_*.json, merged by the fit script with the day's clock factor). Two
+# regimes, each fitted on its own sweeps: "small_m" (m < MODEL_LARGE_M, bound by memory and
+# latency) and "large_m" (bound by the tensor cores; one fit across both left its m = 256 / 1024
+# picks 1.9 / 1.0% behind the best plan on average, fits of their own 0.3 / 0.1%):
 #   time (us) = F + T x load + A x rounds + PHI x fixup + PHI_C x cluster fixup
 # with the features of hopper_plan_features: load = 64-k stages of the busiest SM, rounds = the same
 # with its co-resident CTAs counted once, fixup = log2(slices) (x waves at m < 256: FIXUP_PER_WAVE),
-# through the workspace or through DSMEM when the split runs as clusters. F is launch, ramp and
-# epilogue (stream-K's larger F also holds its two partial tiles a CTA). Coefficients (F, T, A, PHI,
-# PHI_C). In-sample its pick is
-# 0.7-1.2% behind the best measured plan on average, 7-14% at worst (the previous form, without
-# rounds and with one fixup per launch, one fit for all m: 2.8% on average, 30% at worst).
+# through the workspace or through DSMEM when the split runs as clusters; for stream-K, fixup =
+# log2(CTAs sharing a tile), its partial sums' chain (without it the fit sent k 14336 x n 4096,
+# m = 16, 16 CTAs a tile, to stream-K at 1.2x the best plan's time). F is launch, ramp and
+# epilogue. Coefficients (F, T, A, PHI, PHI_C). In-sample its pick is 0.7-1.1% behind the best
+# measured plan on average, 6-14% at worst (the previous form, without rounds and with one fixup
+# per launch, one fit for all m: 2.8% on average, 30% at worst).
 HOPPER_TIME_MODEL = {
     "small_m": {
         "grouped": {
-            "wg-m128n128c1s3-sk": (18.514, 0.419, 0.0, 0.0, 0.0),
+            "wg-m128n128c1s3-sk": (9.13, 0.436, 0.0, 2.922, 0.0),
             "wg-m128n128c1s4": (4.931, 0.38, 0.0, 3.646, 3.529),
             "wg-m128n128c2s6": (5.393, 0.421, 0.0, 2.127, 2.43),
-            "wg-m128n128c2s6-sk": (13.464, 0.444, 0.0, 0.0, 0.0),
-            "wg-m128n256c2s5-sk": (18.679, 0.738, 0.0, 0.0, 0.0),
+            "wg-m128n128c2s6-sk": (8.482, 0.457, 0.0, 1.986, 0.0),
+            "wg-m128n256c2s5-sk": (7.837, 0.79, 0.0, 3.706, 0.0),
             "wg-m128n256c2s6": (7.007, 0.642, 0.0, 3.468, 2.659),
             "wg-m16n256c1s8": (6.89, 0.261, 0.111, 0.996, 0.969),
-            "wg-m16n256c1s8-sk": (11.682, 0.338, 0.0, 0.0, 0.0),
+            "wg-m16n256c1s8-sk": (5.932, 0.354, 0.0, 1.709, 0.0),
             "wg-m16n512c2s8": (6.645, 0.656, 0.0, 1.382, 1.476),
             "wg-m256n128c2s5": (3.964, 0.672, 0.0, 4.074, 6.633),
             "wg-m32n128c1s8": (6.329, 0.157, 0.108, 1.281, 1.325),
             "wg-m32n256c1s6": (7.057, 0.33, 0.065, 1.378, 1.163),
-            "wg-m32n256c1s6-sk": (14.487, 0.369, 0.0, 0.0, 0.0),
+            "wg-m32n256c1s6-sk": (5.931, 0.395, 0.0, 2.256, 0.0),
             "wg-m32n512c2s6": (6.625, 0.688, 0.0, 2.169, 1.9),
             "wg-m64n128c1s8": (6.173, 0.224, 0.074, 1.951, 1.739),
-            "wg-m64n256c1s4-sk": (22.891, 0.464, 0.0, 0.0, 0.0),
+            "wg-m64n256c1s4-sk": (1.63, 0.539, 0.0, 6.117, 0.0),
             "wg-m64n256c1s6": (7.251, 0.468, 0.004, 2.569, 1.745),
             "wg-m64n256c2s6": (6.231, 0.5, 0.0, 2.046, 1.965),
-            "wg-m64n256c2s6-sk": (12.893, 0.542, 0.0, 0.0, 0.0),
+            "wg-m64n256c2s6-sk": (6.776, 0.559, 0.0, 2.181, 0.0),
             "wg-m64n512c2s6": (7.444, 0.839, 0.0, 3.602, 2.567),
         },
         "per_channel": {
-            "wg-m128n128c1s3-sk": (19.035, 0.41, 0.0, 0.0, 0.0),
+            "wg-m128n128c1s3-sk": (8.912, 0.421, 0.0, 3.183, 0.0),
             "wg-m128n128c1s4": (5.455, 0.371, 0.0, 3.687, 3.545),
             "wg-m128n128c2s6": (5.782, 0.366, 0.0, 2.228, 2.842),
-            "wg-m128n128c2s6-sk": (13.808, 0.421, 0.0, 0.0, 0.0),
-            "wg-m128n256c2s5-sk": (19.343, 0.694, 0.0, 0.0, 0.0),
+            "wg-m128n128c2s6-sk": (9.696, 0.423, 0.0, 1.14, 0.0),
+            "wg-m128n256c2s5-sk": (11.36, 0.717, 0.0, 2.718, 0.0),
             "wg-m128n256c2s6": (8.163, 0.602, 0.0, 3.406, 2.379),
             "wg-m16n256c1s8": (7.455, 0.199, 0.123, 1.118, 0.827),
-            "wg-m16n256c1s8-sk": (12.533, 0.283, 0.0, 0.0, 0.0),
+            "wg-m16n256c1s8-sk": (7.377, 0.293, 0.0, 1.483, 0.0),
             "wg-m16n512c2s8": (7.258, 0.571, 0.0, 1.372, 1.292),
             "wg-m256n128c2s5": (4.553, 0.67, 0.0, 4.047, 6.855),
             "wg-m32n128c1s8": (6.435, 0.13, 0.1, 1.385, 1.382),
             "wg-m32n256c1s6": (7.91, 0.277, 0.058, 1.416, 0.915),
-            "wg-m32n256c1s6-sk": (15.342, 0.316, 0.0, 0.0, 0.0),
+            "wg-m32n256c1s6-sk": (6.869, 0.334, 0.0, 2.253, 0.0),
             "wg-m32n512c2s6": (7.395, 0.587, 0.0, 2.174, 1.696),
             "wg-m64n128c1s8": (6.174, 0.199, 0.05, 2.201, 2.15),
-            "wg-m64n256c1s4-sk": (23.701, 0.404, 0.0, 0.0, 0.0),
+            "wg-m64n256c1s4-sk": (4.159, 0.466, 0.0, 5.858, 0.0),
             "wg-m64n256c1s6": (7.277, 0.403, 0.0, 3.21, 1.864),
             "wg-m64n256c2s6": (6.88, 0.429, 0.0, 2.007, 1.81),
-            "wg-m64n256c2s6-sk": (13.491, 0.467, 0.0, 0.0, 0.0),
+            "wg-m64n256c2s6-sk": (6.735, 0.488, 0.0, 2.299, 0.0),
             "wg-m64n512c2s6": (8.422, 0.753, 0.0, 3.53, 2.238),
         },
     },
     "large_m": {
         "grouped": {
-            "wg-m128n128c1s3-sk": (9.867, 0.472, 0.0, 0.0, 0.0),
+            "wg-m128n128c1s3-sk": (0.0, 0.48, 0.0, 4.962, 0.0),
             "wg-m128n128c1s4": (0.0, 0.4, 0.036, 7.056, 6.271),
             "wg-m128n128c2s6": (0.278, 0.476, 0.0, 7.967, 4.909),
-            "wg-m128n128c2s6-sk": (6.307, 0.52, 0.0, 0.0, 0.0),
-            "wg-m128n256c2s5-sk": (11.975, 0.881, 0.0, 0.0, 0.0),
+            "wg-m128n128c2s6-sk": (0.944, 0.523, 0.0, 5.313, 0.0),
+            "wg-m128n256c2s5-sk": (2.049, 0.897, 0.0, 5.461, 0.0),
             "wg-m128n256c2s6": (0.0, 0.782, 0.0, 9.852, 5.347),
             "wg-m256n128c2s5": (0.0, 0.754, 0.0, 10.038, 5.613),
             "wg-m64n128c1s8": (3.772, 0.229, 0.094, 4.79, 0.0),
-            "wg-m64n256c1s4-sk": (12.638, 0.562, 0.0, 0.0, 0.0),
+            "wg-m64n256c1s4-sk": (8.592, 0.537, 0.0, 1.769, 0.0),
             "wg-m64n256c1s6": (2.399, 0.43, 0.098, 5.826, 5.156),
             "wg-m64n256c2s6": (1.935, 0.543, 0.0, 7.652, 5.331),
-            "wg-m64n256c2s6-sk": (7.821, 0.605, 0.0, 0.0, 0.0),
+            "wg-m64n256c2s6-sk": (5.752, 0.583, 0.0, 1.65, 0.0),
             "wg-m64n512c2s6": (0.0, 0.929, 0.0, 9.512, 6.907),
         },
         "per_channel": {
-            "wg-m128n128c1s3-sk": (10.843, 0.433, 0.0, 0.0, 0.0),
+            "wg-m128n128c1s3-sk": (1.021, 0.441, 0.0, 5.337, 0.0),
             "wg-m128n128c1s4": (0.0, 0.349, 0.089, 8.224, 6.429),
             "wg-m128n128c2s6": (0.202, 0.418, 0.0, 7.947, 5.127),
-            "wg-m128n128c2s6-sk": (6.466, 0.466, 0.0, 0.0, 0.0),
-            "wg-m128n256c2s5-sk": (12.561, 0.811, 0.0, 0.0, 0.0),
+            "wg-m128n128c2s6-sk": (1.211, 0.465, 0.0, 5.108, 0.0),
+            "wg-m128n256c2s5-sk": (4.038, 0.831, 0.0, 4.818, 0.0),
             "wg-m128n256c2s6": (0.0, 0.722, 0.0, 10.357, 6.607),
             "wg-m256n128c2s5": (0.0, 0.728, 0.0, 10.437, 6.55),
             "wg-m64n128c1s8": (4.549, 0.197, 0.069, 5.239, 0.0),
-            "wg-m64n256c1s4-sk": (13.048, 0.495, 0.0, 0.0, 0.0),
+            "wg-m64n256c1s4-sk": (10.344, 0.469, 0.0, 1.528, 0.0),
             "wg-m64n256c1s6": (1.399, 0.368, 0.099, 7.689, 6.38),
             "wg-m64n256c2s6": (2.645, 0.467, 0.0, 7.477, 4.969),
-            "wg-m64n256c2s6-sk": (8.612, 0.524, 0.0, 0.0, 0.0),
+            "wg-m64n256c2s6-sk": (5.5, 0.512, 0.0, 2.251, 0.0),
             "wg-m64n512c2s6": (0.0, 0.837, 0.0, 9.677, 7.496),
         },
     },
@@ -476,13 +479,15 @@ def hopper_plan_features(cfg: HopperConfig, slices: int | None, m: int, n: int, 
       n 8192, m = 32, an 8-way split at two CTAs an SM beat the 4-way split at one by 8%), which
       load alone, the same for both, could not tell;
     - fixup: log2(slices), times the waves where FIXUP_PER_WAVE says so for m's regime, through the
-      workspace or (cluster: the split runs as clusters, one CTA an SM) through DSMEM."""
+      workspace or (cluster: the split runs as clusters, one CTA an SM) through DSMEM; stream-K:
+      log2 of the CTAs that share a tile (stages a tile over units a CTA)."""
     tiles, stages = (n // cfg.bn) * -(-m // cfg.mt), k // HOPPER_BK
     resident = 1 if cluster else cfg.ctas_per_sm(128, False)
     if cfg.sk:
         units = tiles * stages
         ctas = min(sm_count * cfg.ctas_per_sm(128, False), units)
-        per_cta, split = float(-(-units // ctas)), 0.0
+        per_cta = float(-(-units // ctas))
+        split = math.log2(max(1.0, stages / per_cta))
     else:
         s = slices or 1
         ctas, per_cta, split = tiles * s, stages / s, math.log2(s)
