@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
 import re
 
 import pytest
 import torch
 
+from tilefish.bench.w4a16 import merge_streamk_resweep
 from tilefish.ops import w4a16 as ops
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (8192, 8192),
@@ -127,19 +130,34 @@ def test_skinny_staged_dispatch():
 
 SWEEPS = ["w4a16_streamk_sweep_settled_fp16_g128.json", "w4a16_streamk_sweep_settled_fp16_g-1.json",
           "w4a16_streamk_sweep_settled_bf16_g128.json", "w4a16_streamk_sweep_settled_bf16_g-1.json"]
-RESULTS = __import__("pathlib").Path(__file__).resolve().parents[1] / "bench" / "results" / "h200"
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "bench" / "results" / "h200"
 
 
 def fitted_sweep(name):
     """The records the time model was fitted to: the settled sweep with its stream-K rows re-swept
-    after the counter peek (w4a16_streamk_sweep_peek_sk_*), as scripts/fit_w4a16_time_model.py merges them."""
-    import json
-
-    from tilefish.bench.w4a16 import merge_streamk_resweep
-
+    after the counter peek (w4a16_streamk_sweep_peek_sk_*), merged as the fit script merges them."""
     base = json.loads((RESULTS / name).read_text())
     resweep = json.loads((RESULTS / name.replace("_settled_", "_peek_sk_")).read_text())
     return merge_streamk_resweep(base, resweep)[0]
+
+
+def test_merge_streamk_resweep():
+    """Stream-K rows come from the re-sweep, scaled by the median ratio of the tile-mode picks timed
+    in both; tile rows stay; records the re-sweep lacks keep their own stream-K rows."""
+    def rec(m, auto, auto_us, rows):
+        return {"k": 4096, "n": 4096, "m": m, "auto": auto, "auto_us": auto_us, "configs": rows}
+    base = [rec(16, "wg-a/x2", 10.0, [[10.0, "wg-a/x2", 0], [12.0, "wg-b-sk", 0]]),
+            rec(32, "wg-a/x1", 20.0, [[20.0, "wg-a/x1", 0], [25.0, "wg-b-sk", 0]]),
+            rec(64, "wg-b-sk", 30.0, [[31.0, "wg-a/x1", 0], [30.0, "wg-b-sk", 0]])]
+    later = [rec(16, "wg-a/x2", 9.0, [[8.0, "wg-b-sk", 0]]),   # tile pick 10 / 9
+             rec(32, "wg-a/x1", 18.0, [[19.0, "wg-b-sk", 0]])]  # 20 / 18: day factor 10 / 9
+    merged, day = merge_streamk_resweep(base, later)
+    assert day == pytest.approx(10 / 9)
+    assert merged[0]["configs"] == [[pytest.approx(80 / 9), "wg-b-sk", 0], [10.0, "wg-a/x2", 0]]
+    assert merged[1]["configs"] == [[20.0, "wg-a/x1", 0], [pytest.approx(190 / 9), "wg-b-sk", 0]]
+    assert merged[2]["configs"] == [[30.0, "wg-b-sk", 0], [31.0, "wg-a/x1", 0]]
+    with pytest.raises(ValueError, match="no tile-mode pick"):
+        merge_streamk_resweep(base[2:], [rec(64, "wg-b-sk", 29.0, [])])
 
 
 @pytest.mark.parametrize("name", SWEEPS)
@@ -163,10 +181,7 @@ def test_hopper_time_model_picks_near_the_measured_best(name):
 def test_time_model_knows_which_splits_ran_as_clusters(name):
     """The sweeps record, per plan, whether its k split ran as clusters (DSMEM fixup); the time
     model's split_fits_clusters, from the H200's cluster capacity, must say the same."""
-    import json
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "results" / "h200" / name
+    path = RESULTS / name
     by_label = {c.label(): c for c in ops.HOPPER_CONFIGS}
     seen = 0
     for rec in json.loads(path.read_text()):

@@ -1,6 +1,7 @@
 """`tilefish bench w4a16`: the W4A16 GEMM against cuBLAS fp16/bf16 of the same shape, same process."""
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -24,8 +25,6 @@ def merge_streamk_resweep(base: list[dict], resweep: list[dict]) -> tuple[list[d
     each scaled by the day factor: the median ratio, base over resweep, of the dispatcher's
     tile-mode pick timed in both (same label), so two days' clocks do not bias stream-K against the
     tile plans. Returns (merged records, day factor)."""
-    import statistics
-
     later = {(r["k"], r["n"], r["m"]): r for r in resweep}
     same = [r["auto_us"] / later[key]["auto_us"] for r in base if (key := (r["k"], r["n"], r["m"])) in later
             and later[key]["auto"] == r["auto"] and not r["auto"].endswith("-sk")]
