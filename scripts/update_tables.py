@@ -1,8 +1,9 @@
 """Regenerate every measured table in README.md and docs/*.md from bench/results JSON.
 
 A table lives between `<!-- table: PATH [rows="IMPL,..."] -->` and `<!-- end table -->`; everything
-between the markers is replaced by the markdown that `tilefish table PATH` prints. Tables are
-never typed by hand.
+between the markers is replaced by the markdown that `tilefish table PATH` prints. With
+`view="targets"` instead (W4A16), it is the per-m summary against issue 3's targets that
+`tilefish bench w4a16` prints after its table. Tables are never typed by hand.
 """
 from __future__ import annotations
 
@@ -15,11 +16,21 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from tilefish.bench.report import Report  # noqa: E402
 
-MARK = re.compile(r'(<!-- table: (\S+)(?: rows="([^"]+)")? -->\n)(.*?)(<!-- end table -->)', re.S)
+MARK = re.compile(r'(<!-- table: (\S+)(?: (rows|view)="([^"]+)")? -->\n)(.*?)(<!-- end table -->)', re.S)
 
 
-def render(path: str, rows: str | None) -> str:
+def render(path: str, attr: str | None, value: str | None) -> str:
     rep = Report.from_json(ROOT / path)
+    rows = value if attr == "rows" else None
+    if attr == "view":
+        if value != "targets":
+            raise ValueError(f"{path}: unknown view {value!r} (known: targets)")
+        from tilefish.bench.w4a16 import target_summary
+
+        env = getattr(rep, "environment", {})
+        return (f"*Ratio = cuBLAS time / tilefish time* — {env.get('gpu', '?')}, tilefish commit "
+                f"{str(env.get('commit', '?'))[:12]}, {str(env.get('date', '?'))[:10]}\n\n"
+                f"{target_summary(rep.rows)}\n")
     if rows:
         keep = rows.split(",")
         rep.rows = [r for r in rep.rows if r.impl in keep]
@@ -34,7 +45,7 @@ def render(path: str, rows: str | None) -> str:
 def main() -> int:
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         text = doc.read_text()
-        new = MARK.sub(lambda m: m.group(1) + render(m.group(2), m.group(3)) + m.group(5), text)
+        new = MARK.sub(lambda m: m.group(1) + render(m.group(2), m.group(3), m.group(4)) + m.group(6), text)
         if new != text:
             doc.write_text(new)
             print(f"updated {doc.relative_to(ROOT)}")

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from tilefish.bench.w4a16 import merge_streamk_resweep
+from tilefish.bench.w4a16 import TARGETS, merge_streamk_resweep, target_summary
 from tilefish.ops import w4a16 as ops
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (8192, 8192),
@@ -158,6 +158,23 @@ def test_merge_streamk_resweep():
     assert merged[2]["configs"] == [[30.0, "wg-b-sk", 0], [31.0, "wg-a/x1", 0]]
     with pytest.raises(ValueError, match="no tile-mode pick"):
         merge_streamk_resweep(base[2:], [rec(64, "wg-b-sk", 29.0, [])])
+
+
+def test_target_summary():
+    """Per m: least / median / greatest ratio with their cases, and the count at the target; rows
+    without a target m or a cuBLAS ratio are left out."""
+    def row(case, m, ratio):
+        return {"case": f"{case} m{m}", "ratios": {"cuBLAS": ratio} if ratio else {}, "extra": {"m": m}}
+    rows = [row("fp16 a", 1, 3.2), row("fp16 b", 1, 1.5), row("bf16 c", 1, 2.9), row("bf16 d", 1, 3.0),
+            row("fp16 a", 256, 0.94), row("fp16 b", 256, 0.95), row("fp16 a", 3, 9.0), row("fp16 z", 128, None)]
+    lines = target_summary(rows).splitlines()
+    assert lines[0].startswith("| m | target |") and len(lines) == 4
+    assert lines[2] == "| 1 | 3x | 1.50x (fp16 b) | 3.00x | 3.20x (fp16 a) | 2 / 4 |"
+    assert lines[3] == "| 256 | 0.95x | 0.94x (fp16 a) | 0.95x | 0.95x (fp16 b) | 1 / 2 |"
+    results = json.loads((RESULTS / "w4a16.json").read_text())["rows"]  # the committed bench: every m, 32 cases
+    assert [line.split(" | ")[-1] for line in target_summary(results).splitlines()[2:]] == \
+        [f"{sum(r['ratios']['cuBLAS'] >= t for r in results if r['extra']['m'] == m)} / 32 |"
+         for m, t in sorted(TARGETS.items())]
 
 
 @pytest.mark.parametrize("name", SWEEPS)

@@ -128,6 +128,8 @@ def cmd_bench(args) -> int:
         rep = suites.FAMILIES[fam](args)
         reports.append(rep)
         print(rep.table(), flush=True)
+        if fam in suites.SUMMARIES and rep.rows:
+            print("\n" + suites.SUMMARIES[fam](rep), flush=True)
         print()
     if args.family:
         final = reports[0]

@@ -33,4 +33,12 @@ def _hgemm(args):
     return hgemm.run(args)
 
 
+def _w4a16_summary(report) -> str:
+    from . import w4a16
+
+    return "Against the targets (ratio = cuBLAS time / tilefish time):\n" + w4a16.target_summary(report.rows)
+
+
 FAMILIES = {"nf4": _nf4, "w4a16": _w4a16, "sgemm": _sgemm, "hgemm": _hgemm}
+# Printed after a family's table by `tilefish bench` (families with targets to report against).
+SUMMARIES = {"w4a16": _w4a16_summary}

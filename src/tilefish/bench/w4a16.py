@@ -17,6 +17,30 @@ DEFAULT_M = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 HEAVY_MS = 1.0     # a case whose cuBLAS time passes this heats the GPU ...
 COOLDOWN_S = 0.5   # ... and is followed by this much idle time
+# Issue 3's targets: the least ratio (cuBLAS time / tilefish time) asked for at each m.
+TARGETS = {1: 3.0, 2: 3.0, 4: 3.0, 8: 3.0, 16: 3.0, 32: 2.5, 64: 1.8, 128: 1.3, 256: 0.95, 1024: 0.95, 4096: 0.95}
+
+
+def target_summary(rows) -> str:
+    """Per m with a target: the least, median and greatest ratio to cuBLAS (with their cases) and
+    how many cases reach the target, as a markdown table. Median: the middle of the sorted ratios
+    (the upper one of an even count). rows: bench Rows or their JSON dicts."""
+    def get(r, name):
+        return r[name] if isinstance(r, dict) else getattr(r, name)
+
+    by_m: dict[int, list[tuple[float, str]]] = {}
+    for r in rows:
+        ratio, extra = get(r, "ratios").get("cuBLAS"), get(r, "extra")
+        if ratio is not None and extra.get("m") in TARGETS:
+            by_m.setdefault(extra["m"], []).append((ratio, get(r, "case")))
+    lines = ["| m | target | min (case) | median | max (case) | cases at target |", "|---|---|---|---|---|---|"]
+    for m in sorted(by_m):
+        vals = sorted(by_m[m])
+        target = TARGETS[m]
+        case = lambda v: v[1].rsplit(" m", 1)[0]  # noqa: E731 - the case without its m
+        lines.append(f"| {m} | {target:g}x | {vals[0][0]:.2f}x ({case(vals[0])}) | {vals[len(vals) // 2][0]:.2f}x | "
+                     f"{vals[-1][0]:.2f}x ({case(vals[-1])}) | {sum(v >= target for v, _ in vals)} / {len(vals)} |")
+    return "\n".join(lines)
 
 
 def merge_streamk_resweep(base: list[dict], resweep: list[dict]) -> tuple[list[dict], float]:
