@@ -28,6 +28,9 @@ def target_summary(rows) -> str:
     def get(r, name):
         return r[name] if isinstance(r, dict) else getattr(r, name)
 
+    def shape(v):  # a (ratio, case) pair's case without its m
+        return v[1].rsplit(" m", 1)[0]
+
     by_m: dict[int, list[tuple[float, str]]] = {}
     for r in rows:
         ratio, extra = get(r, "ratios").get("cuBLAS"), get(r, "extra")
@@ -37,9 +40,8 @@ def target_summary(rows) -> str:
     for m in sorted(by_m):
         vals = sorted(by_m[m])
         target = TARGETS[m]
-        case = lambda v: v[1].rsplit(" m", 1)[0]  # noqa: E731 - the case without its m
-        lines.append(f"| {m} | {target:g}x | {vals[0][0]:.2f}x ({case(vals[0])}) | {vals[len(vals) // 2][0]:.2f}x | "
-                     f"{vals[-1][0]:.2f}x ({case(vals[-1])}) | {sum(v >= target for v, _ in vals)} / {len(vals)} |")
+        lines.append(f"| {m} | {target:g}x | {vals[0][0]:.2f}x ({shape(vals[0])}) | {vals[len(vals) // 2][0]:.2f}x | "
+                     f"{vals[-1][0]:.2f}x ({shape(vals[-1])}) | {sum(v >= target for v, _ in vals)} / {len(vals)} |")
     return "\n".join(lines)
 
 
