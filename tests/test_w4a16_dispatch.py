@@ -171,6 +171,7 @@ def test_target_summary():
     assert lines[0].startswith("| m | target |") and len(lines) == 4
     assert lines[2] == "| 1 | 3x | 1.50x (fp16 b) | 3.00x | 3.20x (fp16 a) | 2 / 4 |"
     assert lines[3] == "| 256 | 0.95x | 0.94x (fp16 a) | 0.95x | 0.95x (fp16 b) | 1 / 2 |"
+    assert target_summary([{"case": "k4096 n4096 m1", "ratios": {"cuBLAS": 2.0}, "extra": {}}]) == ""  # sweep rows
     results = json.loads((RESULTS / "w4a16.json").read_text())["rows"]  # the committed bench: every m, 32 cases
     assert [line.split(" | ")[-1] for line in target_summary(results).splitlines()[2:]] == \
         [f"{sum(r['ratios']['cuBLAS'] >= t for r in results if r['extra']['m'] == m)} / 32 |"

@@ -128,8 +128,8 @@ def cmd_bench(args) -> int:
         rep = suites.FAMILIES[fam](args)
         reports.append(rep)
         print(rep.table(), flush=True)
-        if fam in suites.SUMMARIES and rep.rows:
-            print("\n" + suites.SUMMARIES[fam](rep), flush=True)
+        if fam in suites.SUMMARIES and (summary := suites.SUMMARIES[fam](rep)):
+            print("\n" + summary, flush=True)
         print()
     if args.family:
         final = reports[0]

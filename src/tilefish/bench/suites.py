@@ -36,7 +36,8 @@ def _hgemm(args):
 def _w4a16_summary(report) -> str:
     from . import w4a16
 
-    return "Against the targets (ratio = cuBLAS time / tilefish time):\n" + w4a16.target_summary(report.rows)
+    table = w4a16.target_summary(report.rows)
+    return "Against the targets (ratio = cuBLAS time / tilefish time):\n" + table if table else ""
 
 
 FAMILIES = {"nf4": _nf4, "w4a16": _w4a16, "sgemm": _sgemm, "hgemm": _hgemm}

@@ -24,7 +24,8 @@ TARGETS = {1: 3.0, 2: 3.0, 4: 3.0, 8: 3.0, 16: 3.0, 32: 2.5, 64: 1.8, 128: 1.3, 
 def target_summary(rows) -> str:
     """Per m with a target: the least, median and greatest ratio to cuBLAS (with their cases) and
     how many cases reach the target, as a markdown table. Median: the middle of the sorted ratios
-    (the upper one of an even count). rows: bench Rows or their JSON dicts."""
+    (the upper one of an even count). rows: bench Rows or their JSON dicts. "" when no row has a
+    target m (the --variants sweep's rows carry no m)."""
     def get(r, name):
         return r[name] if isinstance(r, dict) else getattr(r, name)
 
@@ -36,6 +37,8 @@ def target_summary(rows) -> str:
         ratio, extra = get(r, "ratios").get("cuBLAS"), get(r, "extra")
         if ratio is not None and extra.get("m") in TARGETS:
             by_m.setdefault(extra["m"], []).append((ratio, get(r, "case")))
+    if not by_m:
+        return ""
     lines = ["| m | target | min (case) | median | max (case) | cases at target |", "|---|---|---|---|---|---|"]
     for m in sorted(by_m):
         vals = sorted(by_m[m])
