@@ -49,8 +49,12 @@ def from_awq(qweight, qzeros, scales, *, group_size: int, dtype: torch.dtype | N
 
 
 def matmul(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ dequant(w)^T (+ bias). x [..., k] fp16/bf16 (CUDA: the tensor-core kernel; CPU: reference)."""
-    if torch.compiler.is_compiling():
+    """y = x @ dequant(w)^T (+ bias). x [..., k] fp16/bf16 (CUDA: the tensor-core kernel; CPU: reference).
+
+    Autograd: gradients flow to x and bias (through the exactly dequantized weight), the same on CUDA,
+    on CPU and under torch.compile; the 4-bit weight is frozen."""
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
+            getattr(x, "requires_grad", False) or (bias is not None and bias.requires_grad))):
         from .ops import library
 
         return library.w4a16_matmul(x, w, bias)

@@ -1,7 +1,8 @@
 """torch.library registrations: every op's schema and fake (meta) implementation in one place.
 
 Eager calls go straight to the ops' Python implementations (lower host overhead); under
-torch.compile the public functions route through these custom ops, so fullgraph tracing works.
+torch.compile, and where autograd must record the call, the public functions route through these
+custom ops, so fullgraph tracing works and backward is the same everywhere.
 """
 from __future__ import annotations
 
@@ -72,6 +73,31 @@ def w4a16_matmul_op(x: Tensor, packed: Tensor, scales: Tensor, zeros: Optional[T
 @w4a16_matmul_op.register_fake
 def _(x, packed, scales, zeros, perm, bias, group_size, n, k):
     return x.new_empty(*x.shape[:-1], n)
+
+
+def _w4a16_setup_context(ctx, inputs, output):
+    x, packed, scales, zeros, perm, bias, group_size, n, k = inputs
+    ctx.save_for_backward(packed, scales, zeros, perm)
+    ctx.group_size, ctx.n, ctx.k = group_size, n, k
+
+
+def _w4a16_backward(ctx, grad):
+    """Gradients reach x (grad @ W, W dequantized exactly in fp32) and the bias; the 4-bit weight is frozen."""
+    from .w4a16 import unpack
+
+    packed, scales, zeros, perm = ctx.saved_tensors
+    grad_x = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        dense = unpack(_w4a16_weight(packed, scales, zeros, perm, ctx.group_size, ctx.n, ctx.k)).dequantize(torch.float32)
+        grad_x = (grad.float() @ dense).to(grad.dtype)   # columns in the weight's (act-order permuted) k order
+        if perm is not None:
+            grad_x = grad_x.index_select(-1, torch.argsort(perm))
+    if ctx.needs_input_grad[5]:
+        grad_bias = grad.reshape(-1, ctx.n).sum(0)
+    return grad_x, None, None, None, None, grad_bias, None, None, None
+
+
+w4a16_matmul_op.register_autograd(_w4a16_backward, setup_context=_w4a16_setup_context)
 
 
 def w4a16_matmul(x: Tensor, w, bias: Tensor | None = None) -> Tensor:

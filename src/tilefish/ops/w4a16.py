@@ -19,7 +19,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..quant.int4 import Int4Weight
-from ..runtime import KernelSpec, cluster_capacity, current_stream_handle, device_info, get_kernel, i32, launch
+from ..runtime import (KernelSpec, cluster_capacity, current_stream_handle, device_info, get_kernel, i32,
+                       launch_prepared, prepare_launch)
+from ..runtime.tma import tensor_map_rows
 
 SOURCE = "w4a16/gemm.cu"
 HOPPER_SOURCE = "w4a16/wgmma.cu"
@@ -50,10 +52,30 @@ class W4A16Weight:
     def device(self) -> torch.device:
         return self.packed.device
 
-    def to(self, device) -> "W4A16Weight":
-        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return W4A16Weight(mv(self.packed), mv(self.scales), mv(self.zeros), self.group_size, self.n, self.k,
-                           mv(self.perm))
+    def to(self, *args, **kwargs) -> "W4A16Weight":
+        """Like Tensor.to: a device moves every tensor; a dtype (float16 / bfloat16, the activation
+        dtype the weight serves) converts the scales and zero points only, never the packed words."""
+        device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is not None and dtype not in DTYPES:
+            raise TypeError(f"a W4A16 weight's dtype (its scales') must be float16 or bfloat16, got {dtype}")
+
+        def move(t, values: bool):
+            if t is None:
+                return None
+            return t.to(device=device, dtype=dtype if values else None, non_blocking=non_blocking)
+        return W4A16Weight(move(self.packed, False), move(self.scales, True), move(self.zeros, True), self.group_size,
+                           self.n, self.k, move(self.perm, False))
+
+
+def check_perm(perm: torch.Tensor, k: int) -> None:
+    """An act-order permutation must be an integer tensor [k] holding each of 0..k-1 once (the op
+    gathers x's columns with it; a bad index would read out of bounds on the GPU). Reads its values:
+    call where a weight is built or loaded, not per call."""
+    if not isinstance(perm, torch.Tensor) or perm.dtype not in (torch.int32, torch.int64) or perm.shape != (k,):
+        raise ValueError(f"perm must be an int32/int64 tensor of shape ({k},) (a permutation of in_features), got "
+                         f"{getattr(perm, 'dtype', type(perm).__name__)} {tuple(getattr(perm, 'shape', ()))}")
+    if perm.device.type != "meta" and not bool((torch.sort(perm).values == torch.arange(k, device=perm.device)).all()):
+        raise ValueError(f"perm must hold each of 0..{k - 1} exactly once")
 
 
 # ---- layout ---------------------------------------------------------------------------------------------------
@@ -81,6 +103,8 @@ def pack(w: Int4Weight, perm: torch.Tensor | None = None) -> W4A16Weight:
     """Int4Weight (q [n, k], scales/zeros [n, groups]) -> the kernel layout. Pure torch, any device."""
     n, k = w.n, w.k
     check_shape(n, k, w.group_size)
+    if perm is not None:
+        check_perm(perm, k)
     q = w.q.to(torch.int64)
     # n = 64 S + 16 j + 8 h + g ; k = 16 r + 8 a + 2 t + b
     v = q.view(n // 64, 4, 2, 8, k // 16, 2, 4, 2)          # S j h g r a t b
@@ -811,6 +835,8 @@ def _validate(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None) -> Non
     if w.scales.dtype != x.dtype:
         raise TypeError(f"x is {x.dtype} but the weight's scales are {w.scales.dtype}; convert one of them "
                         "(W4A16Weight.scales.to(...))")
+    if x.dim() == 0:
+        raise ValueError(f"x must be [..., k] with k = {w.k}; got a 0-D tensor")
     if x.shape[-1] != w.k:
         raise ValueError(f"x has k={x.shape[-1]} (last dim) but the weight has in_features k={w.k}")
     check_shape(w.n, w.k, w.group_size)
@@ -825,6 +851,10 @@ def _validate(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None) -> Non
     if bias is not None:
         if not isinstance(bias, torch.Tensor) or bias.dtype != x.dtype or bias.shape != (w.n,):
             raise ValueError(f"bias must be a {x.dtype} tensor of shape ({w.n},)")
+    if w.perm is not None and (not isinstance(w.perm, torch.Tensor) or w.perm.dtype not in (torch.int32, torch.int64)
+                               or w.perm.shape != (w.k,)):
+        raise ValueError(f"perm must be an int32/int64 tensor of shape ({w.k},), got "
+                         f"{getattr(w.perm, 'dtype', type(w.perm).__name__)} {tuple(getattr(w.perm, 'shape', ()))}")
     dev = x.device
     if (w.packed.device != dev or w.scales.device != dev or (w.zeros is not None and w.zeros.device != dev)
             or (bias is not None and bias.device != dev) or (w.perm is not None and w.perm.device != dev)):
@@ -858,18 +888,56 @@ def matmul_impl(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = Non
     out = torch.empty(m, w.n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*lead, w.n)
-    for name, t in (("x", x2), ("packed", w.packed), ("scales", w.scales), ("zeros", w.zeros)):
-        if t is not None and (t.data_ptr() % 16 or not t.is_contiguous()):
-            raise ValueError(f"{name} must be contiguous and 16-byte aligned for the CUDA kernel")
-    info = device_info(x.device.index)
-    sms = info.sm_count
-    cfg = cfg or choose_config(m, w.n, w.k, sms, info.cc, w.group_size, _device_clusters(info), x.dtype)
-    if isinstance(cfg, HopperConfig):
-        out = _launch_hopper(cfg, x2, w, bias, out, slices, info)
-        return out if flat else out.reshape(*lead, w.n)
-    if isinstance(cfg, SkinnyConfig):
-        out = _launch_skinny(cfg, x2, w, bias, out, slices, info)
-        return out if flat else out.reshape(*lead, w.n)
+    if x2.data_ptr() % 16:  # an offset view: the kernels read x in 16-byte (TMA: aligned) pieces
+        x2 = x2.clone()
+    LaunchPlan.build(w, bias, m, x.device, cfg, slices).launch(x2.data_ptr(), out.data_ptr())
+    return out if flat else out.reshape(*lead, w.n)
+
+
+class LaunchPlan:
+    """The kernel launches of one (weight, bias, m, device, stream): the configuration, grid, shared
+    memory, workspace and every argument but x and the output, decided once. The op builds one a
+    call; W4A16Linear keeps one per input shape and stream, so an eager call only allocates the
+    output and launches (the per-call checks and choices were most of its host time)."""
+
+    __slots__ = ("launches", "keep", "m", "k", "dtype", "device_index")
+
+    def __init__(self, launches: list[tuple], keep: tuple, m: int, k: int, dtype: torch.dtype, device_index: int):
+        self.launches = launches  # (kernel, launch config, TMA box of x or None: x by pointer, args before out, after)
+        self.keep = keep          # tensors the arguments point into (weight, bias, workspace): kept alive
+        self.m, self.k, self.dtype, self.device_index = m, k, dtype, device_index
+
+    @classmethod
+    def build(cls, w: W4A16Weight, bias: torch.Tensor | None, m: int, device: torch.device,
+              cfg=None, slices: int | None = None) -> "LaunchPlan":
+        """w and bias already validated (_validate), on `device` and contiguous; m >= 1."""
+        for name, t in (("packed", w.packed), ("scales", w.scales), ("zeros", w.zeros)):
+            if t is not None and (t.data_ptr() % 16 or not t.is_contiguous()):
+                raise ValueError(f"{name} must be contiguous and 16-byte aligned for the CUDA kernel")
+        info = device_info(device.index)
+        cfg = cfg or choose_config(m, w.n, w.k, info.sm_count, info.cc, w.group_size, _device_clusters(info), w.dtype)
+        if isinstance(cfg, HopperConfig):
+            launches, ws = _hopper_launches(cfg, m, w, bias, slices, info)
+        elif isinstance(cfg, SkinnyConfig):
+            launches, ws = _skinny_launches(cfg, m, w, bias, slices, info)
+        else:
+            launches, ws = _mma_launches(cfg, m, w, bias, slices, info)
+        return cls(launches, (w.packed, w.scales, w.zeros, bias) + ws, m, w.k, w.dtype, info.index)
+
+    def launch(self, x_ptr: int, out_ptr: int) -> None:
+        """x_ptr: x as [m, k] contiguous, 16-byte aligned, on the plan's device; out_ptr: [m, n] contiguous."""
+        for kern, config, box, head, tail in self.launches:
+            xa = x_ptr if box is None else tensor_map_rows(x_ptr, self.m, self.k, self.dtype, self.device_index, *box)
+            launch_prepared(kern, config, xa, *head, out_ptr, *tail)
+
+
+def _weight_args(w: W4A16Weight, bias: torch.Tensor | None) -> tuple[int, int, int, int]:
+    return (w.packed.data_ptr(), w.scales.data_ptr(), w.zeros.data_ptr() if w.zeros is not None else 0,
+            bias.data_ptr() if bias is not None else 0)
+
+
+def _mma_launches(cfg: GemmConfig, m: int, w: W4A16Weight, bias, slices: int | None, info):
+    """The mma.sync kernel (any GPU): grid (m tiles, n tiles, k slices)."""
     if w.n % cfg.bn:
         raise ValueError(f"config {cfg.label()} needs n % {cfg.bn} == 0 (n={w.n})")
     if cfg.swap and m > 8:
@@ -877,16 +945,14 @@ def matmul_impl(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = Non
     asym = w.zeros is not None
     n_tiles, m_tiles, k_tiles = w.n // cfg.bn, -(-m // cfg.bm), w.k // BK
     tiles = n_tiles * m_tiles
-    slices = slices or choose_slices(tiles, k_tiles, sms)
+    slices = slices or choose_slices(tiles, k_tiles, info.sm_count)
     slices = max(1, min(slices, k_tiles))
-    ws, counters = _workspace(x.device, tiles * slices * cfg.bm * cfg.bn if slices > 1 else 0, tiles)
-    kern = _kernel(x.dtype, cfg, w.group_size, asym, x.device.index)
-    launch(kern, (m_tiles, n_tiles, slices), THREADS,
-           x2.data_ptr(), w.packed.data_ptr(), w.scales.data_ptr(),
-           w.zeros.data_ptr() if asym else 0, bias.data_ptr() if bias is not None else 0,
-           out.data_ptr(), ws.data_ptr(), counters.data_ptr(), i32(m), i32(w.n), i32(w.k), i32(slices),
-           smem=_smem_bytes(cfg, w.group_size, asym))
-    return out if flat else out.reshape(*lead, w.n)
+    device = w.packed.device
+    ws, counters = _workspace(device, tiles * slices * cfg.bm * cfg.bn if slices > 1 else 0, tiles)
+    kern = _kernel(w.dtype, cfg, w.group_size, asym, device.index)
+    config = prepare_launch(kern, (m_tiles, n_tiles, slices), THREADS, _smem_bytes(cfg, w.group_size, asym))
+    tail = (ws.data_ptr(), counters.data_ptr(), i32(m), i32(w.n), i32(w.k), i32(slices))
+    return [(kern, config, None, _weight_args(w, bias), tail)], (ws, counters)
 
 
 def _device_clusters(info) -> tuple[tuple[int, int], ...]:
@@ -916,21 +982,17 @@ def _smem_bytes(cfg, group_size: int, asym: bool) -> int:
     return cfg.smem_bytes(group_size, asym)
 
 
-def _launch_hopper(cfg: HopperConfig, x2: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None,
-                   out: torch.Tensor, slices: int | None, info) -> torch.Tensor:
+def _hopper_launches(cfg: HopperConfig, m: int, w: W4A16Weight, bias, slices: int | None, info):
     """The sm_90a wgmma kernel: a TMA map for x (mt x 64 boxes, 128-byte swizzle); grid (m tiles,
     n tiles, k slices), or for a stream-K config (cfg.sk) a 1-D grid of `slices` CTAs (default one
     wave: SMs x cfg.ctas_per_sm, at most one (tile, k stage) unit each). A 2-8 way k split whose
     clusters all fit at once runs as clusters of its slices: grid (m tiles x slices, n tiles). A
     partial last wave that _separate_tail picks runs as a second, 1-D launch from tile_base."""
-    from ..runtime.tma import tensor_map_2d
-
     if info.cc != 90:
         raise ValueError(f"config {cfg.label()} uses wgmma / TMA (sm_90a) and runs on Hopper (sm_90) only; "
                          f"this GPU is sm_{info.cc}")
     if w.n % cfg.bn:
         raise ValueError(f"config {cfg.label()} needs n % {cfg.bn} == 0 (n={w.n})")
-    m = x2.shape[0]
     asym = w.zeros is not None
     n_tiles, m_tiles, k_stages = w.n // cfg.bn, -(-m // cfg.mt), w.k // HOPPER_BK
     tiles = n_tiles * m_tiles
@@ -953,23 +1015,22 @@ def _launch_hopper(cfg: HopperConfig, x2: torch.Tensor, w: W4A16Weight, bias: to
     # inside one GPC; else the rest ran as a second wave) and with one CTA an SM (a cluster whose
     # CTAs doubled up on SMs left others idle: 0.6x in an A/B on the H200). Otherwise, for stream-K
     # and for splits wider than a portable cluster, the slices sum through the global workspace.
-    kern = _kernel(x2.dtype, cfg, w.group_size, asym, x2.device.index)
+    device = w.packed.device
+    kern = _kernel(w.dtype, cfg, w.group_size, asym, device.index)
     smem = _smem_bytes(cfg, w.group_size, asym)
     cluster = 1
     if _split_runs_as_clusters(cfg, kern, tiles, slices, smem):
         grid, ws_floats, cluster, smem = (m_tiles * slices, n_tiles, 1), 0, slices, max(smem, ONE_CTA_PER_SM_SMEM)
-    ws, counters = _workspace(x2.device, ws_floats, tiles)
-    map_x = tensor_map_2d(x2, cfg.mt, HOPPER_BK)
-    args = (map_x, w.packed.data_ptr(), w.scales.data_ptr(), w.zeros.data_ptr() if asym else 0,
-            bias.data_ptr() if bias is not None else 0, out.data_ptr(), ws.data_ptr(), counters.data_ptr(),
-            i32(m), i32(w.n), i32(w.k), i32(slices), i32(int(cluster > 1)))
-    tail = _separate_tail(cfg, tiles, slices, cluster, w.group_size, asym, info.sm_count)
-    if tail:
-        launch(kern, tiles - tail, cfg.threads, *args, i32(0), smem=smem)
-        launch(kern, tail, cfg.threads, *args, i32(tiles - tail), smem=smem)
-    else:
-        launch(kern, grid, cfg.threads, *args, i32(0), smem=smem, cluster=cluster)
-    return out
+    ws, counters = _workspace(device, ws_floats, tiles)
+    box = (cfg.mt, HOPPER_BK)
+    tail = (ws.data_ptr(), counters.data_ptr(), i32(m), i32(w.n), i32(w.k), i32(slices), i32(int(cluster > 1)))
+    head = _weight_args(w, bias)
+    split = _separate_tail(cfg, tiles, slices, cluster, w.group_size, asym, info.sm_count)
+    if split:
+        return [(kern, prepare_launch(kern, tiles - split, cfg.threads, smem), box, head, tail + (i32(0),)),
+                (kern, prepare_launch(kern, split, cfg.threads, smem), box, head, tail + (i32(tiles - split),))], \
+            (ws, counters)
+    return [(kern, prepare_launch(kern, grid, cfg.threads, smem, cluster), box, head, tail + (i32(0),))], (ws, counters)
 
 
 def _separate_tail(cfg: HopperConfig, tiles: int, slices: int, cluster: int, group_size: int, asym: bool,
@@ -1013,16 +1074,12 @@ def hopper_split_uses_clusters(cfg: HopperConfig, m: int, n: int, k: int, slices
     return _split_runs_as_clusters(cfg, kern, tiles, slices, cfg.smem_bytes(group_size, asym))
 
 
-def _launch_skinny(cfg: SkinnyConfig, x2: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None,
-                   out: torch.Tensor, ctas: int | None, info) -> torch.Tensor:
+def _skinny_launches(cfg: SkinnyConfig, m: int, w: W4A16Weight, bias, ctas: int | None, info):
     """The sm_90a stream-K kernel: a TMA map for x (mt x 64 boxes, 128-byte swizzle), a 1-D grid of
     `ctas` CTAs (default SMs x cfg.ctas_per_sm, at most one unit of (tile, 128-k stage) each)."""
-    from ..runtime.tma import tensor_map_2d
-
     if info.cc != 90:
         raise ValueError(f"config {cfg.label()} uses TMA / bulk copies (sm_90a) and runs on Hopper (sm_90) only; "
                          f"this GPU is sm_{info.cc}")
-    m = x2.shape[0]
     if m > cfg.mt:
         raise ValueError(f"config {cfg.label()} handles m <= {cfg.mt} rows, got m={m}")
     if w.n % cfg.bn:
@@ -1031,11 +1088,9 @@ def _launch_skinny(cfg: SkinnyConfig, x2: torch.Tensor, w: W4A16Weight, bias: to
     tiles = w.n // cfg.bn
     units = tiles * (w.k // SKINNY_BK)
     ctas = max(1, min(ctas or info.sm_count * cfg.ctas_per_sm, units, 2**31 - 1))
-    ws, counters = _workspace(x2.device, ctas * 2 * cfg.mt * cfg.bn, tiles)
-    kern = _kernel(x2.dtype, cfg, w.group_size, asym, x2.device.index)
-    map_x = tensor_map_2d(x2, cfg.mt, 64)
-    launch(kern, ctas, cfg.threads, map_x, w.packed.data_ptr(), w.scales.data_ptr(),
-           w.zeros.data_ptr() if asym else 0, bias.data_ptr() if bias is not None else 0,
-           out.data_ptr(), ws.data_ptr(), counters.data_ptr(), i32(m), i32(w.n), i32(w.k),
-           smem=_smem_bytes(cfg, w.group_size, asym))
-    return out
+    device = w.packed.device
+    ws, counters = _workspace(device, ctas * 2 * cfg.mt * cfg.bn, tiles)
+    kern = _kernel(w.dtype, cfg, w.group_size, asym, device.index)
+    config = prepare_launch(kern, ctas, cfg.threads, _smem_bytes(cfg, w.group_size, asym))
+    tail = (ws.data_ptr(), counters.data_ptr(), i32(m), i32(w.n), i32(w.k))
+    return [(kern, config, (cfg.mt, 64), _weight_args(w, bias), tail)], (ws, counters)

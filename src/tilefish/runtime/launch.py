@@ -154,15 +154,11 @@ def _stream_for(device_index: int):
     return s
 
 
-def launch(kernel: LoadedKernel, grid, block, *args, smem: int = 0, cluster: int = 1) -> None:
-    """Launch on torch.cuda.current_stream() of the kernel's device.
-
-    grid counts blocks (an int or a tuple); cluster > 1 groups that many consecutive blocks along x
-    into a thread-block cluster (grid[0] must be a multiple of it).
-    Pointer arguments are plain ints (tensor.data_ptr()); other scalars must be typed
-    (i32 / u32 / f32), because a bare Python int is passed as a 64-bit value.  cuda.core
-    TensorMapDescriptor arguments (runtime.tma) are passed by value.
-    """
+def prepare_launch(kernel: LoadedKernel, grid, block, smem: int = 0, cluster: int = 1):
+    """The launch configuration of `kernel` for this grid (an int or a tuple, counting blocks), block,
+    dynamic shared memory and cluster size, with the kernel's shared-memory limit raised where it
+    needs more than the default (once). cluster > 1 groups that many consecutive blocks along x into
+    a thread-block cluster (grid[0] must be a multiple of it). Memoized: cheap to call per launch."""
     if smem + kernel.compiled.resources.static_smem > _DEFAULT_DYN_SMEM:  # the 48 KB default covers both
         kernel.ensure_dynamic_smem(smem)
     key = (grid, block, smem, cluster)
@@ -180,4 +176,19 @@ def launch(kernel: LoadedKernel, grid, block, *args, smem: int = 0, cluster: int
         else:
             cfg = LaunchConfig(grid=grid, block=block, shmem_size=smem)
         _configs[key] = cfg
-    _cuda_launch()(_stream_for(kernel.device), cfg, kernel.kernel, *args)
+    return cfg
+
+
+def launch_prepared(kernel: LoadedKernel, config, *args) -> None:
+    """Launch with a configuration from prepare_launch on torch.cuda.current_stream() of the kernel's device.
+
+    Pointer arguments are plain ints (tensor.data_ptr()); other scalars must be typed
+    (i32 / u32 / f32), because a bare Python int is passed as a 64-bit value.  cuda.core
+    TensorMapDescriptor arguments (runtime.tma) are passed by value.
+    """
+    _cuda_launch()(_stream_for(kernel.device), config, kernel.kernel, *args)
+
+
+def launch(kernel: LoadedKernel, grid, block, *args, smem: int = 0, cluster: int = 1) -> None:
+    """prepare_launch + launch_prepared in one call."""
+    launch_prepared(kernel, prepare_launch(kernel, grid, block, smem, cluster), *args)

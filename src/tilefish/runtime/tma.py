@@ -47,6 +47,16 @@ def _tensor_map(device: int, ptr: int, rows: int, cols: int, pitch: int, dtype: 
 _maps: dict[tuple, object] = {}
 
 
+def _cached_map(key: tuple, device: int, ptr: int, rows: int, cols: int, pitch: int, dtype: torch.dtype,
+                box_rows: int, box_cols: int, swizzle: int):
+    _ensure_context(device)
+    m = _tensor_map(device, ptr, rows, cols, pitch, dtype, box_rows, box_cols, swizzle)
+    if len(_maps) >= 512:  # addresses and shapes vary without bound in some workloads
+        _maps.clear()
+    _maps[key] = m
+    return m
+
+
 def tensor_map_2d(t: torch.Tensor, box_rows: int, box_cols: int, swizzle: int = 128):
     """Tensor map of a 2-D row-major fp16/bf16 CUDA matrix (unit column stride, 16-byte aligned
     pointer and row pitch); one TMA copy moves a box_rows x box_cols box, zero-filling outside t."""
@@ -67,10 +77,20 @@ def tensor_map_2d(t: torch.Tensor, box_rows: int, box_cols: int, swizzle: int = 
     if t.device.type != "cuda":
         raise ValueError(f"a tensor map needs a CUDA tensor, got one on {t.device}")
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    _ensure_context(index)
-    m = _tensor_map(index, t.data_ptr(), t.shape[0], t.shape[1], max(pitch, t.shape[1]), t.dtype,
-                    box_rows, box_cols, swizzle)
-    if len(_maps) >= 512:  # addresses and shapes vary without bound in some workloads
-        _maps.clear()
-    _maps[key] = m
+    return _cached_map(key, index, t.data_ptr(), t.shape[0], t.shape[1], max(pitch, t.shape[1]), t.dtype,
+                       box_rows, box_cols, swizzle)
+
+
+def tensor_map_rows(ptr: int, rows: int, cols: int, dtype: torch.dtype, device: int, box_rows: int, box_cols: int,
+                    swizzle: int = 128):
+    """tensor_map_2d of a contiguous [rows, cols] matrix at `ptr` on CUDA device `device`, for callers
+    that checked it already (16-byte aligned pointer and row: cols * 2 % 16 == 0): the per-call fast
+    path of a planned launch, with no tensor to inspect."""
+    key = (ptr, rows, cols, dtype, device, box_rows, box_cols, swizzle)
+    m = _maps.get(key)
+    if m is None:
+        if dtype not in _TYPESTR or ptr % 16 or (cols * 2) % 16:
+            raise ValueError(f"a TMA map needs a float16/bfloat16 matrix with a 16-byte aligned pointer and row, "
+                             f"got {dtype}, pointer % 16 = {ptr % 16}, {cols} columns")
+        m = _cached_map(key, device, ptr, rows, cols, cols, dtype, box_rows, box_cols, swizzle)
     return m

@@ -1,0 +1,216 @@
+"""Whole-model conversion: quantize a model's nn.Linear layers in place, and fuse sibling projections.
+
+    report = tilefish.quantize_model(model)          # every eligible nn.Linear -> W4A16Linear (lm_head kept)
+    print(report)
+
+Fusion joins sibling projections of one input (attention q/k/v, MLP gate/up) into one W4A16 matmul
+whose weights sit side by side along out_features: one launch streams all of them, so a decode step
+pays one kernel's fixed cost instead of three (two). Every output column keeps its own quantized
+values and scale, so fused and unfused layers compute the same function.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .nn import FusedW4A16Linear, W4A16Linear, W4A16Slice
+
+# Sibling projections fused by default: (parts, in the fused output's column order) -> fused name.
+FUSE_GROUPS: dict[tuple[str, ...], str] = {
+    ("q_proj", "k_proj", "v_proj"): "qkv_proj",
+    ("gate_proj", "up_proj"): "gate_up_proj",
+}
+METHODS = ("w4a16",)
+
+
+@dataclass
+class ConversionReport:
+    """What a conversion did, module by module."""
+    converted: dict[str, str] = field(default_factory=dict)   # module name -> what it became
+    skipped: dict[str, str] = field(default_factory=dict)     # module name -> why it stayed as it was
+    fused: dict[str, list[str]] = field(default_factory=dict)  # fused module name -> the parts it replaced
+    unfused: dict[str, str] = field(default_factory=dict)     # parts (joined by ", ") -> why they stayed apart
+    bytes_before: int = 0   # the converted modules' weights, bias and buffers before ...
+    bytes_after: int = 0    # ... and after
+
+    def __str__(self) -> str:
+        lines = [f"converted {len(self.converted)} module(s), skipped {len(self.skipped)}, "
+                 f"fused {len(self.fused)} group(s)"]
+        if self.bytes_before:
+            lines.append(f"weights of the converted modules: {self.bytes_before / 2**20:,.1f} MiB -> "
+                         f"{self.bytes_after / 2**20:,.1f} MiB ({self.bytes_after / self.bytes_before:.2f}x)")
+        reasons: dict[str, list[str]] = {}
+        for name, why in list(self.skipped.items()) + list(self.unfused.items()):
+            reasons.setdefault(why, []).append(name)
+        for why, names in reasons.items():
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            lines.append(f"  not converted or not fused ({why}): {shown}")
+        return "\n".join(lines)
+
+
+def module_bytes(module: nn.Module) -> int:
+    """Bytes of a module's parameters and buffers (shared tensors counted once)."""
+    seen, total = set(), 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if t.data_ptr() not in seen or t.device.type == "meta":
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _matches(name: str, patterns) -> bool:
+    """A module name matches a pattern equal to it, to its last component(s), or as an fnmatch glob."""
+    return any(name == p or name.endswith("." + p) or fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    head, _, leaf = name.rpartition(".")
+    return (model.get_submodule(head) if head else model), leaf
+
+
+def _why_not_quantizable(module: nn.Linear, group_size: int) -> str | None:
+    from .ops.w4a16 import check_shape
+
+    w = module.weight
+    if w.device.type == "meta":
+        return "its weight is on the meta device (no values to quantize)"
+    if w.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"weight dtype {w.dtype} (fp16, bf16 or fp32 needed)"
+    try:
+        check_shape(module.out_features, module.in_features, group_size)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def quantize_model(model: nn.Module, method: str = "w4a16", *, group_size: int = 128, symmetric: bool = True,
+                   skip=("lm_head",), fuse: bool = True, dtype: torch.dtype | None = None,
+                   clip_search: bool = True) -> ConversionReport:
+    """Replace every eligible nn.Linear of `model` (any module tree) in place by a W4A16Linear.
+
+    - Quantization: round-to-nearest int4 with `group_size` (-1 per channel, 32, 64, 128), symmetric
+      or with zero points, each group's scale chosen by a clip search (clip_search=False: plain range).
+      Runs where the weights are (CUDA, or CPU for the reference path), one layer at a time, and drops
+      each dense weight once its layer is converted: the peak is about one layer above the result.
+    - skip: module names (or their last components, or fnmatch globs) left dense; lm_head by default.
+      A layer whose shape the kernel cannot tile (out_features % 64, in_features % 128) stays dense
+      with the reason in the report, as does any module that is not a plain floating nn.Linear.
+    - fuse: q/k/v and gate/up siblings become one matmul each (fuse_projections).
+    - dtype: the activation dtype (the scales'); default the weight's if fp16/bf16, else fp16.
+    - Converting an already converted model is a no-op for its W4A16 layers (reported as skipped).
+    Returns the ConversionReport."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}; got {method!r}")
+    if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"dtype must be torch.float16 or torch.bfloat16 (the activation dtype); got {dtype}")
+    if isinstance(skip, str):
+        skip = (skip,)
+    report = ConversionReport()
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, (W4A16Linear, W4A16Slice)):
+            report.skipped[name] = "already W4A16"
+        elif isinstance(module, nn.Linear):
+            if _matches(name, skip):
+                report.skipped[name] = "in skip"
+            elif type(module) is not nn.Linear:
+                report.skipped[name] = f"{type(module).__name__} is not a plain nn.Linear"
+            elif (why := _why_not_quantizable(module, group_size)) is not None:
+                report.skipped[name] = why
+            else:
+                names.append(name)
+    for name in names:  # names, not modules: each dense layer is released once replaced
+        parent, leaf = _parent(model, name)
+        linear = getattr(parent, leaf)
+        before = module_bytes(linear)
+        layer = W4A16Linear.from_linear(linear, group_size=group_size, symmetric=symmetric,
+                                        dtype=dtype) if clip_search else _from_linear_plain(linear, group_size,
+                                                                                             symmetric, dtype)
+        setattr(parent, leaf, layer)
+        del linear
+        report.bytes_before += before
+        report.bytes_after += module_bytes(layer)
+        report.converted[name] = (f"W4A16 g{group_size} {'sym' if symmetric else 'asym'} "
+                                  f"{layer.in_features}->{layer.out_features}")
+    if fuse:
+        fuse_projections(model, report)
+    return report
+
+
+def _from_linear_plain(linear: nn.Linear, group_size: int, symmetric: bool, dtype) -> W4A16Linear:
+    from . import w4a16
+
+    dtype = dtype or (linear.weight.dtype if linear.weight.dtype in (torch.float16, torch.bfloat16) else torch.float16)
+    w = w4a16.quantize(linear.weight.detach(), group_size, symmetric, dtype=dtype, clip_search=False)
+    return W4A16Linear.from_weight(w, None if linear.bias is None else linear.bias.detach())
+
+
+def _why_not_fusable(parts: list[W4A16Linear]) -> str | None:
+    first = parts[0]
+    for p in parts:
+        if type(p) is not W4A16Linear:
+            return f"{type(p).__name__} is not a plain W4A16Linear"
+        if p.in_features != first.in_features:
+            return "different in_features"
+        if p.group_size != first.group_size:
+            return "different group sizes"
+        if p.scales.dtype != first.scales.dtype or p.packed.device != first.packed.device:
+            return "different dtypes or devices"
+    perms = [p.perm for p in parts]
+    if any(q is not None for q in perms):
+        if any(q is None for q in perms) or not all(torch.equal(q, perms[0]) for q in perms[1:]):
+            return "act-order permutations differ (each part gathers x in its own order)"
+    return None
+
+
+def fuse(parts: list[W4A16Linear]) -> FusedW4A16Linear:
+    """One FusedW4A16Linear holding `parts`' weights side by side along out_features (exact: the
+    packed layout and the scales are per 64-column strip, and every part is whole strips)."""
+    first = parts[0]
+    device, dtype = first.packed.device, first.scales.dtype
+    asym = any(p.zeros is not None for p in parts)
+    has_bias = any(p.bias is not None for p in parts)
+    fused = FusedW4A16Linear(first.in_features, [p.out_features for p in parts], group_size=first.group_size,
+                             bias=has_bias, symmetric=not asym, dtype=dtype, device="meta",
+                             act_order=first.perm is not None)
+    fused.packed = torch.cat([p.packed for p in parts], 0)
+    fused.scales = torch.cat([p.scales for p in parts], 1)
+    if asym:  # a symmetric part's zero point is 8, written out
+        fused.zeros = torch.cat([p.zeros if p.zeros is not None else torch.full_like(p.scales, 8) for p in parts], 1)
+    fused.perm = first.perm
+    if has_bias:
+        fused.bias = nn.Parameter(torch.cat([p.bias.detach() if p.bias is not None else
+                                             torch.zeros(p.out_features, dtype=dtype, device=device) for p in parts]),
+                                  requires_grad=False)
+    return fused
+
+
+def fuse_projections(model: nn.Module, report: ConversionReport | None = None,
+                     groups: dict[tuple[str, ...], str] | None = None) -> ConversionReport:
+    """In every module that holds all the parts of a group (default FUSE_GROUPS: q/k/v, gate/up) as
+    W4A16Linears, put one FusedW4A16Linear under the group's fused name and a W4A16Slice in each
+    part's place. Groups that cannot fuse stay as they are, with the reason in the report."""
+    report = report if report is not None else ConversionReport()
+    groups = FUSE_GROUPS if groups is None else groups
+    for parent_name, parent in list(model.named_modules()):
+        for part_names, fused_name in groups.items():
+            parts = [getattr(parent, p, None) for p in part_names]
+            if not all(isinstance(p, W4A16Linear) for p in parts):
+                continue
+            full = [f"{parent_name}.{p}" if parent_name else p for p in part_names]
+            where = f"{parent_name}.{fused_name}" if parent_name else fused_name
+            why = _why_not_fusable(parts)
+            if why is None and hasattr(parent, fused_name):
+                why = f"{where} already exists"
+            if why is not None:
+                report.unfused[", ".join(full)] = why
+                continue
+            fused = fuse(parts)
+            setattr(parent, fused_name, fused)
+            for i, p in enumerate(part_names):
+                setattr(parent, p, W4A16Slice(fused, i))
+            report.fused[where] = full
+    return report
