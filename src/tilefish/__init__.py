@@ -6,7 +6,9 @@ __version__ = "0.1.0"
 
 import importlib as _importlib
 
-_LAZY = ("nf4", "w4a16", "nn", "reference", "runtime", "ops", "quant", "bench")
+_LAZY = ("nf4", "w4a16", "nn", "reference", "runtime", "ops", "quant", "bench", "convert", "checkpoint", "models")
+# Functions re-exported lazily: name -> submodule.
+_FUNCTIONS = {"quantize_model": "convert", "ConversionReport": "convert", "load_quantized": "checkpoint"}
 
 
 def __getattr__(name):  # submodules load on first use: `import tilefish` stays light
@@ -18,9 +20,12 @@ def __getattr__(name):  # submodules load on first use: `import tilefish` stays 
         from .ops.hgemm import hgemm
 
         return hgemm
+    if name in _FUNCTIONS:
+        return getattr(_importlib.import_module(f".{_FUNCTIONS[name]}", __name__), name)
     if name in _LAZY:
         return _importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'tilefish' has no attribute {name!r}")
 
 
-__all__ = ["__version__", "nf4", "w4a16", "nn", "sgemm", "hgemm"]
+__all__ = ["__version__", "nf4", "w4a16", "nn", "sgemm", "hgemm", "quantize_model", "load_quantized",
+           "ConversionReport"]
