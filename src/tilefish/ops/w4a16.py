@@ -343,10 +343,6 @@ SKINNY_CONFIGS = [SkinnyConfig(8, 4, 2, 4, 2), SkinnyConfig(8, 4, 1, 3, 2), Skin
 # of least predicted time under HOPPER_TIME_MODEL; from MODEL_MAX_M up, the older per-range rule (_choose_hopper_config), which the
 # model's sweep does not cover.
 HOPPER_MIN_M = 9
-# Programmatic dependent launch on sm_90: every W4A16 kernel streams its first ring of weights
-# before grid_dependency_wait, so that part of its ramp overlaps the end of the kernel ahead of it
-# (scripts/ab_w4a16_pdl.py measures it). False: plain stream order (A/Bs).
-PDL = True
 MODEL_MAX_M = 2048
 MODEL_LARGE_M = 256  # the time model's second regime (tensor-bound launches) from this m up
 SMALL_WEIGHT_NK = 100_000_000
@@ -954,7 +950,7 @@ def _mma_launches(cfg: GemmConfig, m: int, w: W4A16Weight, bias, slices: int | N
     device = w.packed.device
     ws, counters = _workspace(device, tiles * slices * cfg.bm * cfg.bn if slices > 1 else 0, tiles)
     kern = _kernel(w.dtype, cfg, w.group_size, asym, device.index)
-    config = prepare_launch(kern, (m_tiles, n_tiles, slices), THREADS, _smem_bytes(cfg, w.group_size, asym), pdl=PDL)
+    config = prepare_launch(kern, (m_tiles, n_tiles, slices), THREADS, _smem_bytes(cfg, w.group_size, asym))
     tail = (ws.data_ptr(), counters.data_ptr(), i32(m), i32(w.n), i32(w.k), i32(slices))
     return [(kern, config, None, _weight_args(w, bias), tail)], (ws, counters)
 
@@ -1031,10 +1027,10 @@ def _hopper_launches(cfg: HopperConfig, m: int, w: W4A16Weight, bias, slices: in
     head = _weight_args(w, bias)
     split = _separate_tail(cfg, tiles, slices, cluster, w.group_size, asym, info.sm_count)
     if split:
-        return [(kern, prepare_launch(kern, tiles - split, cfg.threads, smem, pdl=PDL), box, head, tail + (i32(0),)),
-                (kern, prepare_launch(kern, split, cfg.threads, smem, pdl=PDL), box, head, tail + (i32(tiles - split),))], \
+        return [(kern, prepare_launch(kern, tiles - split, cfg.threads, smem), box, head, tail + (i32(0),)),
+                (kern, prepare_launch(kern, split, cfg.threads, smem), box, head, tail + (i32(tiles - split),))], \
             (ws, counters)
-    return [(kern, prepare_launch(kern, grid, cfg.threads, smem, cluster, pdl=PDL), box, head, tail + (i32(0),))], (ws, counters)
+    return [(kern, prepare_launch(kern, grid, cfg.threads, smem, cluster), box, head, tail + (i32(0),))], (ws, counters)
 
 
 def _separate_tail(cfg: HopperConfig, tiles: int, slices: int, cluster: int, group_size: int, asym: bool,
@@ -1095,6 +1091,6 @@ def _skinny_launches(cfg: SkinnyConfig, m: int, w: W4A16Weight, bias, ctas: int 
     device = w.packed.device
     ws, counters = _workspace(device, ctas * 2 * cfg.mt * cfg.bn, tiles)
     kern = _kernel(w.dtype, cfg, w.group_size, asym, device.index)
-    config = prepare_launch(kern, ctas, cfg.threads, _smem_bytes(cfg, w.group_size, asym), pdl=PDL)
+    config = prepare_launch(kern, ctas, cfg.threads, _smem_bytes(cfg, w.group_size, asym))
     tail = (ws.data_ptr(), counters.data_ptr(), i32(m), i32(w.n), i32(w.k))
     return [(kern, config, (cfg.mt, 64), _weight_args(w, bias), tail)], (ws, counters)

@@ -85,12 +85,6 @@ __device__ __forceinline__ void bulk_load(void* smem_dst, const void* gmem_src, 
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  :: "r"(smem_addr(smem_dst)), "l"(gmem_src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }
-// Bulk prefetch of global bytes into L2 (no shared memory, no barrier): a kernel launched with
-// programmatic dependent launch starts its first weights' DRAM reads this way before
-// grid_dependency_wait, and its bulk loads then find them in L2. 16-byte aligned, size % 16 == 0.
-__device__ __forceinline__ void bulk_prefetch_l2(const void* gmem_src, u32 bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(gmem_src), "r"(bytes) : "memory");
-}
 // TMA store: a whole 2-D box shared -> global in the map's swizzle; the parts of the box past the
 // tensor's edges are not written (so M/N edges need no predication). The copy reads shared memory
 // asynchronously: the source may be overwritten only after bulk_wait_group_read says so, and the

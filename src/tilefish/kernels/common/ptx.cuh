@@ -9,27 +9,6 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef long long i64;
 
-// Programmatic dependent launch (sm_90+). A kernel launched with programmatic stream
-// serialization may start before the kernel ahead of it in the stream has finished: until
-// grid_dependency_wait() returns, it may only read memory nobody writes (weights, constants);
-// anything the previous kernel writes (x) and anything this one writes (out, workspace, counters:
-// the previous kernel may still read memory the allocator has handed on) comes after. Once any
-// thread returns from it the earlier grids have completed and their writes are visible to the
-// whole grid. Without that launch attribute (or below sm_90) both are no-ops.
-__device__ __forceinline__ void grid_dependency_wait() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-// Lets the next kernel in the stream (if launched with programmatic serialization) be scheduled
-// once every CTA of this one has called it or exited: its CTAs then take SMs as this one's leave.
-__device__ __forceinline__ void launch_dependent_grids() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 // 16-byte load through the read-only (non-coherent) path: the data is never written by
 // the kernel, so it may bypass L1 coherence and be issued as one LDG.E.128.
 __device__ __forceinline__ uint4 ld_nc_v4(const void* p) {

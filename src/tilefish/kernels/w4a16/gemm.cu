@@ -101,18 +101,16 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
         a_valid |= (valid ? 1u : 0u) << i;
     }
 
-    // x tile: BM rows x 16 chunks of 16 B, swizzled; rows past m are zero-filled.
-    auto load_x = [&](int s, int kt) {
-        T* a_s = reinterpret_cast<T*>(stage_ptr(s));
+    auto load_stage = [&](int s, int kt) {
+        unsigned char* base = stage_ptr(s);
+        T* a_s = reinterpret_cast<T*>(base);
+        uint4* b_s = reinterpret_cast<uint4*>(base + L::kA);
+        const int k0 = kt * kBK;
+        // x tile: BM rows x 16 chunks of 16 B, swizzled; rows past m are zero-filled.
 #pragma unroll
         for (int i = 0; i < kACopies; ++i)
             if (BM * 16 % kThreads == 0 || tid + i * kThreads < BM * 16)
-                cp_async16(a_s + a_dst[i], a_src[i] + kt * kBK, (a_valid >> i) & 1);
-    };
-    auto load_weights = [&](int s, int kt) {
-        unsigned char* base = stage_ptr(s);
-        uint4* b_s = reinterpret_cast<uint4*>(base + L::kA);
-        const int k0 = kt * kBK;
+                cp_async16(a_s + a_dst[i], a_src[i] + k0, (a_valid >> i) & 1);
         // weight tile: strip i of the block's WN strips is 8 k16 rows x 512 B = 4 KB contiguous in
         // global memory (strip-major layout); warp `warp` copies row `warp` of every strip.
         if constexpr (!BREG) {
@@ -157,26 +155,16 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
     (void)w_warp;
     (void)breg;
 
-    launch_dependent_grids();  // the next kernel's CTAs may take SMs as these leave
-
-    // Prologue: fill STAGES-1 stages. Their weights go out before grid_dependency_wait (nothing in
-    // the stream writes them), so with programmatic dependent launch they load while the kernel
-    // ahead drains; x after it. The first commit group holds every prologue weight copy and stage
-    // 0's x, group s stage s's x: each stage's data is in a group no later than its own.
+    // Prologue: fill STAGES-1 stages.
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (kt_begin + s < kt_end) {
-            load_weights(s, kt_begin + s);
+            load_stage(s, kt_begin + s);
             if constexpr (BREG) {
 #pragma unroll
                 for (int kk = 0; kk < KW; ++kk) breg[s][kk] = ld_nc_v4(w_warp + (size_t)(kt_begin + s) * 256 + kk * 32);
             }
         }
-    }
-    grid_dependency_wait();
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (kt_begin + s < kt_end) load_x(s, kt_begin + s);
         cp_async_commit();
     }
 
@@ -193,8 +181,7 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
             const int nxt = kt + STAGES - 1;
             const int nslot = (u + STAGES - 1) % STAGES;  // a constant once the loop is unrolled
             if (nxt < kt_end) {
-                load_x(nslot, nxt);
-                load_weights(nslot, nxt);
+                load_stage(nslot, nxt);
                 if constexpr (BREG) {
 #pragma unroll
                     for (int kk = 0; kk < KW; ++kk) breg[nslot][kk] = ld_nc_v4(w_warp + (size_t)nxt * 256 + kk * 32);

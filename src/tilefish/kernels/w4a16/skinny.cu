@@ -131,7 +131,6 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
         fence_barrier_init();
     }
     __syncthreads();
-    launch_dependent_grids();  // the next kernel's CTAs may take SMs as these leave
     TF_STAMP(1);
 
     // Workspace slots: CTA c's first segment in slot 2 c, its last in 2 c + 1 (middle tiles are whole).
@@ -314,15 +313,6 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
             int s = 0;
             u32 phase = 0;
             int tile = u0 / KS, ks = u0 - tile * KS;
-            // The first ring's weights (nothing in the stream writes them) head for L2 before
-            // grid_dependency_wait: with programmatic dependent launch their DRAM reads overlap the
-            // end of the kernel ahead; x, the outputs and the workspace wait for it.
-            for (int u = u0; u < min(u1, u0 + STAGES); ++u) {
-                const uint4* src = w + (size_t)(u / KS) * NS * strip_uint4 + (size_t)(u % KS) * 8 * 32;
-#pragma unroll
-                for (int i = 0; i < NS; ++i) bulk_prefetch_l2(src + i * strip_uint4, L::W_STRIP);
-            }
-            grid_dependency_wait();
             for (int u = u0; u < u1; ++u) {
                 mbar_wait(&empty[s], phase ^ 1);  // round 0: the phase before the first counts as done
                 mbar_arrive_expect_tx(&full[s], L::TX);

@@ -163,7 +163,6 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
         fence_barrier_init();
     }
     __syncthreads();
-    launch_dependent_grids();  // the next kernel's CTAs may take SMs as these leave
 
     if (wg == 0) {
         setmaxnreg_dec<PRODUCER_REGS>();
@@ -175,16 +174,6 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
             int tile = u0 / KT, kt = u0 - tile * KT;
             int m0 = (tile % m_tiles) * MT, n0 = (tile / m_tiles) * BN;
             const uint4* w_cta = w + (size_t)(n0 / 64) * strip_uint4;
-            // The first ring's weights (nothing in the stream writes them) head for L2 before
-            // grid_dependency_wait: with programmatic dependent launch their DRAM reads overlap the
-            // end of the kernel ahead; x, the outputs and the workspace wait for it.
-            for (int u = u0; u < min(u1, u0 + STAGES); ++u) {
-                const int t = u / KT;
-                const uint4* src = w + (size_t)((t / m_tiles) * BN / 64) * strip_uint4 + (size_t)(u - t * KT) * (kBK / 16) * 32;
-#pragma unroll
-                for (int i = 0; i < L::STRIPS; ++i) bulk_prefetch_l2(src + i * strip_uint4, L::W_STRIP_BYTES);
-            }
-            grid_dependency_wait();
             for (int u = u0; u < u1; ++u) {
                 mbar_wait(&empty[s], phase ^ 1);  // round 0: the phase before the first counts as done
                 mbar_arrive_expect_tx(&full[s], L::TX_BYTES);
