@@ -11,31 +11,13 @@ Usage (device): python scripts/check_e2e_logits.py [layers ...]   (default 2 32)
 import sys
 
 import torch
-from torch import nn
-
 from tilefish.bench.e2e import _HF
-from tilefish.convert import quantize_model
+from tilefish.convert import dequantize_model, quantize_model
 from tilefish.models.llama import LlamaConfig
-from tilefish.nn import W4A16Linear, W4A16Slice
 
 
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def dense_copy_of_quantized(model: nn.Module) -> None:
-    """Every W4A16Linear / W4A16Slice -> nn.Linear with its dequantized weight, in place."""
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, W4A16Slice) or type(child) is W4A16Linear:  # fused owners are unused then
-                owner = child.fused if isinstance(child, W4A16Slice) else child
-                lin = nn.Linear(child.in_features, child.out_features, bias=owner.bias is not None,
-                                device="cuda", dtype=torch.float16)
-                lin.weight.data.copy_(child.weight.dequantize())
-                if owner.bias is not None:
-                    a, b = owner.bounds[child.index] if isinstance(child, W4A16Slice) else (0, child.out_features)
-                    lin.bias.data.copy_(owner.bias[a:b])
-                setattr(parent, name, lin)
 
 
 def hidden_states(model, ids):
@@ -54,7 +36,7 @@ def main():
             quantize_model(model)
             hq = hidden_states(model, ids)
             lq = model(ids, use_cache=False).logits
-            dense_copy_of_quantized(model)
+            dequantize_model(model)
             ld = model(ids, use_cache=False).logits
         print(f"{layers} layers: logits w4a16 vs fp16 {rel(lq, l16):.4f}; w4a16 kernels vs dense dequantized "
               f"{rel(lq, ld):.5f}; dense dequantized vs fp16 {rel(ld, l16):.4f}")

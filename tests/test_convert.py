@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import tilefish
-from tilefish.convert import ConversionReport, fuse_projections, quantize_model
+from tilefish.convert import ConversionReport, dequantize_model, fuse_projections, quantize_model
 from tilefish.nn import FusedW4A16Linear, W4A16Linear, W4A16Slice
 from tilefish.ops.w4a16 import W4A16Weight
 
@@ -258,3 +258,17 @@ def test_hf_llama_quantize_and_fuse():
         ref, a, b = dense(ids).logits, unfused(ids).logits, fused(ids).logits
     assert torch.equal(a, b)
     assert rel_err(b, ref) < 0.3   # 4-bit weights of a random model; the kernel-exact checks are above
+
+
+def test_dequantize_model_is_the_dense_twin():
+    """dequantize_model puts back nn.Linears with the exactly dequantized weights: the twin computes
+    what the quantized model computes, up to fp16 rounding of the matmul."""
+    model = _model(bias=True)
+    quantize_model(model, group_size=64, symmetric=False)
+    h = torch.randn(2, 3, 256, dtype=torch.float16)
+    want = model(h)
+    assert dequantize_model(model) == 14
+    assert not any(isinstance(m, (W4A16Linear, W4A16Slice)) for m in model.modules())
+    assert type(model.layers[0].self_attn.k_proj) is nn.Linear and not hasattr(model.layers[0].self_attn, "qkv_proj")
+    for a, b in zip(want, model(h)):
+        assert rel_err(b, a) < 2e-3

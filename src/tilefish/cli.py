@@ -193,7 +193,8 @@ def main(argv=None) -> int:
     c.add_argument("--jobs", "-j", type=int, default=1, help="parallel compile processes")
     c.set_defaults(fn=cmd_compile)
     b = sub.add_parser("bench", help="benchmark against peers and ceilings (needs a GPU)")
-    b.add_argument("family", nargs="?", choices=["nf4", "w4a16", "sgemm", "hgemm"], help="one family; default: all, with a summary")
+    b.add_argument("family", nargs="?", choices=["nf4", "w4a16", "sgemm", "hgemm", "e2e"],
+                   help="one family; default: all, with a summary")
     b.add_argument("--shapes", help="comma-separated list: nf4 RxC (4096x4096,...), w4a16 KxN (4096x6144,...), "
                    "sgemm S (S^3) or MxNxK")
     b.add_argument("--m", help="w4a16: comma-separated batch sizes (default 1,2,4,...,4096)")
@@ -206,6 +207,17 @@ def main(argv=None) -> int:
     b.add_argument("--variants", action="store_true",
                    help="sweep the kernel design space (nf4 variants, w4a16 configs, sgemm autotune)")
     b.add_argument("--reps", type=int, default=50)
+    e = b.add_argument_group("e2e (a Llama-3-8B-shaped decoder end to end)")
+    e.add_argument("--layers", type=int, default=32, help="decoder layers (default 32; fewer if the GPU cannot hold them)")
+    e.add_argument("--batches", default="1,4,16,64", help="decode batch sizes (default 1,4,16,64)")
+    e.add_argument("--prefill", default="512,2048", help="prefill prompt lengths, batch 1 (default 512,2048; '' for none)")
+    e.add_argument("--context", type=int, default=512, help="tokens in the KV cache before a decode step (default 512)")
+    e.add_argument("--modes", default="compiled,eager",
+                   help="compiled (torch.compile per layer + CUDA graph) and/or eager (default both)")
+    e.add_argument("--model", default="auto", choices=["auto", "hf", "builtin"],
+                   help="transformers' LlamaForCausalLM or tilefish.models.llama (default: hf when importable)")
+    e.add_argument("--impls", default="fp16,w4a16,nf4", help="variants to time (default fp16,w4a16,nf4)")
+    e.add_argument("--int4-lm-head", action="store_true", help="w4a16 also quantizes lm_head (default: kept fp16)")
     b.add_argument("--json", help="write the report as JSON here")
     b.add_argument("--plot", help="write a PNG plot here")
     b.set_defaults(fn=cmd_bench)

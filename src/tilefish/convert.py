@@ -214,3 +214,33 @@ def fuse_projections(model: nn.Module, report: ConversionReport | None = None,
                 setattr(parent, p, W4A16Slice(fused, i))
             report.fused[where] = full
     return report
+
+
+def dequantize_model(model: nn.Module) -> int:
+    """The inverse of quantize_model, in place: every W4A16Linear and W4A16Slice becomes an nn.Linear
+    holding its exactly dequantized weight (in the original input order) and bias, in the layer's
+    dtype; fused layers are dropped. For export, and for telling the kernels' error from the 4-bit
+    weights' (a quantized model against its dense twin). Returns how many layers it replaced."""
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, W4A16Slice):
+                owner, (a, b) = child.fused, child.fused.bounds[child.index]
+            elif type(child) is W4A16Linear:
+                owner, (a, b) = child, (0, child.out_features)
+            else:
+                continue
+            weight = child.weight.dequantize()
+            linear = nn.Linear(child.in_features, child.out_features, bias=owner.bias is not None,
+                               device=weight.device, dtype=weight.dtype)
+            with torch.no_grad():
+                linear.weight.copy_(weight)
+                if owner.bias is not None:
+                    linear.bias.copy_(owner.bias[a:b])
+            setattr(parent, name, linear)
+            replaced += 1
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, FusedW4A16Linear):
+                delattr(parent, name)
+    return replaced

@@ -171,3 +171,14 @@ def host_overhead_us(fn, calls: int = 2000) -> float:
     t1 = time.perf_counter()
     torch.cuda.synchronize()
     return (t1 - t0) / calls * 1e6
+
+
+def host_overhead_paired_us(fns: dict, calls: int = 1000, rounds: int = 7) -> dict:
+    """host_overhead_us of several callables in alternating rounds, median per callable: {name: us}.
+    The host's speed drifts (a busy or throttled CPU moved one F.linear reading from 20 to 33 us
+    between runs), so callables compared in one table are timed interleaved, never one after the other."""
+    samples: dict = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(host_overhead_us(fn, calls))
+    return {name: statistics.median(v) for name, v in samples.items()}

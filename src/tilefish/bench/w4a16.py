@@ -8,7 +8,7 @@ import torch
 
 from .ceilings import copy_bandwidth_gbps
 from .report import Report, Row
-from .timing import host_overhead_us, time_cuda, time_paired
+from .timing import host_overhead_paired_us, time_cuda, time_paired
 
 # (k, n) of Llama-3 8B and 70B linears
 DEFAULT_KN = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (8192, 8192),
@@ -139,11 +139,27 @@ def run(shapes=None, ms=None, groups=(128, -1), dtypes=("fp16", "bf16"), reps: i
                                     "group": group, "dtype": dname, "config": cfg.label()}))
                 del p
             del dense
-    small = ops.pack(__import__("tilefish.quant.int4", fromlist=["x"]).quantize_rtn(
-        torch.randn(128, 256, device="cuda"), 128, True, scale_dtype=torch.float16))
-    xs = torch.randn(1, 256, device="cuda", dtype=torch.float16)
-    from .. import w4a16
-
-    report.notes.append(f"host overhead per call (m=1, k=256, n=128, wrapper + launch): "
-                        f"{host_overhead_us(lambda: w4a16.matmul(xs, small)):.1f} us")
+    report.notes.append(host_cost_note())
     return report
+
+
+def host_cost_note(k: int = 4096, n: int = 4096, dtype: torch.dtype = torch.float16) -> str:
+    """The eager host time of one call (Python wrapper + launch) at m = 1 on a k x n weight: the
+    W4A16Linear layer (its planned path), the functional op, and F.linear on the same shape, timed
+    in alternating rounds. Calls are few enough (400) that the GPU queue never fills, so the host
+    clock measures the host."""
+    import torch.nn.functional as F
+
+    from .. import w4a16
+    from ..nn import W4A16Linear
+
+    dense = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=dtype)
+    layer = W4A16Linear.from_linear(dense, group_size=128)
+    w = layer.weight4
+    x = torch.randn(1, k, device="cuda", dtype=dtype)
+    with torch.inference_mode():
+        us = host_overhead_paired_us({"F.linear": lambda: F.linear(x, dense.weight), "W4A16Linear": lambda: layer(x),
+                                      "w4a16.matmul": lambda: w4a16.matmul(x, w)}, calls=400)
+    return (f"host time per eager call (m=1, k={k}, n={n}, wrapper + launch, alternating rounds): "
+            f"W4A16Linear {us['W4A16Linear']:.1f} us ({us['W4A16Linear'] / us['F.linear']:.2f}x F.linear), "
+            f"w4a16.matmul {us['w4a16.matmul']:.1f} us, F.linear {us['F.linear']:.1f} us")

@@ -1,0 +1,460 @@
+"""`tilefish bench e2e`: a Llama-3-8B-shaped decoder end to end, dense fp16 against tilefish W4A16
+(and bitsandbytes NF4 when importable): decode tokens/s at several batch sizes over a filled KV
+cache, prefill tokens/s, in eager mode and compiled (torch.compile per decoder layer + one CUDA
+graph per step).
+
+Random weights (the timings do not depend on the values); every variant is built from the same
+seed, and only one model lives at a time. The harness also runs on CPU (no CUDA graph, perf_counter
+timing), which is how the tests drive it on a tiny config.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import inspect
+import statistics
+import time
+import traceback
+
+import torch
+from torch import nn
+
+from ..models.llama import LlamaConfig, LlamaForCausalLM, causal_mask, hf_config
+from .report import Report, Row
+
+DEFAULT_BATCHES = (1, 4, 16, 64)
+DEFAULT_PREFILL = (512, 2048)
+MODES = ("eager", "compiled")  # run in this order: compiling changes the layers in place
+IMPLS = ("fp16", "w4a16", "nf4")
+LABELS = {"fp16": "fp16", "w4a16": "tilefish w4a16", "nf4": "bitsandbytes nf4"}
+CHECK_TOKENS = 64       # prompt length of the logits checks
+# The W4A16 model's logits against its dense twin (the same model with every W4A16 layer replaced
+# by its exactly dequantized weight: the kernels' error alone) further apart than this are flagged.
+# Measured on the H100, 32 layers: 0.0063. Against fp16 the 4-bit rounding of random weights
+# compounds over the layers (0.46 at 2 layers, 1.07 at 32; unrelated logits ~1.4), so that
+# distance is reported, not judged.
+LARGE_REL_ERR = 0.05
+CACHE_ALIGN = 64        # KV cache length rounded up to this (aligned mask rows for SDPA's kernels)
+HEADROOM = 6 << 30      # GPU memory kept free for activations, graph pools and compile workspaces
+
+
+# -- the two model implementations behind one small interface ---------------------------------------------------
+
+class _Builtin:
+    """tilefish.models.llama: the KV cache lives in the model."""
+
+    def __init__(self, config: LlamaConfig, device: torch.device):
+        self.model = LlamaForCausalLM(config, device, torch.float16).eval()
+
+    def setup(self, batch: int, max_len: int) -> None:
+        self.model.setup_cache(batch, max_len)
+
+    def kv_tensors(self) -> list[torch.Tensor]:
+        return [t for kv in self.model.model.kv_cache for t in kv]
+
+    def free(self) -> None:
+        self.model.model.kv_cache = []
+
+    def step(self, ids: torch.Tensor, pos: torch.Tensor, logits_to_keep: int = 1) -> torch.Tensor:
+        return self.model(ids, pos, logits_to_keep)
+
+
+class _HF:
+    """transformers' LlamaForCausalLM with its StaticCache. The step calls the model's own modules
+    (embedding, rotary, decoder layers, norm, lm_head) the way LlamaModel.forward does, with two
+    changes that keep it capturable: the mask is built here from the positions (transformers' mask
+    helpers read tensors on the host), and each layer gets its own StaticLayer as its cache, so
+    every layer traces to the same graph (the whole cache makes each layer's layer_idx a guard,
+    one recompile per layer)."""
+
+    def __init__(self, config: LlamaConfig, device: torch.device):
+        import transformers
+
+        with _default_dtype(torch.float16), torch.device(device):  # no fp32 or CPU copy of the weights
+            self.model = transformers.LlamaForCausalLM(hf_config(config)).eval()
+        self.config, self.device, self.cache = config, device, None
+        # transformers 5.24 renamed the layers' past_key_values argument to cache (the old name warns)
+        params = inspect.signature(type(self.model.model.layers[0]).forward).parameters
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
+
+    def setup(self, batch: int, max_len: int) -> None:
+        from transformers import StaticCache
+
+        self.cache = None  # free the old cache before allocating the new one
+        self.cache = StaticCache(config=self.model.config, max_cache_len=max_len)
+        c = self.config
+        self.cache.early_initialization(batch, c.num_key_value_heads, c.head_dim, torch.float16, self.device)
+
+    def kv_tensors(self) -> list[torch.Tensor]:
+        return [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
+
+    def free(self) -> None:
+        self.cache = None
+
+    def step(self, ids: torch.Tensor, pos: torch.Tensor, logits_to_keep: int = 1) -> torch.Tensor:
+        m, layers = self.model.model, self.cache.layers
+        # A StaticLayer writes at its own counter and advances it: point every counter at this
+        # step's first position, so each replay of a step writes the same cache slots.
+        torch._foreach_copy_([layer.cumulative_length for layer in layers], [pos[0]] * len(layers))
+        x = m.embed_tokens(ids)
+        position_ids = pos[None].expand(ids.shape[0], -1)
+        cos_sin = m.rotary_emb(x, position_ids)
+        mask = causal_mask(pos, layers[0].max_cache_len, x.dtype)[None, None]
+        for layer, cache in zip(m.layers, layers):
+            x = layer(x, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin,
+                      **{self.cache_arg: cache})
+        return self.model.lm_head(m.norm(x[:, -logits_to_keep:] if logits_to_keep else x))
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _has_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _bnb_problem() -> str | None:
+    """None when bitsandbytes can run the nf4 variant, else why not."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - an optional peer; any import failure means "skip it"
+        return f"bitsandbytes not importable ({e.__class__.__name__}: {e})"
+    return None
+
+
+# -- variants ---------------------------------------------------------------------------------------------------
+
+def _to_nf4(layers: nn.Module) -> None:
+    """Every nn.Linear under `layers` -> bnb Linear4bit with the bnb-4bit defaults (NF4, blocksize 64,
+    double quant, fp16 compute), quantized where the weight is; each dense weight dropped as it goes."""
+    import bitsandbytes as bnb
+
+    for parent in list(layers.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear:
+                continue
+            q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                  compute_dtype=torch.float16, compress_statistics=True, quant_type="nf4",
+                                  device="meta")
+            q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, blocksize=64,
+                                         compress_statistics=True, quant_type="nf4").to(child.weight.device)
+            if child.bias is not None:
+                q.bias = nn.Parameter(child.bias.data, requires_grad=False)
+            setattr(parent, name, q)
+
+
+def _convert(runner, impl: str, int4_lm_head: bool) -> str:
+    """Turn the fp16 model into `impl` in place; a one-line summary."""
+    if impl == "w4a16":
+        from ..convert import quantize_model
+
+        rep = quantize_model(runner.model, group_size=128, **({"skip": ()} if int4_lm_head else {}))
+        return f"{len(rep.converted)} linears -> W4A16 g128, {len(rep.fused)} fused groups"
+    if impl == "nf4":
+        _to_nf4(runner.model.model.layers)
+        return "decoder-layer linears -> bnb Linear4bit (nf4, blocksize 64, double quant)"
+    return "dense"
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes of a module's parameters and buffers, with bitsandbytes' quantization state (absmax,
+    code tables: attributes of the weight, not buffers); each storage counted once."""
+    storages: dict[int, int] = {}
+
+    def add(t):
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            s = t.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+
+    def add_state(state):  # bnb QuantState; a double-quant state nests another one
+        for value in vars(state).values():
+            add(value)
+            if hasattr(value, "absmax"):
+                add_state(value)
+
+    for t in list(module.parameters()) + list(module.buffers()):
+        add(t)
+        if getattr(t, "quant_state", None) is not None:
+            add_state(t.quant_state)
+    return sum(storages.values())
+
+
+# -- measurement ------------------------------------------------------------------------------------------------
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _logits(runner, vocab: int, device: torch.device) -> torch.Tensor:
+    """All positions' logits of one fixed prompt (batch 1, CHECK_TOKENS tokens), eager, in fp32."""
+    ids = torch.randint(vocab, (1, CHECK_TOKENS), generator=torch.Generator().manual_seed(1234)).to(device)
+    runner.setup(1, _round_up(CHECK_TOKENS, CACHE_ALIGN))
+    out = runner.step(ids, torch.arange(CHECK_TOKENS, device=device), logits_to_keep=0).float()
+    runner.free()
+    return out
+
+
+def _captured(step):
+    """step() captured in one CUDA graph; returns the replay. The warm-up calls (torch.compile's
+    compilation, Triton autotuning, first allocations) run before the capture on the stream the
+    capture then uses, so whatever a layer caches per stream (W4A16Linear's eager launch plans, for
+    a W4A16 lm_head outside the compiled layers) is built outside the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        step()
+    return graph.replay
+
+
+def _time_ms(fn, device: torch.device, reps: int) -> float:
+    """Median ms per call: CUDA events (bench.timing; no L2 flush, the weights are far larger than
+    L2) on CUDA, perf_counter on CPU."""
+    if device.type == "cuda":
+        from .timing import time_cuda
+
+        return time_cuda(fn, reps=reps, flush=False).median_ms
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def _measure(runner, phase: str, size: int, context: int, mode: str, vocab: int, device: torch.device,
+             reps: int) -> tuple[float, float]:
+    """(ms per step, setup seconds: compile + capture + first call) of one decode step of `size`
+    sequences over `context` cached tokens, or of one prefill of a `size`-token prompt."""
+    batch, tokens, start = (size, 1, context) if phase == "decode" else (1, size, 0)
+    runner.setup(batch, _round_up(start + tokens, CACHE_ALIGN))
+    if phase == "decode":  # random K/V stand in for the context: attention's cost does not depend on values
+        for t in runner.kv_tensors():
+            t.normal_()
+    ids = torch.randint(vocab, (batch, tokens), device=device)
+    pos = torch.arange(start, start + tokens, device=device)
+    step = lambda: runner.step(ids, pos)  # noqa: E731
+    t0 = time.perf_counter()
+    if mode == "compiled" and device.type == "cuda":
+        fn = _captured(step)
+    else:
+        step()  # compiles in compiled mode (CPU: no graph)
+        fn = step
+    setup_s = time.perf_counter() - t0
+    ms = _time_ms(fn, device, reps)
+    del fn
+    runner.free()
+    return ms, setup_s
+
+
+class _Progress:
+    """One step per model build and per measurement: a rich progress bar when rich is importable,
+    else a line per step with elapsed time and an ETA."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.t0 = total, -1, time.perf_counter()
+        self._bar = None
+
+    def __enter__(self):
+        try:
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
+        except ImportError:
+            return self
+        self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                             TimeElapsedColumn(), TimeRemainingColumn())
+        self._bar.start()
+        self._task = self._bar.add_task("e2e", total=self.total)
+        return self
+
+    def step(self, label: str) -> None:
+        """The previous step is done; `label` starts."""
+        self.done += 1
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.done, description=label)
+            return
+        elapsed = time.perf_counter() - self.t0
+        eta = f"{elapsed / self.done * (self.total - self.done):.0f} s" if self.done else "?"
+        print(f"[{self.done + 1}/{self.total}] {label}  (elapsed {elapsed:.0f} s, ETA {eta})", flush=True)
+
+    def __exit__(self, *exc):
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.total)
+            self._bar.stop()
+
+
+def _fit_layers(cfg: LlamaConfig, kv_tokens: int, free_bytes: int) -> int:
+    """How many decoder layers fit in `free_bytes`: fp16 weights, a KV cache of `kv_tokens` tokens
+    (batch x length) per layer, embedding + lm_head, and HEADROOM."""
+    h, hd, kvh = cfg.hidden_size, cfg.head_dim, cfg.num_key_value_heads
+    layer = 2 * (2 * h * cfg.num_attention_heads * hd + 2 * h * kvh * hd + 3 * h * cfg.intermediate_size + 2 * h)
+    kv = 2 * 2 * kvh * hd * kv_tokens
+    fixed = 2 * 2 * cfg.vocab_size * h + HEADROOM
+    return max(0, (free_bytes - fixed) // (layer + kv))
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What one run measures: run's arguments, resolved."""
+    Runner: type
+    cfg: LlamaConfig
+    device: torch.device
+    modes: list[str]
+    cases: list[tuple[str, int]]  # ("decode", batch) / ("prefill", prompt length)
+    context: int
+    reps: int
+    backend: str
+    seed: int
+    int4_lm_head: bool
+
+
+def _variant(plan: _Plan, impl: str, reference: torch.Tensor | None, timed: bool, progress: _Progress,
+             info: dict, times: dict, notes: list[str]) -> torch.Tensor:
+    """Build `impl` from the seed, check its logits against `reference` (None: this is the
+    reference), record its weight bytes and logits error in info[impl], and time every (mode, case)
+    into times[(mode, phase, size)][impl] when `timed`. Returns the check's logits."""
+    torch.manual_seed(plan.seed)
+    runner = plan.Runner(plan.cfg, plan.device)
+    summary = _convert(runner, impl, plan.int4_lm_head)
+    logits = _logits(runner, plan.cfg.vocab_size, plan.device)
+    err = 0.0 if reference is None else _rel(logits, reference)
+    info[impl] = {"layer_bytes": weight_bytes(runner.model.model.layers), "model_bytes": weight_bytes(runner.model),
+                  "logits_rel_err": err}
+    for mode in plan.modes if timed else ():
+        if mode == "compiled":
+            for layer in runner.model.model.layers:
+                layer.compile(fullgraph=True, dynamic=False, backend=plan.backend)
+        for phase, size in plan.cases:
+            progress.step(f"{impl} {mode} {phase} {size}")
+            times.setdefault((mode, phase, size), {})[impl] = _measure(
+                runner, phase, size, plan.context, mode, plan.cfg.vocab_size, plan.device, plan.reps)
+    if reference is not None:
+        line = f"{impl} ({summary}): logits vs fp16 on a {CHECK_TOKENS}-token prompt, relative error {err:.4f}"
+        if impl == "w4a16":  # after timing: the twin replaces the quantized layers
+            from ..convert import dequantize_model
+
+            for layer in runner.model.model.layers:
+                layer._compiled_call_impl = None  # back to eager: the twin's layers are other modules
+            dequantize_model(runner.model)
+            kernel_err = _rel(logits, _logits(runner, plan.cfg.vocab_size, plan.device))
+            info[impl]["kernel_rel_err"] = kernel_err
+            flag = f"  LARGE (> {LARGE_REL_ERR}): check the kernels" if kernel_err > LARGE_REL_ERR else ""
+            line += (f" (random weights: the 4-bit rounding compounds over the layers); vs its dense twin with the "
+                     f"dequantized weights (the kernels' error) {kernel_err:.4f}{flag}")
+        print(line, flush=True)
+        notes.append(line)
+    return logits
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _add_rows(report: Report, plan: _Plan, model: str, times: dict, info: dict) -> None:
+    fp16 = info["fp16"]
+    for impl, i in info.items():
+        if impl != "fp16":
+            report.notes.append(f"{LABELS[impl]} weights: decoder layers {i['layer_bytes'] / 2**30:.2f} GiB "
+                                f"({i['layer_bytes'] / fp16['layer_bytes']:.3f}x fp16), whole model "
+                                f"{i['model_bytes'] / 2**30:.2f} GiB ({i['model_bytes'] / fp16['model_bytes']:.3f}x)")
+    for (mode, phase, size), by_impl in times.items():
+        case = f"{mode} decode b{size} ctx{plan.context}" if phase == "decode" else f"{mode} prefill {size}"
+        for impl, (ms, setup_s) in by_impl.items():
+            i = info[impl]
+            ratios = {"fp16": by_impl["fp16"][0] / ms} if impl != "fp16" and "fp16" in by_impl else {}
+            report.add(Row("e2e", case, LABELS[impl], ms * 1e3, size / (ms * 1e-3), "tok/s", None, ratios, {
+                "mode": mode, "phase": phase, "batch": size if phase == "decode" else 1,
+                "tokens": size if phase == "prefill" else 1, "context": plan.context if phase == "decode" else 0,
+                "ms_per_step": ms, "setup_s": setup_s, "model": model, "layers": plan.cfg.num_hidden_layers,
+                "layer_bytes": i["layer_bytes"], "model_bytes": i["model_bytes"],
+                "layer_bytes_ratio": i["layer_bytes"] / fp16["layer_bytes"],
+                "model_bytes_ratio": i["model_bytes"] / fp16["model_bytes"], "logits_rel_err": i["logits_rel_err"],
+                "kernel_rel_err": i.get("kernel_rel_err")}))
+
+
+def run(layers: int = 32, batches=DEFAULT_BATCHES, prefill=DEFAULT_PREFILL, context: int = 512, modes=MODES,
+        impls=IMPLS, model: str = "auto", int4_lm_head: bool = False, reps: int = 50, *,
+        config: LlamaConfig | None = None, device=None, backend: str = "inductor", seed: int = 0,
+        title_note: str = "") -> Report:
+    """The e2e report. model: "hf" (transformers), "builtin" (tilefish.models.llama) or "auto" (hf
+    when transformers is importable). config: a LlamaConfig instead of Llama-3-8B with `layers`
+    layers (tests). backend: torch.compile's (tests use "eager")."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if model == "auto":
+        model = "hf" if _has_transformers() else "builtin"
+    if model not in ("hf", "builtin"):
+        raise ValueError(f"model must be auto, hf or builtin; got {model!r}")
+    if model == "hf" and not _has_transformers():
+        raise ValueError("--model hf needs transformers (pip install transformers)")
+    unknown = set(modes) - set(MODES) | set(impls) - set(IMPLS)
+    if unknown:
+        raise ValueError(f"unknown modes or impls {sorted(unknown)}; modes are {MODES}, impls {IMPLS}")
+    cfg = config or LlamaConfig.llama3_8b(layers)
+    notes = []
+    if device.type == "cuda":
+        kv_tokens = max([b * _round_up(context + 1, CACHE_ALIGN) for b in batches] + list(prefill) + [CHECK_TOKENS])
+        fit = _fit_layers(cfg, kv_tokens, torch.cuda.mem_get_info(device)[0])
+        if fit < 1:
+            raise RuntimeError("not even one decoder layer fits in the free GPU memory")
+        if fit < cfg.num_hidden_layers:
+            notes.append(f"reduced to {fit} of {cfg.num_hidden_layers} layers: fp16 weights + the KV cache of the "
+                         f"largest case must fit in the free GPU memory")
+            cfg = dataclasses.replace(cfg, num_hidden_layers=fit)
+    timed = [i for i in IMPLS if i in impls]
+    if "nf4" in timed and (why := _bnb_problem()):
+        timed.remove("nf4")
+        notes.append(f"nf4 skipped: {why}")
+    plan = _Plan(_HF if model == "hf" else _Builtin, cfg, device, [m for m in MODES if m in modes],
+                 [("decode", b) for b in batches] + [("prefill", p) for p in prefill], context, reps, backend, seed,
+                 int4_lm_head)
+    report = Report(f"End-to-end decoder, Llama-3-8B shapes, {cfg.num_hidden_layers} layers, {model} model, "
+                    f"fp16 activations (tok/s; ratio = fp16 time / variant time){title_note}")
+    report.notes += notes + [
+        f"model: {'transformers LlamaForCausalLM + StaticCache' if model == 'hf' else 'tilefish.models.llama'}, "
+        f"random weights (seed {seed}); decode: one token per sequence over a KV cache filled with {context} random "
+        f"K/V positions (no prefill run); prefill: batch 1, logits of the last position only",
+        "compiled: each decoder layer torch.compile(fullgraph=True) (one graph shared by all layers), the whole "
+        "step captured in one CUDA graph and replayed; eager: plain calls"]
+
+    build = ["fp16"] + [i for i in timed if i != "fp16"]  # fp16 always: the reference for the logits check
+    times: dict[tuple, dict[str, tuple[float, float]]] = {}
+    info: dict[str, dict] = {}
+    reference = None
+    with torch.no_grad(), _Progress(len(build) + len(timed) * len(plan.modes) * len(plan.cases)) as progress, \
+            torch._dynamo.config.patch(recompile_limit=max(8, len(plan.cases) + 2)):
+        for impl in build:
+            progress.step(f"{impl}: build")
+            try:
+                logits = _variant(plan, impl, reference, impl in timed, progress, info, times, report.notes)
+                reference = logits if reference is None else reference
+            except Exception as e:  # noqa: BLE001 - a variant's failure is reported and the others still run
+                if impl == "fp16":  # no reference, no ratios: nothing left to measure against
+                    raise
+                traceback.print_exc()
+                report.notes.append(f"{impl} FAILED (the cases it had not finished are missing): "
+                                    f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+            logits = None
+            # The variant's compiled graphs (which may hold on to its weights, and would count against the
+            # recompile limit) and its model go before the next one is built.
+            torch._dynamo.reset()
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    _add_rows(report, plan, model, times, info)
+    return report
