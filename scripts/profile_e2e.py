@@ -1,0 +1,88 @@
+"""Where a decode step's GPU time goes: the e2e bench's compiled + CUDA-graph step under the torch
+profiler, kernel time summed by kind (W4A16 GEMMs, cuBLAS GEMMs, attention, Triton / other), for
+fp16 and W4A16, per layer and in total.
+
+Usage (device): python scripts/profile_e2e.py [layers] [batch ...]   (default 8 layers, batch 1 16;
+MODEL=hf|builtin, INT4_LM_HEAD=1 quantizes lm_head too)
+"""
+import os
+import sys
+from collections import defaultdict
+
+import torch
+
+from tilefish.bench import e2e
+from tilefish.models.llama import LlamaConfig
+
+
+def kind(name: str) -> str:
+    n = name.lower()
+    if "w4a16" in n:
+        return "W4A16 GEMM"
+    if "gemv" in n or "gemm" in n or "xmma" in n or "cutlass" in n or "nvjet" in n:
+        return "cuBLAS GEMM"
+    if "attention" in n or "fmha" in n or "flash" in n or "sdpa" in n:
+        return "attention"
+    if name.startswith("triton"):
+        return "triton (fused elementwise, norms, rope)"
+    return "other"
+
+
+def profile_step(replay, steps=5):
+    for _ in range(3):
+        replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            replay()
+        torch.cuda.synchronize()
+    by = defaultdict(float)
+    count = defaultdict(int)
+    names = defaultdict(int)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            by[kind(ev.name)] += ev.device_time_total / steps
+            count[kind(ev.name)] += 1
+            if kind(ev.name) == "W4A16 GEMM":
+                names[ev.name[:60]] += 1
+    for name, c in names.items():
+        print(f"    {c // steps:3d} a step: {name}")
+    return by, {k: v // steps for k, v in count.items()}
+
+
+def main():
+    layers = int(sys.argv[1]) if len(sys.argv) > 1 else 8
+    batches = [int(v) for v in sys.argv[2:]] or [1, 16]
+    model = os.environ.get("MODEL", "hf")
+    Runner = e2e._HF if model == "hf" else e2e._Builtin
+    cfg = LlamaConfig.llama3_8b(layers)
+    dev = torch.device("cuda")
+    print(f"GPU {torch.cuda.get_device_name()}, {model} model, {layers} layers")
+    for impl in ("fp16", "w4a16"):
+        torch.manual_seed(0)
+        runner = Runner(cfg, dev)
+        with torch.no_grad():
+            e2e._convert(runner, impl, os.environ.get("INT4_LM_HEAD") == "1")
+            for layer in runner.model.model.layers:
+                layer.compile(fullgraph=True, dynamic=False)
+            for b in batches:
+                runner.setup(b, e2e._round_up(513, e2e.CACHE_ALIGN))
+                for t in runner.kv_tensors():
+                    t.normal_()
+                ids = torch.randint(cfg.vocab_size, (b, 1), device=dev)
+                pos = torch.arange(512, 513, device=dev)
+                replay = e2e._captured(lambda: runner.step(ids, pos))
+                wall = e2e._time_ms(replay, dev, 30)
+                by, count = profile_step(replay)
+                total = sum(by.values())
+                print(f"{impl} batch {b}: step {wall * 1e3:,.0f} us (graph replay), kernels {total:,.0f} us")
+                for k, us in sorted(by.items(), key=lambda kv: -kv[1]):
+                    print(f"    {k:42s} {us:9,.1f} us  {us / layers:7.1f} us a layer  ({count[k]} kernels a step)")
+                runner.free()
+        del runner
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
