@@ -17,14 +17,14 @@ from tilefish.models.llama import LlamaConfig
 
 def kind(name: str) -> str:
     n = name.lower()
+    if name.startswith("triton"):  # inductor names its kernels after the ops they fuse, w4a16_matmul among them
+        return "triton (fused elementwise, norms, rope)"
     if "w4a16" in n:
         return "W4A16 GEMM"
     if "gemv" in n or "gemm" in n or "xmma" in n or "cutlass" in n or "nvjet" in n:
         return "cuBLAS GEMM"
     if "attention" in n or "fmha" in n or "flash" in n or "sdpa" in n:
         return "attention"
-    if name.startswith("triton"):
-        return "triton (fused elementwise, norms, rope)"
     return "other"
 
 
