@@ -272,3 +272,4 @@ def test_dequantize_model_is_the_dense_twin():
     assert type(model.layers[0].self_attn.k_proj) is nn.Linear and not hasattr(model.layers[0].self_attn, "qkv_proj")
     for a, b in zip(want, model(h)):
         assert rel_err(b, a) < 2e-3
+

@@ -144,3 +144,21 @@ def test_hf_llama_converted_on_the_gpu():
         ref_cpu = copy.deepcopy(model).cpu()(ids.cpu()).logits
         got = model(ids).logits
     assert rel_err(got, ref_cpu.cuda()) < TOLERANCE[torch.float16] * 5  # fp16 activations through 2 layers
+
+
+def test_quantize_model_peak_memory_is_one_layer_above_the_model():
+    """A CPU model converted with device="cuda" goes to the GPU one layer at a time: the GPU's peak
+    is the quantized layers plus one dense layer and its quantization temporaries, far below the
+    dense model (64 layers here), and the converted layers end up on the GPU."""
+    torch.manual_seed(5)
+    layers = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(64)]).half()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    dense = 64 * 1024 * 1024 * 2
+    report = quantize_model(layers, skip=(), device="cuda")
+    torch.cuda.synchronize()
+    peak, end = torch.cuda.max_memory_allocated() - start, torch.cuda.memory_allocated() - start
+    assert all(layer.packed.is_cuda for layer in layers)
+    assert end == report.bytes_after and 0.25 < end / dense < 0.3
+    assert peak < end + 0.5 * dense, (peak / dense, end / dense)   # one dense layer is 1/64 of the model

@@ -88,7 +88,7 @@ def _why_not_quantizable(module: nn.Linear, group_size: int) -> str | None:
 
 def quantize_model(model: nn.Module, method: str = "w4a16", *, group_size: int = 128, symmetric: bool = True,
                    skip=("lm_head",), fuse: bool = True, dtype: torch.dtype | None = None,
-                   clip_search: bool = True) -> ConversionReport:
+                   clip_search: bool = True, device=None) -> ConversionReport:
     """Replace every eligible nn.Linear of `model` (any module tree) in place by a W4A16Linear.
 
     - Quantization: round-to-nearest int4 with `group_size` (-1 per channel, 32, 64, 128), symmetric
@@ -100,6 +100,10 @@ def quantize_model(model: nn.Module, method: str = "w4a16", *, group_size: int =
       with the reason in the report, as does any module that is not a plain floating nn.Linear.
     - fuse: q/k/v and gate/up siblings become one matmul each (fuse_projections).
     - dtype: the activation dtype (the scales'); default the weight's if fp16/bf16, else fp16.
+    - device: where the converted layers go (default: where each weight is). A model on the CPU
+      converts layer by layer on the GPU with device="cuda": the GPU then holds the quantized
+      layers and one dense layer at a time, never the dense model; model.to(device) afterwards
+      moves what stayed dense (embeddings, norms, lm_head).
     - Converting an already converted model is a no-op for its W4A16 layers (reported as skipped).
     Returns the ConversionReport."""
     if method not in METHODS:
@@ -126,6 +130,8 @@ def quantize_model(model: nn.Module, method: str = "w4a16", *, group_size: int =
         parent, leaf = _parent(model, name)
         linear = getattr(parent, leaf)
         before = module_bytes(linear)
+        if device is not None:
+            linear = linear.to(device)  # a copy there; the original goes with the setattr below
         layer = W4A16Linear.from_linear(linear, group_size=group_size, symmetric=symmetric,
                                         dtype=dtype) if clip_search else _from_linear_plain(linear, group_size,
                                                                                              symmetric, dtype)
