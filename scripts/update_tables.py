@@ -36,8 +36,9 @@ def render(path: str, attr: str | None, value: str | None) -> str:
         rep.rows = [r for r in rep.rows if r.impl in keep]
     env = getattr(rep, "environment", {})
     head = (f"*{rep.title}* — {env.get('gpu', '?')}, tilefish commit {str(env.get('commit', '?'))[:12]}, "
-            f"{str(env.get('date', '?'))[:10]}; ceilings measured in the same process: "
-            + ", ".join(f"{k} {v:,.0f}" for k, v in rep.ceilings.items()))
+            f"{str(env.get('date', '?'))[:10]}"
+            + ("; ceilings measured in the same process: " + ", ".join(f"{k} {v:,.0f}" for k, v in rep.ceilings.items())
+               if rep.ceilings else ""))
     notes = "".join(f"\n{n}\n" for n in rep.notes)
     return f"{head}\n\n{rep.markdown()}\n{notes}"
 
