@@ -284,7 +284,7 @@ def test_skinny_kernel_sass(tmp_path, monkeypatch):
 
 
 def test_separate_tail_only_for_a_partial_wave_that_fits_one_cta_an_sm():
-    """_launch_hopper runs the partial last wave of a whole-tile, two-CTA-an-SM plan of a per-channel
+    """_hopper_launches runs the partial last wave of a whole-tile, two-CTA-an-SM plan of a per-channel
     weight as its own launch when it fills more than half the SMs at one CTA an SM; never for group
     scales, stream-K, k splits, clusters or one-CTA-an-SM configs."""
     two, one = ops.HopperConfig(128, 2, 1, 4), ops.HopperConfig(128, 1, 2, 6)

@@ -523,7 +523,7 @@ def hopper_plan_features(cfg: HopperConfig, slices: int | None, m: int, n: int, 
 
 def split_fits_clusters(cfg: HopperConfig, slices: int | None, m: int, n: int,
                         clusters: tuple[tuple[int, int], ...]) -> bool:
-    """Whether _launch_hopper will run this k split as clusters (DSMEM fixup), judged from the
+    """Whether _hopper_launches will run this k split as clusters (DSMEM fixup), judged from the
     device's cluster capacity ((size, clusters resident at once), ...) instead of the kernel."""
     if cfg.sk or slices is None or not 1 < slices <= MAX_CLUSTER_SLICES or not HOPPER_DSMEM_SPLIT:
         return False
@@ -1068,7 +1068,7 @@ def _split_runs_as_clusters(cfg: HopperConfig, kern, tiles: int, slices: int, sm
 
 def hopper_split_uses_clusters(cfg: HopperConfig, m: int, n: int, k: int, slices: int, group_size: int,
                                asym: bool, dtype: torch.dtype, device: torch.device) -> bool:
-    """What _launch_hopper decides for this plan (sweeps record it next to the time)."""
+    """What _hopper_launches decides for this plan (sweeps record it next to the time)."""
     kern = get_kernel(kernel_spec(dtype, cfg, group_size, asym), device)
     tiles = (n // cfg.bn) * -(-m // cfg.mt)
     return _split_runs_as_clusters(cfg, kern, tiles, slices, cfg.smem_bytes(group_size, asym))

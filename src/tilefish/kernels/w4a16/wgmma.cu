@@ -112,7 +112,7 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
     // Tile mode with cluster_split: the k slices of a tile are one cluster (consecutive blockIdx.x)
     // and sum their partials through distributed shared memory (below); else blockIdx.z is the slice.
     // tile_base: the first tile of this launch (the host runs a partial last wave as a launch of
-    // its own, so its CTAs spread one an SM; see ops/w4a16.py, _launch_hopper).
+    // its own, so its CTAs spread one an SM; see ops/w4a16.py, _hopper_launches).
     const bool dsmem_fixup = !SK && cluster_split && slices > 1;
     const int m_tiles = (m + MT - 1) / MT;
     const int units = SK ? m_tiles * (n / BN) * KT : 0;
