@@ -5,7 +5,8 @@ once per (shape, m) before it is timed.
 Besides cuBLAS and the dispatch's pick it times the two kernels the skinny one competes with at
 these m: the mma.sync kernel's own plan (m <= 16) and the wgmma kernel's model plan (m >= 9).
 
-Usage: python scripts/sweep_w4a16_skinny.py OUT.json [fp16|bf16] [group]   (env MS=1,8,16 limits m)
+Usage: python scripts/sweep_w4a16_skinny.py OUT.json [fp16|bf16] [group]   (env MS=1,8,16 limits m,
+SHAPES=KxN,... the weights)
 """
 import json
 import os
@@ -21,6 +22,8 @@ from tilefish.reference import w4a16_matmul
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (8192, 8192),
           (8192, 57344), (28672, 8192)]
 MS = [int(v) for v in os.environ.get("MS", "1,2,4,8,16,32").split(",")]
+if os.environ.get("SHAPES"):  # e.g. SHAPES=4096x6144,14336x4096 (k x n)
+    SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ["SHAPES"].split(",")]
 CTA_FACTORS = (None, 1)
 
 
