@@ -1,4 +1,4 @@
-"""tilefish.load_quantized: HF-format GPTQ / AWQ checkpoints (CPU).
+"""tilefish.load_quantized: HF-format GPTQ / AWQ checkpoints (CPU; a few loaded onto the GPU too).
 
 The checkpoints are written here, packed with plain integer arithmetic from the published format descriptions
 (AutoGPTQ / GPTQModel / AutoAWQ; summarized in tilefish.quant.int4's docstring), never with tilefish's own
@@ -280,6 +280,22 @@ def test_llama_logits(tmp_path, case):
                                      for p in ("self_attn.qkv_proj", "mlp.gate_up_proj")}
         assert isinstance(attn.q_proj, W4A16Slice)
     assert rel_err(logits(model, IDS), logits(reference, IDS)) < LOGIT_TOLERANCE[fmt.dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["gptq-act-order-g32", "gptq-v2-g64-bf16", "awq-g128", "gptq-3-shards-tied"])
+def test_llama_logits_on_the_gpu(tmp_path, case):
+    """The same checkpoints loaded straight onto the GPU run the W4A16 kernels (the user's path:
+    load, then generate), against the same fp32 reference."""
+    fmt = LLAMA_CASES[case]
+    config = llama_config(tie=case.endswith("tied"))
+    reference = llama_reference(config)
+    directory = write_checkpoint(tmp_path, reference, fmt, config=config.to_dict())
+
+    model, _ = load_quantized(directory, device="cuda")
+
+    assert all(t.is_cuda for t in list(model.parameters()) + list(model.buffers()))
+    assert rel_err(logits(model, IDS.cuda()).cpu(), logits(reference, IDS)) < LOGIT_TOLERANCE[fmt.dtype]
 
 
 def test_config_argument_and_package_attribute(tmp_path):
