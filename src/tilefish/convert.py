@@ -132,9 +132,8 @@ def quantize_model(model: nn.Module, method: str = "w4a16", *, group_size: int =
         before = module_bytes(linear)
         if device is not None:
             linear = linear.to(device)  # a copy there; the original goes with the setattr below
-        layer = W4A16Linear.from_linear(linear, group_size=group_size, symmetric=symmetric,
-                                        dtype=dtype) if clip_search else _from_linear_plain(linear, group_size,
-                                                                                             symmetric, dtype)
+        layer = W4A16Linear.from_linear(linear, group_size=group_size, symmetric=symmetric, dtype=dtype,
+                                        clip_search=clip_search)
         setattr(parent, leaf, layer)
         del linear
         report.bytes_before += before
@@ -144,14 +143,6 @@ def quantize_model(model: nn.Module, method: str = "w4a16", *, group_size: int =
     if fuse:
         fuse_projections(model, report)
     return report
-
-
-def _from_linear_plain(linear: nn.Linear, group_size: int, symmetric: bool, dtype) -> W4A16Linear:
-    from . import w4a16
-
-    dtype = dtype or (linear.weight.dtype if linear.weight.dtype in (torch.float16, torch.bfloat16) else torch.float16)
-    w = w4a16.quantize(linear.weight.detach(), group_size, symmetric, dtype=dtype, clip_search=False)
-    return W4A16Linear.from_weight(w, None if linear.bias is None else linear.bias.detach())
 
 
 def _why_not_fusable(parts: list[W4A16Linear]) -> str | None:

@@ -165,9 +165,9 @@ class W4A16Linear(nn.Module):
     # -- constructors -------------------------------------------------------------------------------------------
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 128, symmetric: bool = True,
-                    dtype: torch.dtype | None = None) -> "W4A16Linear":
+                    dtype: torch.dtype | None = None, clip_search: bool = True) -> "W4A16Linear":
         dtype = dtype or (linear.weight.dtype if linear.weight.dtype in (torch.float16, torch.bfloat16) else torch.float16)
-        w = _w4a16.quantize(linear.weight.detach(), group_size, symmetric, dtype=dtype)
+        w = _w4a16.quantize(linear.weight.detach(), group_size, symmetric, dtype=dtype, clip_search=clip_search)
         layer = cls(linear.in_features, linear.out_features, group_size=group_size, bias=linear.bias is not None,
                     symmetric=symmetric, dtype=dtype, device=linear.weight.device)
         return layer._set(w, linear.bias)
