@@ -196,6 +196,12 @@ def test_bad_inputs_are_clear_errors():
         layer._set(W4A16Weight(w.packed, w.scales, None, 128, 128, 256, torch.full((256,), 3)), None)
     with pytest.raises(ValueError, match="method"):
         quantize_model(_model(), method="w3a16")
+    with pytest.raises(ValueError, match="group_size must be"):
+        quantize_model(_model(), group_size=100)
+    with pytest.raises(TypeError, match="nn.Module"):
+        quantize_model("model")
+    with pytest.raises(TypeError, match="dtype"):
+        quantize_model(_model(), dtype=torch.float32)
 
 
 def test_linear_compatible_surface():

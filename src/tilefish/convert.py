@@ -106,8 +106,14 @@ def quantize_model(model: nn.Module, method: str = "w4a16", *, group_size: int =
       moves what stayed dense (embeddings, norms, lm_head).
     - Converting an already converted model is a no-op for its W4A16 layers (reported as skipped).
     Returns the ConversionReport."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}; got {method!r}")
+    if isinstance(group_size, bool) or group_size not in (-1, 32, 64, 128):
+        raise ValueError(f"group_size must be -1 (per channel), 32, 64 or 128; got {group_size!r}")
+    if not isinstance(symmetric, bool):
+        raise TypeError(f"symmetric must be a bool; got {symmetric!r}")
     if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"dtype must be torch.float16 or torch.bfloat16 (the activation dtype); got {dtype}")
     if isinstance(skip, str):
