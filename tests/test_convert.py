@@ -198,8 +198,9 @@ def test_bad_inputs_are_clear_errors():
         quantize_model(_model(), method="w3a16")
     with pytest.raises(ValueError, match="group_size must be"):
         quantize_model(_model(), group_size=100)
-    with pytest.raises(TypeError, match="nn.Module"):
-        quantize_model("model")
+    for fn in (quantize_model, fuse_projections, dequantize_model):
+        with pytest.raises(TypeError, match="nn.Module"):
+            fn("model")
     with pytest.raises(TypeError, match="dtype"):
         quantize_model(_model(), dtype=torch.float32)
 

@@ -196,6 +196,8 @@ def fuse_projections(model: nn.Module, report: ConversionReport | None = None,
     """In every module that holds all the parts of a group (default FUSE_GROUPS: q/k/v, gate/up) as
     W4A16Linears, put one FusedW4A16Linear under the group's fused name and a W4A16Slice in each
     part's place. Groups that cannot fuse stay as they are, with the reason in the report."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     report = report if report is not None else ConversionReport()
     groups = FUSE_GROUPS if groups is None else groups
     for parent_name, parent in list(model.named_modules()):
@@ -224,6 +226,8 @@ def dequantize_model(model: nn.Module) -> int:
     holding its exactly dequantized weight (in the original input order) and bias, in the layer's
     dtype; fused layers are dropped. For export, and for telling the kernels' error from the 4-bit
     weights' (a quantized model against its dense twin). Returns how many layers it replaced."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
