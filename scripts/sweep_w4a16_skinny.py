@@ -6,7 +6,7 @@ Besides cuBLAS and the dispatch's pick it times the two kernels the skinny one c
 these m: the mma.sync kernel's own plan (m <= 16) and the wgmma kernel's model plan (m >= 9).
 
 Usage: python scripts/sweep_w4a16_skinny.py OUT.json [fp16|bf16] [group]   (env MS=1,8,16 limits m,
-SHAPES=KxN,... the weights)
+SHAPES=KxN,... the weights, CODEBOOK=nf4 sweeps NF4 weights (blocksize = group, double quant))
 """
 import json
 import os
@@ -14,10 +14,11 @@ import sys
 
 import torch
 
+from tilefish import nf4
 from tilefish.bench.timing import time_cuda
 from tilefish.ops import w4a16 as ops
 from tilefish.quant.int4 import quantize_rtn
-from tilefish.reference import w4a16_matmul
+from tilefish.reference import dense_matmul, nf4_dequantize_fp32_chain, w4a16_matmul
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (8192, 8192),
           (8192, 57344), (28672, 8192)]
@@ -25,6 +26,7 @@ MS = [int(v) for v in os.environ.get("MS", "1,2,4,8,16,32").split(",")]
 if os.environ.get("SHAPES"):  # e.g. SHAPES=4096x6144,14336x4096 (k x n)
     SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ["SHAPES"].split(",")]
 CTA_FACTORS = (None, 1)
+CODEBOOK = os.environ.get("CODEBOOK", "int4")
 
 
 def rel_err(out, ref):
@@ -39,12 +41,17 @@ def main():
     results = []
     for k, n in SHAPES:
         dense = torch.randn(n, k, device="cuda", dtype=dt)
-        q = quantize_rtn(dense, group, True, scale_dtype=dt, clip_search=False)
-        p = ops.pack(q)
-        deq = q.dequantize(torch.float32).to(dt)
+        if CODEBOOK == "nf4":
+            q = nf4.quantize(dense, blocksize=group, double_quant=True)
+            p = nf4.prepare(q, dt).kernel
+            deq = nf4_dequantize_fp32_chain(q, dt)
+        else:
+            q = quantize_rtn(dense, group, True, scale_dtype=dt, clip_search=False)
+            p = ops.pack(q)
+            deq = q.dequantize(torch.float32).to(dt)
         for m in MS:
             x = torch.randn(m, k, device="cuda", dtype=dt)
-            ref = w4a16_matmul(x, q)
+            ref = dense_matmul(x, deq) if CODEBOOK == "nf4" else w4a16_matmul(x, q)
             t_cublas = time_cuda(lambda: torch.nn.functional.linear(x, deq), reps=30).median_ms
             t_auto = time_cuda(lambda: ops.matmul_impl(x, p), reps=30).median_ms
             peers = {}
@@ -66,7 +73,7 @@ def main():
                     t = time_cuda(lambda: ops.matmul_impl(x, p, cfg=cfg, slices=ctas), reps=30).median_ms
                     rows.append((t, cfg.label(), f or cfg.ctas_per_sm, err))
             rows.sort()
-            auto_cfg = ops.choose_config(m, n, k, sms, 90, group)
+            auto_cfg = ops.choose_config(m, n, k, sms, 90, p.group_size, dtype=dt)
             worst = max(r[3] for r in rows)
             rec = {"k": k, "n": n, "m": m, "group": group, "dtype": str(dt), "cublas_us": t_cublas * 1e3,
                    "auto_us": t_auto * 1e3, "auto": auto_cfg.label(), "peers": peers, "worst_rel_err": worst,

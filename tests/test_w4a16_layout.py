@@ -74,4 +74,5 @@ def test_opcheck():
     from tilefish.ops import library
 
     x = torch.randn(3, 128, dtype=torch.float16)
-    torch.library.opcheck(library.w4a16_matmul_op, (x, p.packed, p.scales, p.zeros, p.perm, None, p.group_size, p.n, p.k))
+    torch.library.opcheck(library.w4a16_matmul_op, (x, p.packed, p.scales, p.zeros, p.perm, None, p.group_size, p.n, p.k,
+                                                   p.codebook))

@@ -1,7 +1,9 @@
-"""tilefish.nf4: bitsandbytes-compatible NF4 weights and their CUDA dequantization.
+"""tilefish.nf4: bitsandbytes-compatible NF4 weights, their CUDA dequantization and a fused matmul.
 
-    q = tilefish.nf4.quantize(w, blocksize=64, double_quant=True)   # pure torch, CPU or GPU
+    q = tilefish.nf4.quantize(w, blocksize=64, double_quant=True)   # pure torch, CPU or GPU (or from_bnb(...))
     w_hat = tilefish.nf4.dequantize(q, torch.bfloat16)               # CUDA kernel (CPU: reference)
+    p = tilefish.nf4.prepare(q, torch.bfloat16)                      # once: repack for the fused matmul
+    y = tilefish.nf4.matmul(x, p, bias)                              # x [..., k] -> [..., n]
 """
 from __future__ import annotations
 
@@ -10,8 +12,10 @@ import torch
 from .quant.nf4 import (NF4_TABLE, NF4Weight, SUPPORTED_BLOCKSIZES, from_bnb, from_state_dict, quantize,
                         to_bnb, to_state_dict)
 
-__all__ = ["NF4_TABLE", "NF4Weight", "SUPPORTED_BLOCKSIZES", "quantize", "dequantize", "from_bnb", "to_bnb",
-           "from_state_dict", "to_state_dict"]
+from .ops.nf4 import NF4MatmulWeight, prepare
+
+__all__ = ["NF4_TABLE", "NF4Weight", "NF4MatmulWeight", "SUPPORTED_BLOCKSIZES", "quantize", "dequantize", "prepare",
+           "matmul", "from_bnb", "to_bnb", "from_state_dict", "to_state_dict"]
 
 
 def dequantize(q: NF4Weight, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -30,3 +34,19 @@ def dequantize(q: NF4Weight, dtype: torch.dtype | None = None, out: torch.Tensor
     from .ops.nf4 import dequantize_impl
 
     return dequantize_impl(q, dtype, out)
+
+
+def matmul(x: torch.Tensor, w: NF4MatmulWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ dequantize(w)^T (+ bias), fused: the 4-bit codes are decoded inside the GEMM.
+
+    x [..., k] float16/bfloat16 (w.dtype); w from prepare(). CUDA: the W4A16 kernels with NF4 codes
+    (small-m stream-K, wgmma or mma.sync, chosen per shape); CPU: bitsandbytes' dequantization and a
+    float64 matmul. Gradients reach x and bias; the weight is frozen. CUDA graphs and
+    torch.compile(fullgraph=True) work."""
+    if not isinstance(w, NF4MatmulWeight) or (isinstance(x, torch.Tensor) and x.device.type == "cpu"):
+        from .ops.nf4 import matmul_impl
+
+        return matmul_impl(x, w, bias)
+    from . import w4a16
+
+    return w4a16.matmul(x, w.kernel, bias)

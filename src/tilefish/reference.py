@@ -88,6 +88,14 @@ def nf4_dequantize_f64(q, dtype: torch.dtype | None = None) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------------
 # W4A16
 
+def dense_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ w^T (+ bias) in float64, one cast to x.dtype (w [n, k] any float dtype, exact in float64)."""
+    y = x.to(torch.float64) @ w.to(torch.float64).t()
+    if bias is not None:
+        y = y + bias.to(torch.float64)
+    return y.to(x.dtype)
+
+
 def w4a16_matmul(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias): dequantize in fp32 (exact), matmul in float64, one cast to x.dtype.
 

@@ -56,49 +56,48 @@ def nf4_dequantize(q, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
     return out
 
 
-def _w4a16_weight(packed, scales, zeros, perm, group_size, n, k):
+def _w4a16_weight(packed, scales, zeros, perm, group_size, n, k, codebook):
     from .w4a16 import W4A16Weight
 
-    return W4A16Weight(packed, scales, zeros, group_size, n, k, perm)
+    return W4A16Weight(packed, scales, zeros, group_size, n, k, perm, codebook)
 
 
 @torch.library.custom_op("tilefish::w4a16_matmul", mutates_args=())
 def w4a16_matmul_op(x: Tensor, packed: Tensor, scales: Tensor, zeros: Optional[Tensor], perm: Optional[Tensor],
-                    bias: Optional[Tensor], group_size: int, n: int, k: int) -> Tensor:
+                    bias: Optional[Tensor], group_size: int, n: int, k: int, codebook: str) -> Tensor:
     from .w4a16 import matmul_impl
 
-    return matmul_impl(x, _w4a16_weight(packed, scales, zeros, perm, group_size, n, k), bias)
+    return matmul_impl(x, _w4a16_weight(packed, scales, zeros, perm, group_size, n, k, codebook), bias)
 
 
 @w4a16_matmul_op.register_fake
-def _(x, packed, scales, zeros, perm, bias, group_size, n, k):
+def _(x, packed, scales, zeros, perm, bias, group_size, n, k, codebook):
     return x.new_empty(*x.shape[:-1], n)
 
 
 def _w4a16_setup_context(ctx, inputs, output):
-    x, packed, scales, zeros, perm, bias, group_size, n, k = inputs
+    x, packed, scales, zeros, perm, bias, group_size, n, k, codebook = inputs
     ctx.save_for_backward(packed, scales, zeros, perm)
-    ctx.group_size, ctx.n, ctx.k = group_size, n, k
+    ctx.group_size, ctx.n, ctx.k, ctx.codebook = group_size, n, k, codebook
 
 
 def _w4a16_backward(ctx, grad):
     """Gradients reach x (grad @ W, W dequantized exactly in fp32) and the bias; the 4-bit weight is frozen."""
-    from .w4a16 import unpack
-
     packed, scales, zeros, perm = ctx.saved_tensors
     grad_x = grad_bias = None
     if ctx.needs_input_grad[0]:
-        dense = unpack(_w4a16_weight(packed, scales, zeros, perm, ctx.group_size, ctx.n, ctx.k)).dequantize(torch.float32)
+        dense = _w4a16_weight(packed, scales, zeros, perm, ctx.group_size, ctx.n, ctx.k,
+                              ctx.codebook).dequantize(torch.float32)
         grad_x = (grad.float() @ dense).to(grad.dtype)   # columns in the weight's (act-order permuted) k order
         if perm is not None:
             grad_x = grad_x.index_select(-1, torch.argsort(perm))
     if ctx.needs_input_grad[5]:
         grad_bias = grad.reshape(-1, ctx.n).sum(0)
-    return grad_x, None, None, None, None, grad_bias, None, None, None
+    return grad_x, None, None, None, None, grad_bias, None, None, None, None
 
 
 w4a16_matmul_op.register_autograd(_w4a16_backward, setup_context=_w4a16_setup_context)
 
 
 def w4a16_matmul(x: Tensor, w, bias: Tensor | None = None) -> Tensor:
-    return w4a16_matmul_op(x, w.packed, w.scales, w.zeros, w.perm, bias, w.group_size, w.n, w.k)
+    return w4a16_matmul_op(x, w.packed, w.scales, w.zeros, w.perm, bias, w.group_size, w.n, w.k, w.codebook)

@@ -1,16 +1,21 @@
-"""NF4 dequantization op: validate -> pick the kernel variant -> launch.
+"""NF4 ops: dequantization (validate -> pick the kernel variant -> launch) and the fused matmul
+(a bitsandbytes weight repacked once into the W4A16 kernels' layout with codebook "nf4").
 
-CPU tensors go to reference.py (bitsandbytes' exact fp32 arithmetic), so the op works everywhere.
+CPU tensors go to reference.py (bitsandbytes' exact fp32 arithmetic), so the ops work everywhere.
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..quant.nf4 import NF4Weight
 from ..runtime import KernelSpec, device_info, get_kernel, i32, i64, launch
+
+if TYPE_CHECKING:
+    from .w4a16 import W4A16Weight
 
 SOURCE = "nf4/dequantize.cu"
 THREADS = 256
@@ -121,3 +126,173 @@ def dequantize_impl(q: NF4Weight, dtype: torch.dtype, out: torch.Tensor | None =
     if out is None:
         out = torch.empty(q.shape, dtype=dtype, device=q.codes.device)
     return _launch(q, out)
+
+
+# ---- the fused NF4 matmul: bitsandbytes weights repacked once into the W4A16 kernels' layout --------------------
+#
+# An NF4 weight [n, k] is a 4-bit code per element and an fp32 scale (absmax) per block of `blocksize`
+# consecutive elements of the flattened weight. With k % 128 == 0 and g = min(blocksize, 128), every
+# (row, k-group of g) segment lies inside one block (g divides both k and the blocksize, so block
+# boundaries fall on multiples of g), so the weight is exactly the W4A16 form "code value x per-group
+# scale" with group size g: the codes go into the W4A16 kernel layout with codebook "nf4" (the kernels
+# look NF4 values up instead of subtracting a zero point) and the decoded absmax, rounded once to the
+# activation dtype, becomes the group scales. Everything W4A16 has (skinny stream-K, wgmma, mma.sync,
+# the dispatcher, launch plans) runs NF4 unchanged. The bitsandbytes scale tensors are kept as given,
+# so export (to_nf4, bnb state dicts) is exact.
+
+MATMUL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(eq=False)
+class NF4MatmulWeight:
+    """An NF4 weight [n, k] prepared for tilefish.nf4.matmul (tilefish.nf4.prepare builds it).
+
+    kernel: the codes in the W4A16 kernel layout (codebook "nf4") and the per-group scales in the
+    activation dtype. blocksize, orig_dtype and the scale tensors (absmax, or absmax_q / code2 /
+    absmax2 / offset with double quant) are the bitsandbytes weight's, unchanged."""
+
+    kernel: "W4A16Weight"
+    blocksize: int
+    orig_dtype: torch.dtype
+    absmax: torch.Tensor | None = None
+    absmax_q: torch.Tensor | None = None
+    code2: torch.Tensor | None = None
+    absmax2: torch.Tensor | None = None
+    offset: torch.Tensor | None = None
+
+    @property
+    def n(self) -> int:
+        return self.kernel.n
+
+    @property
+    def k(self) -> int:
+        return self.kernel.k
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.n, self.k))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activation dtype the kernel scales are in (x must have it)."""
+        return self.kernel.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.kernel.device
+
+    @property
+    def double_quant(self) -> bool:
+        return self.absmax_q is not None
+
+    def scale_state(self, codes: torch.Tensor) -> NF4Weight:
+        return NF4Weight(codes=codes, shape=self.shape, dtype=self.orig_dtype, blocksize=self.blocksize,
+                         absmax=self.absmax, absmax_q=self.absmax_q, code2=self.code2, absmax2=self.absmax2,
+                         offset=self.offset)
+
+    def to_nf4(self) -> NF4Weight:
+        """The bitsandbytes weight, bit for bit (codes repacked back to bitsandbytes' byte order)."""
+        from .w4a16 import unpack
+
+        codes = unpack(self.kernel).q.reshape(-1)
+        packed = ((codes[0::2] << 4) | codes[1::2]).to(torch.uint8)
+        return self.scale_state(packed)
+
+    def to(self, *args, **kwargs) -> "NF4MatmulWeight":
+        """A device moves every tensor; a dtype (float16 / bfloat16) rebuilds the kernel scales for
+        that activation dtype from the exact block scales."""
+        device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is not None and dtype not in MATMUL_DTYPES:
+            raise TypeError(f"an NF4 matmul weight serves float16 or bfloat16 activations, not {dtype}")
+
+        def move(t):
+            return None if t is None else t.to(device=device, non_blocking=non_blocking)
+        out = NF4MatmulWeight(self.kernel.to(device=device, non_blocking=non_blocking), self.blocksize,
+                              self.orig_dtype, move(self.absmax), move(self.absmax_q), move(self.code2),
+                              move(self.absmax2), move(self.offset))
+        if dtype is not None and dtype != self.dtype:
+            from dataclasses import replace as _replace
+
+            out.kernel = _replace(out.kernel, scales=_kernel_scales(out, dtype))
+        return out
+
+
+def _matmul_group(blocksize: int) -> int:
+    return min(blocksize, 128)
+
+
+def check_matmul_shape(shape, blocksize: int) -> None:
+    """What the fused kernels can tile: a 2-D weight [n, k], n % 64 == 0, k % 128 == 0 (any blocksize)."""
+    from .w4a16 import BK
+
+    if len(shape) != 2:
+        raise ValueError(f"the NF4 matmul needs a 2-D weight [out_features, in_features], got shape {tuple(shape)}")
+    n, k = shape
+    if n % 64 or k % BK:
+        raise ValueError(f"the NF4 matmul kernels tile n (out_features) by 64 and k (in_features) by {BK}; got "
+                         f"n={n}, k={k}. tilefish.nf4.dequantize + F.linear handles any shape")
+
+
+def _group_scales(w: NF4Weight, n: int, k: int, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """Each (row, k-group) segment's block absmax, decoded in fp32 as bitsandbytes does and rounded
+    once to `dtype`: [n, k / group]. A scale that overflows fp16 is an error."""
+    from ..reference import nf4_absmax
+
+    absmax = nf4_absmax(w)
+    first = (torch.arange(n, device=absmax.device)[:, None] * k
+             + torch.arange(0, k, group, device=absmax.device)[None, :])      # each segment's first element
+    scales = absmax[first // w.blocksize]
+    out = scales.to(dtype)
+    if not bool(torch.isfinite(out).all()):
+        raise ValueError(f"an NF4 block scale (absmax up to {float(scales.abs().max()):.4g}) does not fit {dtype}; "
+                         "prepare the weight for bfloat16 activations")
+    return out
+
+
+def _kernel_scales(w: NF4MatmulWeight, dtype: torch.dtype) -> torch.Tensor:
+    from .w4a16 import _strip_permute
+
+    state = w.scale_state(torch.empty(0, dtype=torch.uint8, device=w.device))
+    return _strip_permute(_group_scales(state, w.n, w.k, w.kernel.group_size, dtype).t().contiguous()).contiguous()
+
+
+def prepare(q: NF4Weight, dtype: torch.dtype | None = None) -> NF4MatmulWeight:
+    """Repack an NF4 weight [n, k] once for the fused matmul with `dtype` activations (default the
+    weight's dtype; float16 for a float32 weight). Lossless: to_nf4() gives the weight back bit for bit.
+    Pure torch, on the weight's device; reads the scales once (a device sync)."""
+    from ..quant.int4 import Int4Weight
+    from .w4a16 import pack
+
+    if not isinstance(q, NF4Weight):
+        raise TypeError(f"prepare expects an NF4Weight (tilefish.nf4.quantize / from_bnb / from_state_dict), "
+                        f"got {type(q).__name__}")
+    q.validate()
+    check_matmul_shape(q.shape, q.blocksize)
+    dtype = dtype or (q.dtype if q.dtype in MATMUL_DTYPES else torch.float16)
+    if dtype not in MATMUL_DTYPES:
+        raise TypeError(f"the NF4 matmul runs float16 or bfloat16 activations, not {dtype}")
+    n, k = q.shape
+    c = q.codes
+    codes = torch.stack((c >> 4, c & 0xF), dim=1).reshape(n, k)
+    group = _matmul_group(q.blocksize)
+    kernel = pack(Int4Weight(codes, _group_scales(q, n, k, group, dtype), None, group), codebook="nf4")
+    return NF4MatmulWeight(kernel, q.blocksize, q.dtype, q.absmax, q.absmax_q, q.code2, q.absmax2, q.offset)
+
+
+def matmul_impl(x: torch.Tensor, w: NF4MatmulWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """CUDA: the W4A16 kernels with NF4 codes; CPU: bitsandbytes' dequantization then a float64 matmul."""
+    if not isinstance(w, NF4MatmulWeight):
+        if isinstance(w, NF4Weight):
+            raise TypeError("nf4.matmul takes a prepared weight: w = tilefish.nf4.prepare(nf4_weight) once, then "
+                            "matmul(x, w) (or use tilefish.nn.NF4Linear, which does it for you)")
+        raise TypeError(f"w must be an NF4MatmulWeight (tilefish.nf4.prepare), got {type(w).__name__}")
+    if isinstance(x, torch.Tensor) and x.device.type == "cpu":
+        from ..reference import dense_matmul, nf4_dequantize_fp32_chain
+        from .w4a16 import _validate
+
+        _validate(x, w.kernel, bias)
+        dense = nf4_dequantize_fp32_chain(w.to_nf4(), x.dtype)
+        return dense_matmul(x.reshape(-1, w.k), dense, bias).reshape(*x.shape[:-1], w.n)
+    from .w4a16 import matmul_impl as w4a16_matmul_impl
+
+    return w4a16_matmul_impl(x, w.kernel, bias)

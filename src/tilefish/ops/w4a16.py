@@ -9,6 +9,9 @@ Kernel layout (docs/w4a16.md has the fragment maps):
           lane's 8 scales (column 8 s + g, s = 0..7) are 16 contiguous bytes; per-channel scales stay
           in natural order (they multiply the accumulators in the epilogue).
   zeros   [groups, n] zero points as x-dtype values 0..15, permuted like grouped scales; None = 8.
+  codebook  what a nibble means: "int4" ((q - zero) x scale), or "nf4" (NF4_TABLE[q] x scale, bitsandbytes'
+          NormalFloat codes; no zero points). An nf4 word stores the nibbles above in the order
+          p = 0 4 1 5 2 6 3 7 (NF4_NIBBLE_ORDER), which its table lookup in kernels/w4a16/dequant.cuh needs.
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ BK = 128
 HOPPER_BK = 64
 SKINNY_BK = 128
 DTYPES = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
+CODEBOOKS = ("int4", "nf4")
+NF4_NIBBLE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # nibble i of an nf4 word holds int4-layout nibble NF4_NIBBLE_ORDER[i]
 
 
 @dataclass
@@ -43,6 +48,7 @@ class W4A16Weight:
     n: int
     k: int
     perm: torch.Tensor | None = None  # act-order: the kernel computes x[..., perm] @ W^T
+    codebook: str = "int4"            # "int4" or "nf4" (module docstring)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -64,7 +70,19 @@ class W4A16Weight:
                 return None
             return t.to(device=device, dtype=dtype if values else None, non_blocking=non_blocking)
         return W4A16Weight(move(self.packed, False), move(self.scales, True), move(self.zeros, True), self.group_size,
-                           self.n, self.k, move(self.perm, False))
+                           self.n, self.k, move(self.perm, False), self.codebook)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense [n, k] weight in the kernel's k order (act-order: permuted), each value
+        code-value x scale computed in float64 and rounded once to dtype."""
+        q = unpack(self)
+        if self.codebook == "int4":
+            return q.dequantize(dtype)
+        from ..quant.nf4 import nf4_table
+
+        values = nf4_table(q.q.device).double()[q.q.long()]
+        scales = q.scales.double().repeat_interleave(self.group_size if self.group_size != -1 else self.k, dim=1)
+        return (values * scales).to(dtype)
 
 
 def check_perm(perm: torch.Tensor, k: int) -> None:
@@ -99,10 +117,15 @@ def check_shape(n: int, k: int, group_size: int) -> None:
         raise ValueError(f"W4A16 group_size must be -1, 32, 64 or 128; got {group_size}")
 
 
-def pack(w: Int4Weight, perm: torch.Tensor | None = None) -> W4A16Weight:
-    """Int4Weight (q [n, k], scales/zeros [n, groups]) -> the kernel layout. Pure torch, any device."""
+def pack(w: Int4Weight, perm: torch.Tensor | None = None, codebook: str = "int4") -> W4A16Weight:
+    """Int4Weight (q [n, k], scales/zeros [n, groups]) -> the kernel layout. Pure torch, any device.
+    codebook "nf4": q holds NF4 codes (tilefish.nf4.prepare builds these), symmetric only."""
     n, k = w.n, w.k
     check_shape(n, k, w.group_size)
+    if codebook not in CODEBOOKS:
+        raise ValueError(f"codebook must be one of {CODEBOOKS}, got {codebook!r}")
+    if codebook == "nf4" and w.zeros is not None:
+        raise ValueError("an nf4 codebook weight has no zero points")
     if perm is not None:
         check_perm(perm, k)
     q = w.q.to(torch.int64)
@@ -110,6 +133,8 @@ def pack(w: Int4Weight, perm: torch.Tensor | None = None) -> W4A16Weight:
     v = q.view(n // 64, 4, 2, 8, k // 16, 2, 4, 2)          # S j h g r a t b
     v = v.permute(0, 4, 3, 6, 1, 7, 2, 5)                     # S r g t j b h a
     v = v.reshape(n // 64, k // 16, 32, 4, 8)
+    if codebook == "nf4":
+        v = v[..., list(NF4_NIBBLE_ORDER)]
     shifts = torch.arange(0, 32, 4, device=q.device, dtype=torch.int64)
     words = (v << shifts).sum(-1)
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
@@ -120,15 +145,17 @@ def pack(w: Int4Weight, perm: torch.Tensor | None = None) -> W4A16Weight:
     zeros = None
     if w.zeros is not None:
         zeros = _strip_permute(w.zeros.t().to(w.scales.dtype)).contiguous()
-    return W4A16Weight(packed, scales, zeros, w.group_size, n, k, perm)
+    return W4A16Weight(packed, scales, zeros, w.group_size, n, k, perm, codebook)
 
 
 def unpack(p: W4A16Weight) -> Int4Weight:
-    """The inverse of pack (for tests and export)."""
+    """The inverse of pack (for tests and export): q holds the codes (int4 values or NF4 indices)."""
     n, k = p.n, p.k
     words = p.packed.to(torch.int64) & 0xFFFFFFFF
     shifts = torch.arange(0, 32, 4, device=words.device, dtype=torch.int64)
     v = (words.view(n // 64, k // 16, 32, 4, 1) >> shifts) & 0xF        # S r (g t) j p
+    if p.codebook == "nf4":
+        v = v[..., [NF4_NIBBLE_ORDER.index(i) for i in range(8)]]
     v = v.view(n // 64, k // 16, 8, 4, 4, 2, 2, 2)                      # S r g t j b h a
     v = v.permute(0, 4, 6, 2, 1, 7, 3, 5)                               # S j h g r a t b
     q = v.reshape(n, k).to(torch.uint8)
@@ -172,7 +199,13 @@ class GemmConfig:
 
 @functools.lru_cache(maxsize=None)
 def kernel_spec(dtype: torch.dtype, cfg: GemmConfig | HopperConfig | SkinnyConfig, group_size: int,
-                asym: bool) -> KernelSpec:
+                asym: bool, codebook: str = "int4") -> KernelSpec:
+    if codebook != "int4":
+        if codebook != "nf4" or asym:
+            raise ValueError(f"codebook {codebook!r} with asym={asym}: the kernels build int4 (with or without "
+                             "zero points) or symmetric nf4")
+        spec = kernel_spec(dtype, cfg, group_size, False)
+        return replace(spec, defines=spec.defines + (("TF_W4A16_NF4", "1"),))
     group = 0 if group_size == -1 else group_size
     if isinstance(cfg, SkinnyConfig):
         name = (f"w4a16_skinny<{DTYPES[dtype]}, {cfg.mt}, {cfg.ns}, {cfg.wk}, {cfg.stages}, {cfg.ctas_per_sm}, {group}, "
@@ -781,6 +814,9 @@ def choose_slices(tiles: int, k_tiles: int, sm_count: int) -> int:
     return max(1, min(k_tiles // MIN_K_TILES_PER_SLICE, round(2 * sm_count / tiles)))
 
 
+NF4_GROUPS = (32, 64, 128)  # an NF4 weight's scale groups (tilefish.nf4.prepare: min(blocksize, 128))
+
+
 def dispatch_specs() -> list[KernelSpec]:
     out = []
     cfgs = {choose_mma_config(m, n, 4096, sms) for m in (1, 8, 9, 16, 17, 32, 33, 64, 128, 4096)
@@ -796,14 +832,17 @@ def dispatch_specs() -> list[KernelSpec]:
             for g in (-1, 32, 64, 128):
                 for asym in (False, True):
                     out.append(kernel_spec(dt, cfg, g, asym))
+            for g in NF4_GROUPS:
+                out.append(kernel_spec(dt, cfg, g, False, "nf4"))
     return out
 
 
 def variant_specs() -> list[KernelSpec]:
     """The wgmma and skinny kernels' whole design space (tests and the sweep scripts use it)."""
     skinny = SKINNY_CONFIGS + [replace(c, staged=True) for c in SKINNY_CONFIGS]
-    return [kernel_spec(dt, cfg, g, asym) for cfg in HOPPER_CONFIGS + skinny for dt in DTYPES
-            for g in (-1, 32, 64, 128) for asym in (False, True)]
+    return ([kernel_spec(dt, cfg, g, asym) for cfg in HOPPER_CONFIGS + skinny for dt in DTYPES
+             for g in (-1, 32, 64, 128) for asym in (False, True)]
+            + [kernel_spec(dt, cfg, 64, False, "nf4") for cfg in CONFIGS + HOPPER_CONFIGS + skinny for dt in DTYPES])
 
 
 # ---- workspace: per (device, stream) so concurrent streams never share counters ------------------------------
@@ -840,6 +879,8 @@ def _validate(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None) -> Non
     if x.shape[-1] != w.k:
         raise ValueError(f"x has k={x.shape[-1]} (last dim) but the weight has in_features k={w.k}")
     check_shape(w.n, w.k, w.group_size)
+    if w.codebook not in CODEBOOKS or (w.codebook == "nf4" and (w.zeros is not None or w.group_size == -1)):
+        raise ValueError(f"codebook {w.codebook!r}: int4, or nf4 with group scales and no zero points")
     if w.packed.dtype != torch.int32 or w.packed.shape != (w.n // 64, 8 * w.k):
         raise ValueError(f"packed must be int32 [n/64, 8k] = {(w.n // 64, 8 * w.k)}, got {w.packed.dtype} "
                          f"{tuple(w.packed.shape)}")
@@ -876,9 +917,11 @@ def matmul_impl(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = Non
     if w.perm is not None:
         x2 = x2.index_select(1, w.perm)
     if x.device.type == "cpu":
-        from ..reference import w4a16_matmul
+        from ..reference import dense_matmul, w4a16_matmul
 
-        return w4a16_matmul(x2, unpack(w), bias).reshape(*lead, w.n)
+        if w.codebook == "int4":
+            return w4a16_matmul(x2, unpack(w), bias).reshape(*lead, w.n)
+        return dense_matmul(x2, w.dequantize(torch.float64), bias).reshape(*lead, w.n)
     if x.device.type != "cuda":
         raise ValueError(f"W4A16 runs on CUDA or CPU tensors, not {x.device}")
     x2 = x2.contiguous()
@@ -949,7 +992,7 @@ def _mma_launches(cfg: GemmConfig, m: int, w: W4A16Weight, bias, slices: int | N
     slices = max(1, min(slices, k_tiles))
     device = w.packed.device
     ws, counters = _workspace(device, tiles * slices * cfg.bm * cfg.bn if slices > 1 else 0, tiles)
-    kern = _kernel(w.dtype, cfg, w.group_size, asym, device.index)
+    kern = _kernel(w.dtype, cfg, w.group_size, asym, device.index, w.codebook)
     config = prepare_launch(kern, (m_tiles, n_tiles, slices), THREADS, _smem_bytes(cfg, w.group_size, asym))
     tail = (ws.data_ptr(), counters.data_ptr(), i32(m), i32(w.n), i32(w.k), i32(slices))
     return [(kern, config, None, _weight_args(w, bias), tail)], (ws, counters)
@@ -969,11 +1012,11 @@ _clusters_by_device: dict[int, tuple[tuple[int, int], ...]] = {}
 _kernels: dict[tuple, object] = {}
 
 
-def _kernel(dtype: torch.dtype, cfg, group_size: int, asym: bool, device_index: int | None):
-    key = (dtype, cfg, group_size, asym, device_index)
+def _kernel(dtype: torch.dtype, cfg, group_size: int, asym: bool, device_index: int | None, codebook: str = "int4"):
+    key = (dtype, cfg, group_size, asym, device_index, codebook)
     kern = _kernels.get(key)
     if kern is None:
-        kern = _kernels[key] = get_kernel(kernel_spec(dtype, cfg, group_size, asym), device_index)
+        kern = _kernels[key] = get_kernel(kernel_spec(dtype, cfg, group_size, asym, codebook), device_index)
     return kern
 
 
@@ -1016,7 +1059,7 @@ def _hopper_launches(cfg: HopperConfig, m: int, w: W4A16Weight, bias, slices: in
     # CTAs doubled up on SMs left others idle: 0.6x in an A/B on the H200). Otherwise, for stream-K
     # and for splits wider than a portable cluster, the slices sum through the global workspace.
     device = w.packed.device
-    kern = _kernel(w.dtype, cfg, w.group_size, asym, device.index)
+    kern = _kernel(w.dtype, cfg, w.group_size, asym, device.index, w.codebook)
     smem = _smem_bytes(cfg, w.group_size, asym)
     cluster = 1
     if _split_runs_as_clusters(cfg, kern, tiles, slices, smem):
@@ -1090,7 +1133,7 @@ def _skinny_launches(cfg: SkinnyConfig, m: int, w: W4A16Weight, bias, ctas: int 
     ctas = max(1, min(ctas or info.sm_count * cfg.ctas_per_sm, units, 2**31 - 1))
     device = w.packed.device
     ws, counters = _workspace(device, ctas * 2 * cfg.mt * cfg.bn, tiles)
-    kern = _kernel(w.dtype, cfg, w.group_size, asym, device.index)
+    kern = _kernel(w.dtype, cfg, w.group_size, asym, device.index, w.codebook)
     config = prepare_launch(kern, ctas, cfg.threads, _smem_bytes(cfg, w.group_size, asym))
     tail = (ws.data_ptr(), counters.data_ptr(), i32(m), i32(w.n), i32(w.k))
     return [(kern, config, (cfg.mt, 64), _weight_args(w, bias), tail)], (ws, counters)

@@ -133,6 +133,18 @@ template <int LUT> __device__ __forceinline__ u32 lop3(u32 a, u32 b, u32 c) {
     return r;
 }
 constexpr int kLopAndOr = (0xf0 & 0xcc) | 0xaa;  // (a & b) | c
+constexpr int kLopSelect = (0xf0 & ~0xaa & 0xff) | (0xcc & 0xaa);  // c ? b : a, bit by bit
+
+// ---- prmt (default mode): byte n of the result is byte s_n & 7 of {b, a} (a = bytes 0-3), or,
+// when bit 3 of selector nibble s_n is set, that byte's sign bit replicated into all 8 bits. Only
+// the low 16 bits of s are read. A byte-wide table lookup: 8 one-byte entries in a and b, four
+// 3-bit indices in s, four lookups an instruction. Not volatile: a pure function the compiler may
+// schedule freely.
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 s) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(s));
+    return r;
+}
 
 // ---- acquire/release on global counters (cross-block reductions).
 __device__ __forceinline__ int atomic_add_acq_rel(int* p, int v) {

@@ -46,6 +46,60 @@ template <> struct Dequant<__nv_bfloat16> {
     }
 };
 
+// ---- NF4 (bitsandbytes' 16-entry NormalFloat codebook, symmetric, no zero point): a table lookup
+// with byte permutes. A 16-bit table entry is a low byte and a high byte; prmt looks up four bytes
+// at once in an 8-entry byte table (two registers), so each byte of the 16 entries is split into
+// entries 0-7 (table A) and 8-15 (table B, reversed: byte i holds entry 15 - i, so ~code indexes
+// it). Codes 0-7 read A with the code itself as selector; codes 8-15 read B with ~code, whose bit 3
+// is then clear (A's lookups of codes 8-15 and B's of 0-7 come out as sign fills and are discarded
+// by a per-byte select on bit 3 of the code). The kernel layout stores the nibbles of a word in the
+// order 0 4 1 5 2 6 3 7 of the int4 layout (ops/w4a16.py, pack with codebook "nf4"), so one prmt
+// interleaves the looked-up low and high bytes straight into the fragment's half2 pairs.
+// 22 integer instructions a word (8 weights) against the int4 path's 5 (+ 4 fp16): the NF4 matmul
+// runs 1.1-1.4x the int4 time at m <= 64 (docs/nf4.md has the builds tried). The constants are the
+// NF4 table rounded to nearest (tests/test_nf4_matmul.py checks them against NF4_TABLE).
+template <typename T> struct NF4Bytes;
+template <> struct NF4Bytes<__half> {
+    static constexpr u32 kLoA0 = 0x52339200, kLoA1 = 0x00d4ea8d, kLoB0 = 0x0d80c900, kLoB1 = 0x1826e068;
+    static constexpr u32 kHiA0 = 0xb6b8b9bc, kHiA1 = 0x00adb1b4, kHiB0 = 0x3738393c, kHiB1 = 0x2d313335;
+};
+template <> struct NF4Bytes<__nv_bfloat16> {
+    static constexpr u32 kLoA0 = 0xca063280, kLoA1 = 0x00ba3d92, kLoB0 = 0xe2103980, kLoB1 = 0xa3257cad;
+    static constexpr u32 kHiA0 = 0xbebfbfbf, kHiA1 = 0x00bdbebe, kHiB0 = 0x3e3f3f3f, kHiB1 = 0x3d3e3e3e;
+};
+
+template <typename T> struct DequantNF4 {
+    struct Zero {};  // the interface of Dequant<T>; NF4 has no zero point
+    static __device__ __forceinline__ Zero zero(float) { return {}; }
+    // Word -> 4 pairs: the same (nib0,nib4) (nib1,nib5) (nib2,nib6) (nib3,nib7) of the int4 layout,
+    // stored as physical nibbles 0..7 = logical 0 4 1 5 2 6 3 7.
+    static __device__ __forceinline__ void run(u32 q, const Zero&, const Zero&, u32 (&r)[4]) {
+        // 0xff in byte j where physical nibble j (j + 4 for the high half) has bit 3 set: the sign
+        // of the byte whose top bit that is (odd nibbles: q's bytes; even ones: q << 4's).
+        const u32 q4 = q << 4;
+        half(q, prmt(q, q4, 0x9D8C), r[0], r[1]);
+        half(q >> 16, prmt(q, q4, 0xBFAE), r[2], r[3]);
+    }
+    // Four codes (selector nibbles of s) -> two pairs: (entry of nibble 0, of nibble 1), (2, 3).
+    static __device__ __forceinline__ void half(u32 s, u32 mask, u32& r0, u32& r1) {
+        using B = NF4Bytes<T>;
+        const u32 ns = ~s;
+        const u32 lo = lop3<kLopSelect>(prmt(B::kLoA0, B::kLoA1, s), prmt(B::kLoB0, B::kLoB1, ns), mask);
+        const u32 hi = lop3<kLopSelect>(prmt(B::kHiA0, B::kHiA1, s), prmt(B::kHiB0, B::kHiB1, ns), mask);
+        r0 = prmt(lo, hi, 0x5140);
+        r1 = prmt(lo, hi, 0x7362);
+    }
+};
+
+// The kernels' decoder: -D TF_W4A16_NF4 builds them for NF4 codes, else for int4 with zero points.
+#ifdef TF_W4A16_NF4
+template <typename T> using WeightDecoder = DequantNF4<T>;
+constexpr bool kDecoderHasZeros = false;
+#else
+template <typename T> using WeightDecoder = Dequant<T>;
+constexpr bool kDecoderHasZeros = true;
+#endif
+
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 

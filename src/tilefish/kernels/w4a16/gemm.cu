@@ -58,7 +58,8 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
     static_assert(!SWAP || MB == 1, "swap handles up to 8 rows: one 16-row block");
     constexpr int NJ = SWAP ? 4 : 8;  // accumulator tiles per 16-row block: 16x8 each
     using L = StageLayout<MB, WN, GROUP, ASYM, BREG>;
-    using DQ = Dequant<T>;
+    using DQ = WeightDecoder<T>;
+    static_assert(kDecoderHasZeros || !ASYM, "NF4 codes have no zero points");
     using V2 = Vec2<T>;
     constexpr int BM = L::BM, BN = L::BN, KW = 8 / WK;
     constexpr int kAccPerThread = MB * NJ * 4;

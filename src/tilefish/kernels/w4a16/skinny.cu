@@ -66,7 +66,8 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
              float* __restrict__ workspace, int* __restrict__ counters, int m, int n, int k) {
     using namespace w4s;
     using L = Layout<MT, NS, WK, GROUP, ASYM>;
-    using DQ = Dequant<T>;
+    using DQ = WeightDecoder<T>;
+    static_assert(kDecoderHasZeros || !ASYM, "NF4 codes have no zero points");
     using V2 = Vec2<T>;
     static_assert(MT == 8 || MT == 16 || MT == 32, "MT: 8-row blocks of x^T, up to 32 rows");
     static_assert(NS == 1 || NS == 2 || NS == 4, "strips per tile");

@@ -83,7 +83,8 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
             int cluster_split, int tile_base) {
     using namespace w4h;
     using L = Layout<MT, NT, CONS, GROUP, ASYM>;
-    using DQ = Dequant<T>;
+    using DQ = WeightDecoder<T>;
+    static_assert(kDecoderHasZeros || !ASYM, "NF4 codes have no zero points");
     using V2 = Vec2<T>;
     static_assert(MT == 16 || MT == 32 || MT == 64 || MT == 128 || MT == 256, "MT: a generated wgmma n");
     static_assert(NT == 1 || NT == 2 || NT == 4, "NT words per lane: 4, 8 or 16 bytes");
