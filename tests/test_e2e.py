@@ -24,12 +24,17 @@ TINY = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, 
 @pytest.fixture(autouse=True)
 def fast_quantize(monkeypatch):
     """W4A16 conversion without the clip search (11 candidate scales per group): the CPU tests time
-    the harness, not the quantizer."""
+    the harness, not the quantizer. Other methods (nf4) pass through unchanged."""
     import tilefish.convert
 
     quantize_model = tilefish.convert.quantize_model
-    monkeypatch.setattr(tilefish.convert, "quantize_model", lambda model, **kw: quantize_model(model, clip_search=False,
-                                                                                              **kw))
+
+    def fast(model, **kw):
+        if kw.get("method", "w4a16") == "w4a16":
+            kw.setdefault("clip_search", False)
+        return quantize_model(model, **kw)
+
+    monkeypatch.setattr(tilefish.convert, "quantize_model", fast)
 
 
 def tiny_model(dtype=torch.float32, seed=0) -> LlamaForCausalLM:
@@ -188,9 +193,12 @@ def test_run_on_cpu(kind, modes, tmp_path):
     covered by test_layer_compile_shares_one_graph_w4a16."""
     if kind == "hf":
         pytest.importorskip("transformers")
-    rep = e2e.run(batches=(2,), prefill=(8,), context=8, modes=modes, impls=("fp16", "w4a16", "nf4"), model=kind,
+    rep = e2e.run(batches=(2,), prefill=(8,), context=8, modes=modes, impls=e2e.IMPLS, model=kind,
                   reps=1, config=TINY, device="cpu", backend="eager")
-    impls = ["fp16", "tilefish w4a16"] + (["bitsandbytes nf4"] if e2e._bnb_problem() is None else [])
+    impls = (["fp16", "tilefish w4a16"] + (["bitsandbytes nf4"] if e2e._bnb_problem() is None else [])
+             + (["tilefish nf4"] if e2e._tilefish_nf4_problem() is None else []))
+    if e2e._tilefish_nf4_problem() is not None:  # tilefish.quantize_model(method="nf4") not in this build
+        assert any(n.startswith("tilefish-nf4 skipped: ") for n in rep.notes), rep.notes
     assert len(rep.rows) == len(modes) * 2 * len(impls)
     assert {r.impl for r in rep.rows} == set(impls)
     assert {r.case for r in rep.rows} == {c for m in modes for c in (f"{m} decode b2 ctx8", f"{m} prefill 8")}
@@ -203,6 +211,8 @@ def test_run_on_cpu(kind, modes, tmp_path):
             assert set(r.ratios) == {"fp16"} and r.extra["layer_bytes_ratio"] < 0.3
             assert 0 < r.extra["logits_rel_err"] < 1.0   # 4-bit weights vs fp16 (random model, 2 layers)
             if r.impl == "tilefish w4a16":
+                assert r.extra["kernel_rel_err"] < e2e.LARGE_REL_ERR
+            if r.impl == "tilefish nf4" and r.extra["kernel_rel_err"] is not None:  # None: no dense twin (noted)
                 assert r.extra["kernel_rel_err"] < e2e.LARGE_REL_ERR
     assert any("relative error" in n for n in rep.notes)
     rep.to_json(tmp_path / "e2e.json")
@@ -244,6 +254,62 @@ def test_run_frees_each_variant_before_building_the_next(monkeypatch):
     rep = e2e.run(batches=(2,), prefill=(), context=8, modes=("eager",), impls=("fp16", "w4a16"), model="builtin",
                   reps=1, config=TINY, device="cpu")
     assert len(built) == 2 and len(rep.rows) == 2
+
+
+def test_tilefish_nf4_conversion_call(monkeypatch):
+    """The tilefish-nf4 variant asks quantize_model for NF4 with bitsandbytes' defaults (blocksize 64,
+    double quant), fused like W4A16; --int4-lm-head also quantizes lm_head."""
+    import tilefish.convert
+
+    calls = []
+    monkeypatch.setattr(tilefish.convert, "quantize_model",
+                        lambda model, **kw: calls.append(kw) or tilefish.convert.ConversionReport())
+    runner = e2e._Builtin(TINY, CPU)
+    summary = e2e._convert(runner, "tilefish-nf4", int4_lm_head=False)
+    assert calls[-1] == dict(method="nf4", blocksize=64, double_quant=True, fuse=True)
+    assert "tilefish NF4 (blocksize 64, double quant)" in summary
+    e2e._convert(runner, "tilefish-nf4", int4_lm_head=True)
+    assert calls[-1] == dict(method="nf4", blocksize=64, double_quant=True, fuse=True, skip=())
+
+
+def test_tilefish_nf4_skipped_with_a_note_when_quantize_model_lacks_nf4(monkeypatch):
+    import tilefish.convert
+
+    monkeypatch.setattr(tilefish.convert, "METHODS", ("w4a16",))
+    assert "method='nf4'" in e2e._tilefish_nf4_problem()
+    rep = e2e.run(batches=(2,), prefill=(), context=8, modes=("eager",), impls=("fp16", "tilefish-nf4"),
+                  model="builtin", reps=1, config=TINY, device="cpu")
+    assert [r.impl for r in rep.rows] == ["fp16"]
+    assert any(n.startswith("tilefish-nf4 skipped: tilefish.quantize_model has no method='nf4'") for n in rep.notes)
+
+
+@torch.no_grad()
+def test_tilefish_nf4_variant_checks(monkeypatch):
+    """The tilefish-nf4 variant's rows and logits checks (its dense twin; bitsandbytes nf4's logits), on
+    stand-ins: quantize_model(method="nf4") converts to W4A16 here, and the "bitsandbytes" variant leaves
+    the model dense, so its logits are fp16's."""
+    import tilefish.convert
+
+    quantize_model = tilefish.convert.quantize_model
+
+    def as_w4a16(model, method, blocksize, double_quant, fuse, **kw):
+        assert (method, blocksize, double_quant, fuse) == ("nf4", 64, True, True)
+        return quantize_model(model, fuse=fuse, **kw)
+
+    monkeypatch.setattr(tilefish.convert, "quantize_model", as_w4a16)
+    monkeypatch.setattr(e2e, "_tilefish_nf4_problem", lambda: None)
+    monkeypatch.setattr(e2e, "_bnb_problem", lambda: None)
+    monkeypatch.setattr(e2e, "_to_nf4", lambda layers: None)
+    rep = e2e.run(batches=(2,), prefill=(), context=8, modes=("eager",), impls=("fp16", "nf4", "tilefish-nf4"),
+                  model="builtin", reps=1, config=TINY, device="cpu")
+    assert [r.impl for r in rep.rows] == ["fp16", "bitsandbytes nf4", "tilefish nf4"]
+    ours = rep.rows[2].extra
+    assert rep.rows[2].ratios.keys() == {"fp16"} and ours["layer_bytes_ratio"] < 0.3
+    assert ours["kernel_rel_err"] < e2e.LARGE_REL_ERR
+    assert ours["bnb_nf4_rel_err"] == pytest.approx(ours["logits_rel_err"]) and ours["bnb_nf4_rel_err"] > 0
+    line, = [n for n in rep.notes if n.startswith("tilefish-nf4 (")]
+    assert "vs bitsandbytes nf4 on the same NF4 weights" in line and "dense twin" in line
+    assert rep.rows[1].extra["bnb_nf4_rel_err"] is None
 
 
 def test_suite_maps_cli_flags(monkeypatch):

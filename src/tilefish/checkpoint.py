@@ -1,4 +1,4 @@
-"""Load Hugging Face-format GPTQ / AWQ 4-bit checkpoints (safetensors) with W4A16Linear layers.
+"""Load Hugging Face-format GPTQ / AWQ / bitsandbytes 4-bit checkpoints (safetensors) with W4A16Linear layers.
 
     model, report = tilefish.load_quantized("path/to/Llama-GPTQ")        # builds the model (needs transformers)
     model, report = tilefish.load_quantized(model, "path/to/Llama-GPTQ") # into a model you built (meta is fine)
@@ -6,7 +6,11 @@
 A checkpoint is a directory holding ``config.json``, whose ``quantization_config`` names the format, and either
 ``model.safetensors`` or ``model.safetensors.index.json`` plus the shards it names. Read: GPTQ 4-bit
 (``checkpoint_format`` "gptq" = v1 zeros, or "gptq_v2"), with or without act-order (``desc_act``), and AWQ 4-bit
-GEMM; group sizes -1, 32, 64, 128. The tensor layouts are documented in ``tilefish.quant.int4``.
+GEMM; group sizes -1, 32, 64, 128. The tensor layouts are documented in ``tilefish.quant.int4``. And bitsandbytes
+4-bit NF4 (``quant_method`` "bitsandbytes", ``load_in_4bit``, ``bnb_4bit_quant_type`` "nf4", with or without double
+quant): each Linear X stores bitsandbytes' Linear4bit entries (``X.weight`` packed bytes, ``X.weight.absmax``,
+``X.weight.quant_map``, [``X.weight.nested_absmax``, ``X.weight.nested_quant_map``,]
+``X.weight.quant_state.bitsandbytes__nf4`` JSON; layout in ``tilefish.quant.nf4``) and becomes an ``NF4Linear``.
 
 Loading is all or nothing. Every tensor header is checked against the model and the config first; then each new
 layer and tensor is built into a staging area, reading one layer's tensors at a time (peak memory: the quantized
@@ -17,6 +21,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import math
 import os
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -53,6 +58,14 @@ _ROLES = {"gptq": ("qweight", "qzeros", "scales", "g_idx", "bias"), "awq": ("qwe
 _GPTQ_FORMATS = {"gptq": "v1", "gptq_v2": "v2"}
 _WHY_REQUIRED = {"g_idx": "desc_act (act-order) is set in config.json", "bias": "the model's nn.Linear has a bias"}
 
+# bitsandbytes 4-bit: role -> the name under the Linear X of the tensor bitsandbytes' Linear4bit stores
+_BNB_QUANT_STATE = "weight.quant_state.bitsandbytes__"
+_BNB_ENTRIES = {"weight": "weight", "absmax": "weight.absmax", "quant_map": "weight.quant_map",
+                "nested_absmax": "weight.nested_absmax", "nested_quant_map": "weight.nested_quant_map",
+                "quant_state": _BNB_QUANT_STATE + "nf4", "bias": "bias"}
+_BNB_MARKERS = ("weight.absmax", "weight.quant_map", "weight.nested_absmax", "weight.nested_quant_map",
+                _BNB_QUANT_STATE)  # an X.<marker...> tensor makes X a bitsandbytes 4-bit layer
+
 
 class CheckpointError(ValueError):
     """A checkpoint tilefish cannot load; the message names the file, the tensor or config field, and the rule."""
@@ -66,11 +79,14 @@ class CheckpointError(ValueError):
 class QuantFormat:
     """What ``quantization_config`` says about the stored 4-bit layers."""
 
-    method: str                                 # "gptq" or "awq"
-    group_size: int                             # -1 (one group over k), 32, 64, 128
+    method: str                                 # "gptq", "awq" or "bitsandbytes" (4-bit nf4)
+    group_size: int | None                      # -1 (one group over k), 32, 64, 128; bitsandbytes: None (each
+                                                # layer's quant-state JSON holds its blocksize)
     zero_convention: str | None = None          # GPTQ: "v1" or "v2"; AWQ stores true zeros (None)
     desc_act: bool = False                      # GPTQ act-order: every layer must carry g_idx
     modules_to_not_convert: tuple[str, ...] = ()
+    skip_field: str = "modules_to_not_convert"  # the config field modules_to_not_convert came from
+    compute_dtype: torch.dtype | None = None    # bitsandbytes' bnb_4bit_compute_dtype, when fp16 / bf16
 
     @classmethod
     def from_config(cls, config: dict, source: str) -> "QuantFormat":
@@ -83,8 +99,12 @@ class QuantFormat:
             return CheckpointError(f"{source}: quantization_config.{field} = {qc.get(field)!r}: {message}")
 
         method = qc.get("quant_method")
-        if method not in ("gptq", "awq"):
-            raise fail("quant_method", "not supported (tilefish loads 'gptq' and 'awq')")
+        if method is None and ("load_in_4bit" in qc or "load_in_8bit" in qc):
+            method = "bitsandbytes"  # transformers' early BitsAndBytesConfig wrote no quant_method
+        if method not in ("gptq", "awq", "bitsandbytes"):
+            raise fail("quant_method", "not supported (tilefish loads 'gptq', 'awq' and 'bitsandbytes' 4-bit nf4)")
+        if method == "bitsandbytes":
+            return cls._from_bitsandbytes(qc, source, fail)
         if qc.get("bits") != 4:
             raise fail("bits", "only 4-bit checkpoints are supported")
         group_size = qc.get("group_size")
@@ -108,12 +128,37 @@ class QuantFormat:
             raise fail("zero_point", "AWQ GEMM checkpoints without zero points are not supported")
         return cls("awq", group_size, None, False, tuple(skip))
 
+    @classmethod
+    def _from_bitsandbytes(cls, qc: dict, source: str, fail) -> "QuantFormat":
+        if qc.get("load_in_8bit") is True:
+            raise fail("load_in_8bit", "8-bit (LLM.int8) checkpoints are not supported (tilefish loads bitsandbytes "
+                                       "4-bit nf4)")
+        if qc.get("load_in_4bit", qc.get("_load_in_4bit")) is not True:
+            raise CheckpointError(f"{source}: quantization_config.quant_method = 'bitsandbytes' without load_in_4bit: "
+                                  f"true (load_in_4bit = {qc.get('load_in_4bit')!r}); tilefish loads bitsandbytes "
+                                  "4-bit nf4 checkpoints")
+        quant_type = qc.get("bnb_4bit_quant_type")
+        if quant_type != "nf4":
+            absent = " (absent: transformers' default, fp4)" if quant_type is None else ""
+            raise fail("bnb_4bit_quant_type", f"not supported{absent}; tilefish loads bitsandbytes' 'nf4', not 'fp4'")
+        if not isinstance(qc.get("bnb_4bit_use_double_quant", False), bool):
+            raise fail("bnb_4bit_use_double_quant", "must be true or false")
+        skip = qc.get("llm_int8_skip_modules") or []
+        if not isinstance(skip, list) or not all(isinstance(s, str) for s in skip):
+            raise fail("llm_int8_skip_modules", "must be a list of module names")
+        compute = getattr(torch, str(qc.get("bnb_4bit_compute_dtype")), None)
+        # Whether a layer is double-quantized is read from its own tensors, as bitsandbytes does.
+        return cls("bitsandbytes", None, modules_to_not_convert=tuple(skip), skip_field="llm_int8_skip_modules",
+                   compute_dtype=compute if compute in ACTIVATION_DTYPES else None)
+
     def excludes(self, module_name: str) -> bool:
         """Whether ``modules_to_not_convert`` covers the module: an entry matches whole dotted name parts
         (as in transformers, where "lm_head" or "mlp.down_proj" name every module containing them)."""
         return any(f".{entry}." in f".{module_name}." for entry in self.modules_to_not_convert)
 
     def describe(self) -> str:
+        if self.method == "bitsandbytes":
+            return "bitsandbytes nf4"
         if self.method == "awq":
             return "AWQ gemm"
         return f"GPTQ {self.zero_convention}" + (", act-order" if self.desc_act else "")
@@ -249,26 +294,131 @@ def _plan_layer(name: str, linear: nn.Linear, ckpt: _Checkpoint, fmt: QuantForma
     return tensors
 
 
+def _quantized_names(ckpt: _Checkpoint, fmt: QuantFormat) -> dict[str, str]:
+    """Quantized Linear name X -> a tensor that marks it: X.qweight (GPTQ / AWQ), any X.weight.<bitsandbytes
+    entry> (bitsandbytes)."""
+    names = {}
+    for tname in ckpt.tensors:
+        if fmt.method != "bitsandbytes":
+            if tname.endswith(".qweight"):
+                names[tname[: -len(".qweight")]] = tname
+            continue
+        for marker in _BNB_MARKERS:
+            head, found, _ = tname.partition("." + marker)
+            if found and (marker == _BNB_QUANT_STATE or tname.endswith("." + marker)):
+                names.setdefault(head, tname)
+    return names
+
+
 def _plan_layers(model: nn.Module, ckpt: _Checkpoint, fmt: QuantFormat) -> dict[str, dict[str, str]]:
-    """Quantized Linear name -> its tensors: every X whose X.qweight is in the checkpoint."""
+    """Quantized Linear name -> role -> its tensor: every X whose X.qweight (GPTQ / AWQ) or bitsandbytes
+    X.weight.* entries are in the checkpoint."""
     modules = dict(model.named_modules())
     layers = {}
-    for tname in ckpt.tensors:
-        if not tname.endswith(".qweight"):
-            continue
-        name = tname[: -len(".qweight")]
+    for name, tname in _quantized_names(ckpt, fmt).items():
         if fmt.excludes(name):
             raise CheckpointError(f"{ckpt.where(tname)}: the layer is quantized, but config.json's "
-                                  f"quantization_config.modules_to_not_convert lists it "
+                                  f"quantization_config.{fmt.skip_field} lists it "
                                   f"({list(fmt.modules_to_not_convert)})")
         module = modules.get(name)
         if not isinstance(module, nn.Linear):
             found = "nothing" if module is None else type(module).__name__
             raise CheckpointError(f"{ckpt.where(tname)}: the model has no nn.Linear named {name!r} (found {found})")
-        layers[name] = _plan_layer(name, module, ckpt, fmt)
+        plan = _plan_bnb_layer if fmt.method == "bitsandbytes" else _plan_layer
+        layers[name] = plan(name, module, ckpt, fmt)
     if not layers:
-        raise CheckpointError(f"{ckpt.source}: no X.qweight tensor, though {CONFIG_FILE} has a quantization_config")
+        marker = "X.weight.quant_state.bitsandbytes__nf4" if fmt.method == "bitsandbytes" else "X.qweight"
+        raise CheckpointError(f"{ckpt.source}: no {marker} tensor, though {CONFIG_FILE} has a quantization_config")
     return layers
+
+
+def _read_quant_state(ckpt: _Checkpoint, tname: str) -> dict:
+    """A bitsandbytes quant-state tensor: UTF-8 JSON bytes (a few hundred; read while planning)."""
+    info = ckpt.tensors[tname]
+    if info.dtype != torch.uint8 or len(info.shape) != 1:
+        raise CheckpointError(f"{ckpt.where(tname)}: dtype {info.dtype}, shape {info.shape}; bitsandbytes stores "
+                              "its quant state as 1-D uint8 JSON bytes")
+    try:
+        meta = json.loads(bytes(ckpt.load(tname).tolist()).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{ckpt.where(tname)}: not valid UTF-8 JSON ({e})") from e
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{ckpt.where(tname)}: holds JSON {type(meta).__name__}, not an object")
+    return meta
+
+
+def _plan_bnb_layer(name: str, linear: nn.Linear, ckpt: _Checkpoint, fmt: QuantFormat) -> dict[str, str]:
+    """role -> checkpoint tensor name for the bitsandbytes 4-bit Linear ``name``, after checking the headers and
+    its quant-state JSON against the model (the values are checked when the layer is built)."""
+    from .quant.nf4 import NESTED_BLOCKSIZE, SUPPORTED_BLOCKSIZES
+
+    tensors = {role: f"{name}.{entry}" for role, entry in _BNB_ENTRIES.items()}
+    qs = tensors["quant_state"]
+    if qs not in ckpt.tensors:
+        other = sorted(t for t in ckpt.tensors if t.startswith(f"{name}.{_BNB_QUANT_STATE}"))
+        if other:
+            raise CheckpointError(f"{ckpt.where(other[0])}: quant type {other[0].rpartition('__')[2]!r} is not "
+                                  "supported; tilefish loads bitsandbytes' nf4 (not fp4)")
+        marker = _quantized_names(ckpt, fmt)[name]
+        raise CheckpointError(f"{ckpt.tensors[marker].file}: tensor {qs!r} is missing (every bitsandbytes 4-bit "
+                              f"layer stores it; {marker!r} is there)")
+    where = ckpt.where(qs)
+    _check_tileable(name, linear, where)
+    k, n = linear.in_features, linear.out_features
+    meta = _read_quant_state(ckpt, qs)
+
+    def bad(field: str, rule: str) -> CheckpointError:
+        return CheckpointError(f"{where}: JSON {field} = {meta.get(field)!r}: {rule}")
+
+    if meta.get("quant_type") != "nf4":
+        raise bad("quant_type", "tilefish loads bitsandbytes' nf4")
+    if meta.get("shape") != [n, k]:
+        raise bad("shape", f"the model's nn.Linear {name!r} is [out_features, in_features] = [{n}, {k}]")
+    blocksize = meta.get("blocksize")
+    if isinstance(blocksize, bool) or blocksize not in SUPPORTED_BLOCKSIZES:
+        raise bad("blocksize", f"bitsandbytes block sizes are {SUPPORTED_BLOCKSIZES}")
+    if meta.get("dtype") not in ("float16", "bfloat16", "float32"):
+        raise bad("dtype", "must name float16, bfloat16 or float32")
+    nested = "nested_offset" in meta
+    nblocks = n * k // blocksize  # exact: the tileable n and k make n k a multiple of 8192
+    expected = {"weight": None, "absmax": ((torch.uint8,) if nested else FLOAT_DTYPES, (nblocks,)),
+                "quant_map": ((torch.float32,), (16,))}
+    if nested:
+        expected |= {"nested_absmax": ((torch.float32,), (-(-nblocks // NESTED_BLOCKSIZE),)),
+                     "nested_quant_map": ((torch.float32,), (256,))}
+    if linear.bias is not None:
+        expected["bias"] = (FLOAT_DTYPES, (n,))
+    for role in ("nested_absmax", "nested_quant_map", "bias"):  # stored but not expected
+        if role not in expected and tensors[role] in ckpt.tensors:
+            why = (f"the model's nn.Linear {name!r} has no bias" if role == "bias" else
+                   f"the quant state {qs!r} has no nested_offset (not double-quantized)")
+            raise CheckpointError(f"{ckpt.where(tensors[role])}: unexpected: {why}")
+    planned = {"quant_state": qs}
+    for role, rule in expected.items():
+        tname = tensors[role]
+        info = ckpt.tensors.get(tname)
+        if info is None:
+            why = {"bias": _WHY_REQUIRED["bias"], "nested_absmax": f"{qs!r} has nested_offset (double quant)",
+                   "nested_quant_map": f"{qs!r} has nested_offset (double quant)"}.get(
+                role, "every bitsandbytes 4-bit layer stores it")
+            raise CheckpointError(f"{ckpt.tensors[qs].file}: tensor {tname!r} is missing ({why})")
+        if role == "weight":  # packed codes, two a byte, in any storage dtype (bitsandbytes' quant_storage)
+            size = getattr(info.dtype, "itemsize", None)
+            if size is None or math.prod(info.shape) * size != n * k // 2:
+                raise CheckpointError(f"{ckpt.where(tname)}: dtype {info.dtype}, shape {info.shape} does not hold "
+                                      f"n * k / 2 = {n * k // 2} bytes (two NF4 codes a byte) for nn.Linear {name!r} "
+                                      f"(in_features k = {k}, out_features n = {n})")
+        else:
+            dtypes, shape = rule
+            if info.dtype not in dtypes:
+                want = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+                raise CheckpointError(f"{ckpt.where(tname)}: dtype {info.dtype} is wrong; bitsandbytes {role} is {want}")
+            if info.shape != shape:
+                raise CheckpointError(f"{ckpt.where(tname)}: shape {info.shape} is wrong; bitsandbytes {role} is "
+                                      f"{shape} for nn.Linear {name!r} (n = {n}, k = {k}, blocksize {blocksize}"
+                                      f"{', double quant' if nested else ''})")
+        planned[role] = tname
+    return planned
 
 
 def _plan_dense(state: dict[str, torch.Tensor], ckpt: _Checkpoint, taken: set[str]) -> dict[str, list[str]]:
@@ -308,8 +458,11 @@ def _plan_dense(state: dict[str, torch.Tensor], ckpt: _Checkpoint, taken: set[st
 
 
 def _build_layer(name: str, tensors: dict[str, torch.Tensor], fmt: QuantFormat, dtype: torch.dtype):
-    from .nn import W4A16Linear
+    from .nn import NF4Linear, W4A16Linear
 
+    if fmt.method == "bitsandbytes":  # the entries under their checkpoint names: nf4.from_state_dict checks values
+        entries = {f"{name}.{_BNB_ENTRIES[role]}": t for role, t in tensors.items()}
+        return NF4Linear.from_state_dict(entries, prefix=f"{name}.", dtype=dtype)
     scales = tensors["scales"].to(dtype)
     bias = tensors.get("bias")
     bias = None if bias is None else bias.to(dtype)
@@ -436,28 +589,50 @@ def _default_device(model: nn.Module) -> torch.device:
     return first.device if first is not None and first.device.type != "meta" else torch.device("cpu")
 
 
-def _default_dtype(config: dict, ckpt: _Checkpoint, layers: dict[str, dict[str, str]]) -> torch.dtype:
-    """config.json's torch_dtype (or dtype) when fp16 / bf16, else the dtype of the stored scales (fp16 if fp32)."""
+def _default_dtype(config: dict, ckpt: _Checkpoint, layers: dict[str, dict[str, str]],
+                   fmt: QuantFormat) -> torch.dtype:
+    """config.json's torch_dtype (or dtype) when fp16 / bf16, else the dtype of the stored scales (fp16 if fp32);
+    bitsandbytes: else bnb_4bit_compute_dtype, else the weights' dtype its quant state records, when fp16 / bf16."""
     name = config.get("torch_dtype", config.get("dtype"))
     if name in ("float16", "bfloat16"):
         return getattr(torch, name)
-    scales = ckpt.tensors[next(iter(layers.values()))["scales"]].dtype
+    first = next(iter(layers.values()))
+    if fmt.method == "bitsandbytes":
+        recorded = getattr(torch, _read_quant_state(ckpt, first["quant_state"])["dtype"])
+        return fmt.compute_dtype or (recorded if recorded in ACTIVATION_DTYPES else torch.float16)
+    scales = ckpt.tensors[first["scales"]].dtype
     return scales if scales in ACTIVATION_DTYPES else torch.float16
 
 
+def _describe_layer(layer, fmt: QuantFormat) -> str:
+    from .nn import NF4Linear
+
+    if isinstance(layer, NF4Linear):
+        kind = f"NF4 blocksize {layer.blocksize}{' double-quant' if layer.double_quant else ''}"
+    else:
+        kind = f"W4A16 g{layer.group_size} {'sym' if layer.zeros is None else 'asym'}"
+    return f"{kind} {layer.in_features}->{layer.out_features} ({fmt.describe()})"
+
+
 def load_quantized(model_or_path, path=None, *, device=None, dtype: torch.dtype | None = None, fuse: bool = True):
-    """Load a GPTQ / AWQ checkpoint directory (HF format) with its quantized Linears as ``W4A16Linear``.
+    """Load a GPTQ / AWQ / bitsandbytes 4-bit checkpoint directory (HF format) with its quantized Linears as
+    ``W4A16Linear`` (GPTQ / AWQ) or ``NF4Linear`` (bitsandbytes nf4).
 
     ``load_quantized(path)`` or ``load_quantized(config, path)`` builds the model with transformers
     (``AutoModelForCausalLM.from_config`` on the meta device; ``pip install tilefish[hf]``).
     ``load_quantized(model, path)`` loads into ``model`` (any nn.Module whose names match the checkpoint's; it may
-    be on the meta device), in place: each ``nn.Linear`` X with ``X.qweight`` stored becomes a ``W4A16Linear``,
-    every other checkpoint tensor is assigned to the model (tied parameters stay tied).
+    be on the meta device), in place: each ``nn.Linear`` X with ``X.qweight`` stored becomes a ``W4A16Linear``
+    (with bitsandbytes ``X.weight.quant_state.bitsandbytes__nf4`` and the other Linear4bit entries: an
+    ``NF4Linear``), every other checkpoint tensor is assigned to the model (tied parameters stay tied). Linears
+    named in ``modules_to_not_convert`` (bitsandbytes: ``llm_int8_skip_modules``) must be stored dense.
 
     device: where everything goes; default the model's device, or the CPU for a meta model.
     dtype: the activation dtype (fp16 / bf16) of every floating tensor; default config.json's ``torch_dtype`` if it
-        is one of those, else the stored scales' dtype.
-    fuse: fuse q/k/v and gate/up projections afterwards (``tilefish.convert.fuse_projections``).
+        is one of those, else the stored scales' dtype (bitsandbytes: ``bnb_4bit_compute_dtype``, else the weights'
+        recorded dtype, when fp16 / bf16; else fp16).
+    fuse: fuse q/k/v and gate/up projections afterwards (``tilefish.convert.fuse_projections``). Fused bitsandbytes
+        layers hold the kernel layout (their state dict is tilefish's, not bitsandbytes'); fuse=False keeps
+        ``NF4Linear``s, whose state dicts are bitsandbytes' again.
 
     Returns ``(model, report)``, a ``tilefish.convert.ConversionReport``. Raises ``CheckpointError`` (a ValueError)
     naming the file, tensor or config field for anything it cannot load, and then leaves the model untouched.
@@ -476,7 +651,7 @@ def load_quantized(model_or_path, path=None, *, device=None, dtype: torch.dtype 
     with ExitStack() as stack:
         ckpt = _Checkpoint(directory, stack)
         layer_plan = _plan_layers(model, ckpt, fmt)
-        dtype = dtype or _default_dtype(config, ckpt, layer_plan)
+        dtype = dtype or _default_dtype(config, ckpt, layer_plan, fmt)
         state = {name: t for name, t in model.state_dict(keep_vars=True).items()
                  if name.rpartition(".")[0] not in layer_plan}
         dense_plan = _plan_dense(state, ckpt, {t for roles in layer_plan.values() for t in roles.values()})
@@ -492,10 +667,8 @@ def load_quantized(model_or_path, path=None, *, device=None, dtype: torch.dtype 
         setattr(model.get_submodule(parent), leaf, value)
 
     report = ConversionReport(
-        converted={name: f"W4A16 g{layer.group_size} {'sym' if layer.zeros is None else 'asym'} "
-                         f"{layer.in_features}->{layer.out_features} ({fmt.describe()})"
-                   for name, layer in layers.items()},
-        skipped={name: ("listed in quantization_config.modules_to_not_convert" if fmt.excludes(name)
+        converted={name: _describe_layer(layer, fmt) for name, layer in layers.items()},
+        skipped={name: (f"listed in quantization_config.{fmt.skip_field}" if fmt.excludes(name)
                         else "stored dense in the checkpoint")
                  for name, module in model.named_modules() if isinstance(module, nn.Linear)},
         bytes_before=dense_bytes, bytes_after=sum(module_bytes(layer) for layer in layers.values()))

@@ -95,16 +95,44 @@ def cmd_compile(args) -> int:
     for (fam, spec, arch), (r, log) in zip(jobs, results):
         if r is None:
             failures += 1
-            print(f"{arch:7s} {fam:7s} {spec.name:74s} COMPILE ERROR\n{log}", file=sys.stderr)
+            print(f"{arch:7s} {fam:7s} {spec.name} {spec.defines} COMPILE ERROR\n{log}", file=sys.stderr)
             continue
         unknown = spec.hot and r.registers < 0  # no ptxas report: spills cannot be ruled out
         bad = spec.hot and r.spills
         failures += bad or unknown
         flag = "  SPILLS IN HOT KERNEL" if bad else "  NO PTXAS REPORT (spills unchecked)" if unknown else ""
-        print(f"{spec.target(arch):7s} {fam:7s} {spec.name[:74]:74s} {r.registers:5d} {r.static_smem:7d} "
+        name = spec.name + "".join(f" -D{k}" for k, _ in spec.defines)
+        print(f"{spec.target(arch):7s} {fam:7s} {name[:74]:74s} {r.registers:5d} {r.static_smem:7d} "
               f"{r.stack_bytes:6d} {r.spill_stores:4d}/{r.spill_loads:<4d}{flag}")
     print(f"{len(jobs)} kernel(s), {failures} failure(s)")
     return 1 if failures else 0
+
+
+# bench e2e's variants (bench/e2e.py IMPLS; tests/test_cli.py checks that the two agree): kept here so that
+# parsing the command line imports no torch.
+E2E_IMPLS = ("fp16", "w4a16", "nf4", "tilefish-nf4")
+
+
+def _int_list(text: str) -> str:
+    """A comma-separated list of positive ints (kept as the text; the suites split it)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return text
+
+
+def _choice_list(choices):
+    """A comma-separated subset of `choices` (kept as the text)."""
+    def parse(text: str) -> str:
+        items = [v for v in text.split(",") if v]
+        bad = [v for v in items if v not in choices]
+        if not items or bad:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(choices)}; got {text!r}")
+        return text
+    return parse
 
 
 def _parse_shapes(text: str | None):
@@ -195,15 +223,23 @@ def main(argv=None) -> int:
     b = sub.add_parser("bench", help="benchmark against peers and ceilings (needs a GPU)")
     b.add_argument("family", nargs="?", choices=["nf4", "w4a16", "sgemm", "hgemm", "e2e"],
                    help="one family; default: all, with a summary")
-    b.add_argument("--shapes", help="comma-separated list: nf4 RxC (4096x4096,...), w4a16 KxN (4096x6144,...), "
-                   "sgemm S (S^3) or MxNxK")
-    b.add_argument("--m", help="w4a16: comma-separated batch sizes (default 1,2,4,...,4096)")
+    b.add_argument("--shapes", help="comma-separated list: nf4 dequantize RxC (4096x4096,...), w4a16 and nf4 matmul "
+                   "KxN (4096x6144,...), sgemm S (S^3) or MxNxK")
+    b.add_argument("--m", type=_int_list,
+                   help="w4a16 / nf4 matmul: comma-separated batch sizes (default 1,2,4,...,4096)")
     b.add_argument("--groups", help="w4a16: comma-separated group sizes (default 128,-1)")
-    b.add_argument("--dtypes", help="w4a16: comma-separated fp16,bf16 (default both)")
+    b.add_argument("--dtypes", type=_choice_list(("fp16", "bf16")),
+                   help="w4a16 / nf4 matmul: comma-separated fp16,bf16 (default: w4a16 both; nf4 matmul --dtype, "
+                   "or bf16 where --dtype is fp32)")
     b.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
-                   help="nf4 output dtype / hgemm operand dtype (default bf16)")
-    b.add_argument("--blocksize", type=int, default=64)
+                   help="nf4 dequantize output dtype / hgemm operand dtype (default bf16)")
+    b.add_argument("--blocksize", type=int, default=64, help="nf4: NF4 blocksize (default 64)")
     b.add_argument("--single-quant", action="store_true", help="NF4 without double quantization")
+    n = b.add_argument_group("nf4 (the dequantization table and the fused matmul table)")
+    n.add_argument("--only", choices=["dequantize", "matmul"], help="nf4: run one of the two tables (default both)")
+    n.add_argument("--quick", action="store_true",
+                   help="nf4: the short sets (matmul: 3 shapes x m 1,16,64,256,1024; dequantize: 8192x8192); "
+                   "--shapes / --m still override")
     b.add_argument("--variants", action="store_true",
                    help="sweep the kernel design space (nf4 variants, w4a16 configs, sgemm autotune)")
     b.add_argument("--reps", type=int, default=50)
@@ -216,8 +252,11 @@ def main(argv=None) -> int:
                    help="compiled (torch.compile per layer + CUDA graph) and/or eager (default both)")
     e.add_argument("--model", default="auto", choices=["auto", "hf", "builtin"],
                    help="transformers' LlamaForCausalLM or tilefish.models.llama (default: hf when importable)")
-    e.add_argument("--impls", default="fp16,w4a16,nf4", help="variants to time (default fp16,w4a16,nf4)")
-    e.add_argument("--int4-lm-head", action="store_true", help="w4a16 also quantizes lm_head (default: kept fp16)")
+    e.add_argument("--impls", default=",".join(E2E_IMPLS), type=_choice_list(E2E_IMPLS),
+                   help="variants to time: fp16, w4a16 (tilefish), nf4 (bitsandbytes Linear4bit), tilefish-nf4 "
+                   f"(tilefish NF4, fused) (default {','.join(E2E_IMPLS)})")
+    e.add_argument("--int4-lm-head", action="store_true",
+                   help="w4a16 and tilefish-nf4 also quantize lm_head (default: kept fp16)")
     b.add_argument("--json", help="write the report as JSON here")
     b.add_argument("--plot", help="write a PNG plot here")
     b.set_defaults(fn=cmd_bench)

@@ -1,6 +1,7 @@
 """Whole-model conversion: quantize a model's nn.Linear layers in place, and fuse sibling projections.
 
     report = tilefish.quantize_model(model)          # every eligible nn.Linear -> W4A16Linear (lm_head kept)
+    report = tilefish.quantize_model(model, "nf4")   # ... or -> NF4Linear (bitsandbytes NF4, on the same kernels)
     print(report)
 
 Fusion joins sibling projections of one input (attention q/k/v, MLP gate/up) into one W4A16 matmul
@@ -16,14 +17,17 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .nn import FusedW4A16Linear, W4A16Linear, W4A16Slice
+from .nn import FusedW4A16Linear, NF4Linear, W4A16Linear, W4A16Slice
 
 # Sibling projections fused by default: (parts, in the fused output's column order) -> fused name.
 FUSE_GROUPS: dict[tuple[str, ...], str] = {
     ("q_proj", "k_proj", "v_proj"): "qkv_proj",
     ("gate_proj", "up_proj"): "gate_up_proj",
 }
-METHODS = ("w4a16",)
+METHODS = ("w4a16", "nf4")
+# each method's own keywords, at their defaults: a non-default value for the other method is an error
+_W4A16_DEFAULTS = {"group_size": 128, "symmetric": True, "clip_search": True}
+_NF4_DEFAULTS = {"blocksize": 64, "double_quant": True}
 
 
 @dataclass
@@ -71,7 +75,8 @@ def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (model.get_submodule(head) if head else model), leaf
 
 
-def _why_not_quantizable(module: nn.Linear, group_size: int) -> str | None:
+def _why_not_quantizable(module: nn.Linear, method: str, group_size: int) -> str | None:
+    from .ops.nf4 import check_matmul_shape
     from .ops.w4a16 import check_shape
 
     w = module.weight
@@ -80,40 +85,73 @@ def _why_not_quantizable(module: nn.Linear, group_size: int) -> str | None:
     if w.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"weight dtype {w.dtype} (fp16, bf16 or fp32 needed)"
     try:
-        check_shape(module.out_features, module.in_features, group_size)
+        if method == "nf4":
+            check_matmul_shape((module.out_features, module.in_features), 64)
+        else:
+            check_shape(module.out_features, module.in_features, group_size)
     except ValueError as e:
         return str(e)
     return None
 
 
+def _check_method_arguments(method: str, given: dict) -> None:
+    """Each method takes its own keywords; the other method's must stay at their defaults."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}; got {method!r}")
+    other = _W4A16_DEFAULTS if method == "nf4" else _NF4_DEFAULTS
+    wrong = [f"{k}={given[k]!r}" for k, default in other.items()
+             if given[k] is not default and given[k] != default]
+    if wrong:
+        own = ", ".join(_NF4_DEFAULTS if method == "nf4" else _W4A16_DEFAULTS)
+        raise ValueError(f"{', '.join(wrong)} does not apply to method={method!r} (its options: {own})")
+    if method == "nf4":
+        from .quant.nf4 import SUPPORTED_BLOCKSIZES
+
+        if isinstance(given["blocksize"], bool) or given["blocksize"] not in SUPPORTED_BLOCKSIZES:
+            raise ValueError(f"blocksize must be one of {SUPPORTED_BLOCKSIZES}; got {given['blocksize']!r}")
+        if not isinstance(given["double_quant"], bool):
+            raise TypeError(f"double_quant must be a bool; got {given['double_quant']!r}")
+        return
+    group_size = given["group_size"]
+    if isinstance(group_size, bool) or group_size not in (-1, 32, 64, 128):
+        raise ValueError(f"group_size must be -1 (per channel), 32, 64 or 128; got {group_size!r}")
+    if not isinstance(given["symmetric"], bool):
+        raise TypeError(f"symmetric must be a bool; got {given['symmetric']!r}")
+
+
 def quantize_model(model: nn.Module, method: str = "w4a16", *, group_size: int = 128, symmetric: bool = True,
                    skip=("lm_head",), fuse: bool = True, dtype: torch.dtype | None = None,
-                   clip_search: bool = True, device=None) -> ConversionReport:
-    """Replace every eligible nn.Linear of `model` (any module tree) in place by a W4A16Linear.
+                   clip_search: bool = True, device=None, blocksize: int = 64,
+                   double_quant: bool = True) -> ConversionReport:
+    """Replace every eligible nn.Linear of `model` (any module tree) in place by a W4A16Linear
+    (method "w4a16") or an NF4Linear (method "nf4").
 
-    - Quantization: round-to-nearest int4 with `group_size` (-1 per channel, 32, 64, 128), symmetric
+    - "w4a16": round-to-nearest int4 with `group_size` (-1 per channel, 32, 64, 128), symmetric
       or with zero points, each group's scale chosen by a clip search (clip_search=False: plain range).
-      Runs where the weights are (CUDA, or CPU for the reference path), one layer at a time, and drops
-      each dense weight once its layer is converted: the peak is about one layer above the result.
+    - "nf4": bitsandbytes' NF4 (tilefish.nf4.quantize: same bytes as bitsandbytes' quantize_4bit) with
+      `blocksize` (32 ... 4096) and `double_quant` (the block scales quantized again, as bitsandbytes'
+      compress_statistics); the layers export to bitsandbytes state dicts. group_size, symmetric and
+      clip_search do not apply to it (nor blocksize / double_quant to "w4a16"): a value other than the
+      default is a ValueError rather than silently ignored.
+    - Either runs where the weights are (CUDA, or CPU for the reference path), one layer at a time, and
+      drops each dense weight once its layer is converted: the peak is about one layer above the result.
     - skip: module names (or their last components, or fnmatch globs) left dense; lm_head by default.
       A layer whose shape the kernel cannot tile (out_features % 64, in_features % 128) stays dense
       with the reason in the report, as does any module that is not a plain floating nn.Linear.
-    - fuse: q/k/v and gate/up siblings become one matmul each (fuse_projections).
+    - fuse: q/k/v and gate/up siblings become one matmul each (fuse_projections). A fused nf4 layer is
+      a FusedW4A16Linear with codebook "nf4": its state dict is tilefish's kernel layout (packed,
+      scales), not bitsandbytes' (fuse=False keeps bitsandbytes-exportable NF4Linears).
     - dtype: the activation dtype (the scales'); default the weight's if fp16/bf16, else fp16.
     - device: where the converted layers go (default: where each weight is). A model on the CPU
       converts layer by layer on the GPU with device="cuda": the GPU then holds the quantized
       layers and one dense layer at a time, never the dense model; model.to(device) afterwards
       moves what stayed dense (embeddings, norms, lm_head).
-    - Converting an already converted model is a no-op for its W4A16 layers (reported as skipped).
+    - Converting an already converted model is a no-op for its W4A16 / NF4 layers (reported as skipped).
     Returns the ConversionReport."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}; got {method!r}")
-    if isinstance(group_size, bool) or group_size not in (-1, 32, 64, 128):
-        raise ValueError(f"group_size must be -1 (per channel), 32, 64 or 128; got {group_size!r}")
-    if not isinstance(symmetric, bool):
-        raise TypeError(f"symmetric must be a bool; got {symmetric!r}")
+    _check_method_arguments(method, dict(group_size=group_size, symmetric=symmetric, clip_search=clip_search,
+                                         blocksize=blocksize, double_quant=double_quant))
     if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"dtype must be torch.float16 or torch.bfloat16 (the activation dtype); got {dtype}")
     if isinstance(skip, str):
@@ -121,14 +159,16 @@ def quantize_model(model: nn.Module, method: str = "w4a16", *, group_size: int =
     report = ConversionReport()
     names = []
     for name, module in model.named_modules():
-        if isinstance(module, (W4A16Linear, W4A16Slice)):
+        if isinstance(module, NF4Linear):
+            report.skipped[name] = "already NF4"
+        elif isinstance(module, (W4A16Linear, W4A16Slice)):
             report.skipped[name] = "already W4A16"
         elif isinstance(module, nn.Linear):
             if _matches(name, skip):
                 report.skipped[name] = "in skip"
             elif type(module) is not nn.Linear:
                 report.skipped[name] = f"{type(module).__name__} is not a plain nn.Linear"
-            elif (why := _why_not_quantizable(module, group_size)) is not None:
+            elif (why := _why_not_quantizable(module, method, group_size)) is not None:
                 report.skipped[name] = why
             else:
                 names.append(name)
@@ -138,14 +178,18 @@ def quantize_model(model: nn.Module, method: str = "w4a16", *, group_size: int =
         before = module_bytes(linear)
         if device is not None:
             linear = linear.to(device)  # a copy there; the original goes with the setattr below
-        layer = W4A16Linear.from_linear(linear, group_size=group_size, symmetric=symmetric, dtype=dtype,
-                                        clip_search=clip_search)
+        if method == "nf4":
+            layer = NF4Linear.from_linear(linear, blocksize=blocksize, double_quant=double_quant, dtype=dtype)
+            what = f"NF4 blocksize {blocksize}{' double-quant' if double_quant else ''}"
+        else:
+            layer = W4A16Linear.from_linear(linear, group_size=group_size, symmetric=symmetric, dtype=dtype,
+                                            clip_search=clip_search)
+            what = f"W4A16 g{group_size} {'sym' if symmetric else 'asym'}"
         setattr(parent, leaf, layer)
         del linear
         report.bytes_before += before
         report.bytes_after += module_bytes(layer)
-        report.converted[name] = (f"W4A16 g{group_size} {'sym' if symmetric else 'asym'} "
-                                  f"{layer.in_features}->{layer.out_features}")
+        report.converted[name] = f"{what} {layer.in_features}->{layer.out_features}"
     if fuse:
         fuse_projections(model, report)
     return report
@@ -154,8 +198,10 @@ def quantize_model(model: nn.Module, method: str = "w4a16", *, group_size: int =
 def _why_not_fusable(parts: list[W4A16Linear]) -> str | None:
     first = parts[0]
     for p in parts:
-        if type(p) is not W4A16Linear:
-            return f"{type(p).__name__} is not a plain W4A16Linear"
+        if type(p) not in (W4A16Linear, NF4Linear):
+            return f"{type(p).__name__} is not a plain W4A16Linear or NF4Linear"
+        if p.codebook != first.codebook:  # one kernel reads every column with one table
+            return "different codebooks (int4 and nf4)"
         if p.in_features != first.in_features:
             return "different in_features"
         if p.group_size != first.group_size:
@@ -171,14 +217,16 @@ def _why_not_fusable(parts: list[W4A16Linear]) -> str | None:
 
 def fuse(parts: list[W4A16Linear]) -> FusedW4A16Linear:
     """One FusedW4A16Linear holding `parts`' weights side by side along out_features (exact: the
-    packed layout and the scales are per 64-column strip, and every part is whole strips)."""
+    packed layout and the scales are per 64-column strip, and every part is whole strips). NF4Linear
+    parts give a fused layer with codebook "nf4" holding their kernel tensors (packed, the rounded
+    group scales); their bitsandbytes block scales are not kept."""
     first = parts[0]
     device, dtype = first.packed.device, first.scales.dtype
     asym = any(p.zeros is not None for p in parts)
     has_bias = any(p.bias is not None for p in parts)
     fused = FusedW4A16Linear(first.in_features, [p.out_features for p in parts], group_size=first.group_size,
                              bias=has_bias, symmetric=not asym, dtype=dtype, device="meta",
-                             act_order=first.perm is not None)
+                             act_order=first.perm is not None, codebook=first.codebook)
     fused.packed = torch.cat([p.packed for p in parts], 0)
     fused.scales = torch.cat([p.scales for p in parts], 1)
     if asym:  # a symmetric part's zero point is 8, written out
@@ -222,10 +270,13 @@ def fuse_projections(model: nn.Module, report: ConversionReport | None = None,
 
 
 def dequantize_model(model: nn.Module) -> int:
-    """The inverse of quantize_model, in place: every W4A16Linear and W4A16Slice becomes an nn.Linear
-    holding its exactly dequantized weight (in the original input order) and bias, in the layer's
-    dtype; fused layers are dropped. For export, and for telling the kernels' error from the 4-bit
-    weights' (a quantized model against its dense twin). Returns how many layers it replaced."""
+    """The inverse of quantize_model, in place: every W4A16Linear, NF4Linear and W4A16Slice becomes an
+    nn.Linear holding its exactly dequantized weight (in the original input order) and bias, in the
+    layer's dtype; fused layers are dropped. For export, and for telling the kernels' error from the
+    4-bit weights' (a quantized model against its dense twin). An NF4Linear gives bitsandbytes' exact
+    dequantization (fp32 value times fp32 block absmax, rounded once), which differs from what the
+    kernels multiply by (the absmax rounded to the activation dtype) by at most an ulp or so per
+    weight; a fused nf4 slice has only the latter. Returns how many layers it replaced."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     replaced = 0
@@ -233,7 +284,7 @@ def dequantize_model(model: nn.Module) -> int:
         for name, child in list(parent.named_children()):
             if isinstance(child, W4A16Slice):
                 owner, (a, b) = child.fused, child.fused.bounds[child.index]
-            elif type(child) is W4A16Linear:
+            elif type(child) in (W4A16Linear, NF4Linear):
                 owner, (a, b) = child, (0, child.out_features)
             else:
                 continue

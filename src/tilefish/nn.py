@@ -1,11 +1,16 @@
-"""nn.Module layers over tilefish ops: W4A16Linear, and the fused projection layers of quantize_model."""
+"""nn.Module layers over tilefish ops: W4A16Linear, NF4Linear (a bitsandbytes NF4 weight on the W4A16
+kernels), and the fused projection layers of quantize_model."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from . import nf4 as _nf4
 from . import w4a16 as _w4a16
-from .ops.w4a16 import W4A16Weight, check_perm, check_shape
+from .ops.nf4 import MATMUL_DTYPES, NF4MatmulWeight, check_matmul_shape, prepare
+from .ops.w4a16 import CODEBOOKS, W4A16Weight, check_perm, check_shape
+from .quant import nf4 as _nf4_format
+from .quant.nf4 import NF4Weight
 from .runtime import current_stream_handle
 
 _WEIGHT_FIELDS = ("packed", "scales", "zeros", "perm", "bias")
@@ -45,7 +50,7 @@ class WeightInfo:
         return self.shape if dim is None else self.shape[dim]
 
     def dequantize(self) -> torch.Tensor:
-        w = _w4a16.unpack(self._layer.weight4).dequantize(self.dtype)  # in the kernel's (permuted) k order
+        w = self._layer.weight4.dequantize(self.dtype)  # in the kernel's (permuted) k order
         perm = self._layer.perm
         if perm is not None:
             w = w.index_select(1, torch.argsort(perm))  # back to the checkpoint's input order
@@ -90,13 +95,19 @@ class W4A16Linear(nn.Module):
       choice happen on the first call, later calls only allocate the output and launch.
     - Gradients flow to x (through the dequantized weight); the 4-bit weight itself is frozen.
     - `.weight` is a WeightInfo (dtype, device, shape, dequantize()), not a tensor.
+    - codebook: what a 4-bit code means, "int4" ((q - zero) x scale) or "nf4" (NF4 value x scale,
+      symmetric, group scales only; NF4Linear builds these from bitsandbytes weights). It is not in
+      the state dict (like group_size): a state dict loads into a layer built with the same codebook.
     """
 
     def __init__(self, in_features: int, out_features: int, *, group_size: int = 128, bias: bool = True,
-                 symmetric: bool = True, dtype: torch.dtype = torch.float16, device=None, act_order: bool = False):
+                 symmetric: bool = True, dtype: torch.dtype = torch.float16, device=None, act_order: bool = False,
+                 codebook: str = "int4"):
         super().__init__()
         check_shape(out_features, in_features, group_size)
+        _check_codebook(codebook, group_size, symmetric)
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.codebook = codebook
         self._plans: dict = {}
         groups = 1 if group_size == -1 else in_features // group_size
         self.register_buffer("packed", torch.zeros(out_features // 64, 8 * in_features, dtype=torch.int32, device=device))
@@ -109,7 +120,7 @@ class W4A16Linear(nn.Module):
     @property
     def weight4(self) -> W4A16Weight:
         return W4A16Weight(self.packed, self.scales, self.zeros, self.group_size, self.out_features,
-                           self.in_features, self.perm)
+                           self.in_features, self.perm, self.codebook)
 
     @property
     def weight(self) -> WeightInfo:
@@ -125,6 +136,8 @@ class W4A16Linear(nn.Module):
         return super()._apply(fn, *args, **kwargs)
 
     def _set(self, w: W4A16Weight, bias: torch.Tensor | None) -> "W4A16Linear":
+        if w.codebook != self.codebook:  # the codes would be read with the wrong table
+            raise ValueError(f"a {w.codebook} weight cannot go into a layer built with codebook {self.codebook!r}")
         if w.perm is not None:
             check_perm(w.perm, w.k)
         self.packed, self.scales, self.zeros, self.perm = w.packed, w.scales, w.zeros, w.perm
@@ -140,6 +153,9 @@ class W4A16Linear(nn.Module):
             key = prefix + name
             if key in state_dict and getattr(self, name) is None:
                 value = state_dict[key]
+                if name == "zeros" and self.codebook == "nf4":
+                    error_msgs.append(f"{key}: a layer with codebook 'nf4' has no zero points")
+                    continue
                 if name == "perm":
                     try:
                         check_perm(value, self.in_features)
@@ -175,7 +191,7 @@ class W4A16Linear(nn.Module):
     @classmethod
     def from_weight(cls, w: W4A16Weight, bias: torch.Tensor | None = None) -> "W4A16Linear":
         layer = cls(w.k, w.n, group_size=w.group_size, bias=bias is not None, symmetric=w.zeros is None,
-                    dtype=w.scales.dtype, device=w.device)
+                    dtype=w.scales.dtype, device=w.device, codebook=w.codebook)
         return layer._set(w, bias)
 
     @classmethod
@@ -214,8 +230,272 @@ class W4A16Linear(nn.Module):
         return _w4a16.matmul(x, self.weight4, self.bias)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
-                f"symmetric={self.zeros is None}, act_order={self.perm is not None}, bias={self.bias is not None}")
+        return (f"in_features={self.in_features}, out_features={self.out_features}, codebook={self.codebook}, "
+                f"group_size={self.group_size}, symmetric={self.zeros is None}, act_order={self.perm is not None}, "
+                f"bias={self.bias is not None}")
+
+
+def _check_codebook(codebook: str, group_size: int, symmetric: bool) -> None:
+    """The kernels read "int4" codes with any group size and zero points, "nf4" codes with group scales
+    and no zero points (NF4 values are signed already)."""
+    if codebook not in CODEBOOKS:
+        raise ValueError(f"codebook must be one of {CODEBOOKS}, got {codebook!r}")
+    if codebook == "nf4" and (not symmetric or group_size == -1):
+        raise ValueError(f"codebook 'nf4' needs group scales (group_size 32, 64 or 128) and no zero points "
+                         f"(symmetric=True); got group_size={group_size}, symmetric={symmetric}")
+
+
+# ---- NF4Linear: a bitsandbytes NF4 weight on the W4A16 kernels ----------------------------------------------------
+
+_NF4_STATE = ("absmax", "absmax_q", "code2", "absmax2", "offset")  # bitsandbytes' block scales, kept exact
+_BNB_KEYS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map", "quant_state.bitsandbytes__nf4")
+_NF4_ZERO_WORD = 0x77777777  # eight codes 7, the NF4 value 0.0 (a placeholder weight of zeros)
+
+
+class NF4WeightInfo(WeightInfo):
+    """`.weight` of an NF4Linear: dequantize() is bitsandbytes' dequantize_4bit exactly (the fp32 NF4
+    value times the fp32 block absmax, rounded once to `dtype`), not the kernel's rounded group scales."""
+
+    __slots__ = ()
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return _nf4.dequantize(self._layer.to_nf4(), dtype or self.dtype)
+
+    def __repr__(self) -> str:
+        return (f"NF4WeightInfo(bitsandbytes nf4, blocksize={self._layer.blocksize}, shape={tuple(self.shape)}, "
+                f"dtype={self.dtype}, device={self.device})")
+
+
+class NF4Linear(W4A16Linear):
+    """A drop-in nn.Linear with a bitsandbytes NF4 weight, run by the W4A16 kernels (codebook "nf4").
+
+    - `packed` / `scales`: the codes in the W4A16 kernel layout and per-group scales in the activation
+      dtype (each block's absmax rounded once; group_size = min(blocksize, 128)), so forward, launch
+      plans, autograd, torch.compile and CUDA graphs are W4A16Linear's.
+    - bitsandbytes' block scales are kept unchanged as buffers (`absmax`, or `absmax_q`, `code2`,
+      `absmax2`, `offset` with double quant), with `blocksize` and `orig_dtype` (the weight dtype
+      bitsandbytes records): to_nf4() is the NF4Weight bit for bit, state_dict() writes bitsandbytes'
+      Linear4bit keys (weight, bias, weight.absmax, weight.quant_map, [weight.nested_absmax,
+      weight.nested_quant_map,] weight.quant_state.bitsandbytes__nf4) and load_state_dict reads them.
+    - `.weight.dequantize()` is bitsandbytes' exact dequantization. `.to(torch.float16 / bfloat16)`
+      rebuilds the kernel scales from the exact block scales; other dtypes are refused (the kernels
+      take 16-bit activations; fp32 inputs are cast in and out, as in W4A16Linear).
+    - The kernels tile out_features by 64 and in_features by 128: other shapes are a ValueError.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = True, blocksize: int = 64,
+                 double_quant: bool = True, dtype: torch.dtype = torch.float16, orig_dtype: torch.dtype | None = None,
+                 device=None):
+        if isinstance(blocksize, bool) or blocksize not in _nf4_format.SUPPORTED_BLOCKSIZES:
+            raise ValueError(f"blocksize must be one of {_nf4_format.SUPPORTED_BLOCKSIZES}, got {blocksize!r}")
+        check_matmul_shape((out_features, in_features), blocksize)
+        if dtype not in MATMUL_DTYPES:
+            raise TypeError(f"dtype (the activation dtype) must be torch.float16 or torch.bfloat16, got {dtype}")
+        orig_dtype = dtype if orig_dtype is None else orig_dtype
+        if orig_dtype not in _nf4_format.FLOAT_DTYPES:
+            raise TypeError(f"orig_dtype must be float16, bfloat16 or float32, got {orig_dtype}")
+        super().__init__(in_features, out_features, group_size=min(blocksize, 128), bias=bias, dtype=dtype,
+                         device=device, codebook="nf4")
+        self.blocksize, self.orig_dtype = blocksize, orig_dtype
+        # Placeholders until a weight is set or loaded, consistent with each other: every code 7 (0.0),
+        # every block absmax 1.0 (double quant: code2[127] = 0 times absmax2 = 1, plus offset 1).
+        self.packed.fill_(_NF4_ZERO_WORD)
+        nblocks = in_features * out_features // blocksize  # exact: n % 64 and k % 128 make n k a multiple of 8192
+        f32 = dict(dtype=torch.float32, device=device)
+        state = dict.fromkeys(_NF4_STATE)
+        if double_quant:
+            state.update(absmax_q=torch.full((nblocks,), 127, dtype=torch.uint8, device=device),
+                         code2=_nf4_format.dynamic_map_signed(device),
+                         absmax2=torch.ones(-(-nblocks // _nf4_format.NESTED_BLOCKSIZE), **f32),
+                         offset=torch.ones((), **f32))
+        else:
+            state.update(absmax=torch.ones(nblocks, **f32))
+        for name, t in state.items():
+            self.register_buffer(name, t)
+
+    # -- the weight ---------------------------------------------------------------------------------------------
+    @property
+    def double_quant(self) -> bool:
+        return self.absmax_q is not None
+
+    @property
+    def weight(self) -> NF4WeightInfo:
+        return NF4WeightInfo(self)
+
+    @property
+    def matmul_weight(self) -> NF4MatmulWeight:
+        """The layer's tensors as a tilefish.nf4.matmul weight (shared, not copied)."""
+        return NF4MatmulWeight(self.weight4, self.blocksize, self.orig_dtype,
+                               *(getattr(self, name) for name in _NF4_STATE))
+
+    def to_nf4(self) -> NF4Weight:
+        """The bitsandbytes weight, bit for bit (codes repacked to bitsandbytes' byte order; scales shared)."""
+        return self.matmul_weight.to_nf4()
+
+    def _adopt(self, p: NF4MatmulWeight, bias: torch.Tensor | None, copy: bool = False) -> "NF4Linear":
+        """Make p (and bias, if given) the layer's weight. copy: write into the current tensors where
+        shape, dtype and device agree (load_state_dict: keeps pointers such as CUDA graphs' valid)."""
+        tensors = {"packed": p.kernel.packed, "scales": p.kernel.scales}
+        tensors.update((name, getattr(p, name)) for name in _NF4_STATE)
+        for name, value in tensors.items():
+            old = getattr(self, name)
+            if (copy and old is not None and value is not None and not old.is_meta and old.shape == value.shape
+                    and old.dtype == value.dtype and old.device == value.device):
+                with torch.no_grad():
+                    old.copy_(value)
+            else:
+                setattr(self, name, value)
+        self.blocksize, self.orig_dtype, self.group_size = p.blocksize, p.orig_dtype, p.kernel.group_size
+        if bias is not None:
+            bias = bias.detach().to(device=p.device, dtype=p.dtype)
+            if copy and self.bias is not None and not self.bias.is_meta and self.bias.device == bias.device:
+                with torch.no_grad():
+                    self.bias.copy_(bias)
+            else:
+                self.bias = nn.Parameter(bias, requires_grad=False)
+        self._plans = {}
+        return self
+
+    def _apply(self, fn, *args, **kwargs):
+        # nn.Module.to / half / cuda apply `fn` to every tensor. The fp32 block scales must only move
+        # (a 16-bit absmax would no longer be bitsandbytes' weight), and a new activation dtype
+        # rebuilds the kernel scales from them (converting the old 16-bit scales would round twice).
+        old = self.scales.dtype
+        target = fn(torch.empty(0, dtype=old, device=self.scales.device)).dtype
+        if target != old and target not in MATMUL_DTYPES:
+            raise TypeError(f"an NF4Linear runs float16 or bfloat16 activations (its kernel scales' dtype); it "
+                            f"cannot become {target}. Inputs of another float dtype need no conversion: they are "
+                            f"cast to {old} and the result back")
+        scales = self.matmul_weight.to(target).kernel.scales if target != old and not self.scales.is_meta else None
+        state = {name: self._buffers.pop(name) for name in _NF4_STATE}
+        try:
+            result = super()._apply(fn, *args, **kwargs)
+        except BaseException:
+            self._buffers.update(state)
+            raise
+        device = self.packed.device
+        for name, t in state.items():
+            self._buffers[name] = None if t is None else t.to(device)
+        if scales is not None:
+            self.scales = scales.to(device)
+        return result
+
+    # -- bitsandbytes state dicts -------------------------------------------------------------------------------
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # bitsandbytes' Linear4bit order: weight, bias, then its QuantState.as_dict(packed=True) entries
+        entries = _nf4_format.to_state_dict(self.to_nf4(), prefix + "weight")
+        destination[prefix + "weight"] = entries.pop(prefix + "weight")
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+        destination.update(entries)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # The weight is read as a whole (nf4.from_state_dict checks it), converted, and only then put in
+        # place with the bias: after any error or missing key the layer is as it was. (Unexpected keys
+        # are only reported: torch raises for them after loading, when strict, as for any module.)
+        for hook in self._load_state_dict_pre_hooks.values():
+            hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        wkey, bkey = prefix + "weight", prefix + "bias"
+        known = {wkey, bkey} | {f"{wkey}.{s}" for s in _BNB_KEYS}
+        errors, missing = len(error_msgs), []
+        if strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and (
+                k not in known or (k == bkey and self.bias is None)))
+        prepared = bias = None
+        if not any(k == wkey or k.startswith(wkey + ".") for k in state_dict):
+            missing += [k for k in self._bnb_keys(prefix) if k != bkey]
+        else:
+            try:
+                prepared = self._prepare_loaded(state_dict, wkey)
+            except (ValueError, TypeError) as e:
+                error_msgs.append(f"{wkey}: {e}")
+        if self.bias is not None:
+            if bkey not in state_dict:
+                missing.append(bkey)
+            else:
+                bias = state_dict[bkey]
+                if not isinstance(bias, torch.Tensor) or bias.shape != self.bias.shape:
+                    error_msgs.append(f"size mismatch for {bkey}: expected a tensor of shape {tuple(self.bias.shape)}, "
+                                      f"got {tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias)}")
+        missing_keys.extend(missing)
+        if len(error_msgs) > errors or missing:
+            return
+        self._adopt(prepared, bias, copy=True)
+
+    def _bnb_keys(self, prefix: str) -> list[str]:
+        """The keys this layer's state dict has (the bitsandbytes Linear4bit ones)."""
+        nested = ("nested_absmax", "nested_quant_map") if self.double_quant else ()
+        return ([prefix + "weight"] + ([prefix + "bias"] if self.bias is not None else [])
+                + [f"{prefix}weight.{s}" for s in ("absmax", "quant_map", *nested, "quant_state.bitsandbytes__nf4")])
+
+    def _prepare_loaded(self, state_dict, wkey: str) -> NF4MatmulWeight:
+        q = _nf4_format.from_state_dict(state_dict, wkey)
+        if tuple(q.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"shape {list(q.shape)} (quant_state JSON) is not this layer's [out_features, "
+                             f"in_features] = [{self.out_features}, {self.in_features}]")
+        device = q.device if self.packed.is_meta else self.packed.device
+        return prepare(q.to(device), self.scales.dtype)
+
+    # -- constructors -------------------------------------------------------------------------------------------
+    @classmethod
+    def from_nf4(cls, q: NF4Weight, bias: torch.Tensor | None = None,
+                 dtype: torch.dtype | None = None) -> "NF4Linear":
+        """An NF4Weight [out_features, in_features] (tilefish.nf4.quantize / from_bnb / from_state_dict),
+        on its device. dtype: the activation dtype (default the weight's if 16-bit, else float16). The
+        block-scale tensors are shared with q, not copied."""
+        if not isinstance(q, NF4Weight):
+            raise TypeError(f"from_nf4 expects an NF4Weight, got {type(q).__name__}")
+        if dtype is not None and dtype not in MATMUL_DTYPES:
+            raise TypeError(f"dtype (the activation dtype) must be torch.float16 or torch.bfloat16, got {dtype}")
+        p = prepare(q, dtype)
+        layer = cls(p.k, p.n, bias=bias is not None, blocksize=p.blocksize, double_quant=p.double_quant,
+                    dtype=p.dtype, orig_dtype=p.orig_dtype, device="meta")  # no placeholder memory
+        return layer._adopt(p, bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, blocksize: int = 64, double_quant: bool = True,
+                    dtype: torch.dtype | None = None) -> "NF4Linear":
+        """Quantize an nn.Linear's weight to NF4 as bitsandbytes does (tilefish.nf4.quantize), on its device."""
+        check_matmul_shape(tuple(linear.weight.shape), blocksize)  # before the work of quantizing
+        dtype = dtype or (linear.weight.dtype if linear.weight.dtype in MATMUL_DTYPES else torch.float16)
+        if dtype not in MATMUL_DTYPES:
+            raise TypeError(f"dtype (the activation dtype) must be torch.float16 or torch.bfloat16, got {dtype}")
+        q = _nf4.quantize(linear.weight.detach(), blocksize, double_quant)
+        return cls.from_nf4(q, linear.bias, dtype)
+
+    @classmethod
+    def from_bnb(cls, linear4bit, dtype: torch.dtype | None = None) -> "NF4Linear":
+        """A bitsandbytes Linear4bit (nf4), duck-typed: its `.weight` (Params4bit) and `.weight.quant_state`,
+        `.bias`, and `.compute_dtype` as the default activation dtype when it is 16-bit. Tensors stay
+        where they are (a CUDA Linear4bit gives a CUDA layer)."""
+        weight = getattr(linear4bit, "weight", None)
+        quant_state = getattr(weight, "quant_state", None)
+        if quant_state is None:
+            raise ValueError(f"{type(linear4bit).__name__} has no weight.quant_state: not a quantized bitsandbytes "
+                             "Linear4bit (bitsandbytes quantizes the weight when the layer is moved to the GPU)")
+        if dtype is None and getattr(linear4bit, "compute_dtype", None) in MATMUL_DTYPES:
+            dtype = linear4bit.compute_dtype
+        return cls.from_nf4(_nf4.from_bnb(weight, quant_state), getattr(linear4bit, "bias", None), dtype)
+
+    @classmethod
+    def from_state_dict(cls, sd: dict, prefix: str = "", dtype: torch.dtype | None = None) -> "NF4Linear":
+        """A layer from bitsandbytes Linear4bit entries `{prefix}weight`, `{prefix}weight.absmax`, ...,
+        and `{prefix}bias` if present (an HF checkpoint's, a state_dict()'s). Other keys are ignored."""
+        if prefix and not prefix.endswith("."):
+            prefix += "."
+        q = _nf4_format.from_state_dict(sd, prefix + "weight")
+        return cls.from_nf4(q, sd.get(prefix + "bias"), dtype)
+
+    @classmethod
+    def from_weight(cls, w, bias=None):
+        raise TypeError("NF4Linear is built from bitsandbytes NF4 weights: from_nf4, from_linear, from_bnb or "
+                        "from_state_dict (W4A16Linear.from_weight takes a W4A16Weight)")
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, codebook=nf4, "
+                f"blocksize={self.blocksize}, double_quant={self.double_quant}, group_size={self.group_size}, "
+                f"bias={self.bias is not None}")
 
 
 class FusedW4A16Linear(W4A16Linear):

@@ -1,7 +1,7 @@
-"""`tilefish bench e2e`: a Llama-3-8B-shaped decoder end to end, dense fp16 against tilefish W4A16
-(and bitsandbytes NF4 when importable): decode tokens/s at several batch sizes over a filled KV
-cache, prefill tokens/s, in eager mode and compiled (torch.compile per decoder layer + one CUDA
-graph per step).
+"""`tilefish bench e2e`: a Llama-3-8B-shaped decoder end to end, dense fp16 against tilefish W4A16,
+bitsandbytes NF4 (when importable) and tilefish NF4 (the same NF4 weights, fused matmul): decode
+tokens/s at several batch sizes over a filled KV cache, prefill tokens/s, in eager mode and compiled
+(torch.compile per decoder layer + one CUDA graph per step).
 
 Random weights (the timings do not depend on the values); every variant is built from the same
 seed, and only one model lives at a time. The harness also runs on CPU (no CUDA graph, perf_counter
@@ -26,8 +26,11 @@ from .report import Report, Row
 DEFAULT_BATCHES = (1, 4, 16, 64)
 DEFAULT_PREFILL = (512, 2048)
 MODES = ("eager", "compiled")  # run in this order: compiling changes the layers in place
-IMPLS = ("fp16", "w4a16", "nf4")
-LABELS = {"fp16": "fp16", "w4a16": "tilefish w4a16", "nf4": "bitsandbytes nf4"}
+# Built in this order (bitsandbytes' nf4 before tilefish's, whose logits are checked against it). cli.py's
+# E2E_IMPLS repeats this tuple (tests/test_cli.py checks it).
+IMPLS = ("fp16", "w4a16", "nf4", "tilefish-nf4")
+LABELS = {"fp16": "fp16", "w4a16": "tilefish w4a16", "nf4": "bitsandbytes nf4", "tilefish-nf4": "tilefish nf4"}
+QUANTIZED = ("w4a16", "tilefish-nf4")  # tilefish's variants: checked against their dense twin (dequantize_model)
 CHECK_TOKENS = 64       # prompt length of the logits checks
 # The W4A16 model's logits against its dense twin (the same model with every W4A16 layer replaced
 # by its exactly dequantized weight: the kernels' error alone) further apart than this are flagged.
@@ -125,6 +128,18 @@ def _has_transformers() -> bool:
     return True
 
 
+def _tilefish_nf4_problem() -> str | None:
+    """None when tilefish.quantize_model can convert to NF4 (method="nf4"), else why not."""
+    try:
+        from .. import convert
+    except Exception as e:  # noqa: BLE001
+        return f"tilefish.convert not importable ({e.__class__.__name__}: {e})"
+    if "nf4" not in getattr(convert, "METHODS", ("nf4",)):
+        return (f"tilefish.quantize_model has no method='nf4' in this build (methods {convert.METHODS}); "
+                "tilefish.nn.NF4Linear is needed")
+    return None
+
+
 def _bnb_problem() -> str | None:
     """None when bitsandbytes can run the nf4 variant, else why not."""
     try:
@@ -165,6 +180,13 @@ def _convert(runner, impl: str, int4_lm_head: bool) -> str:
     if impl == "nf4":
         _to_nf4(runner.model.model.layers)
         return "decoder-layer linears -> bnb Linear4bit (nf4, blocksize 64, double quant)"
+    if impl == "tilefish-nf4":
+        from ..convert import quantize_model
+
+        rep = quantize_model(runner.model, method="nf4", blocksize=64, double_quant=True, fuse=True,
+                             **({"skip": ()} if int4_lm_head else {}))
+        return (f"{len(rep.converted)} linears -> tilefish NF4 (blocksize 64, double quant), "
+                f"{len(rep.fused)} fused groups")
     return "dense"
 
 
@@ -325,10 +347,11 @@ class _Plan:
 
 
 def _variant(plan: _Plan, impl: str, reference: torch.Tensor | None, timed: bool, progress: _Progress,
-             info: dict, times: dict, notes: list[str]) -> torch.Tensor:
+             info: dict, times: dict, notes: list[str], built: dict | None = None) -> torch.Tensor:
     """Build `impl` from the seed, check its logits against `reference` (None: this is the
     reference), record its weight bytes and logits error in info[impl], and time every (mode, case)
-    into times[(mode, phase, size)][impl] when `timed`. Returns the check's logits."""
+    into times[(mode, phase, size)][impl] when `timed`. built: the check logits of variants built
+    before ("nf4": bitsandbytes', which tilefish-nf4's are compared with). Returns the check's logits."""
     torch.manual_seed(plan.seed)
     runner = plan.Runner(plan.cfg, plan.device)
     summary = _convert(runner, impl, plan.int4_lm_head)
@@ -346,17 +369,29 @@ def _variant(plan: _Plan, impl: str, reference: torch.Tensor | None, timed: bool
                 runner, phase, size, plan.context, mode, plan.cfg.vocab_size, plan.device, plan.reps)
     if reference is not None:
         line = f"{impl} ({summary}): logits vs fp16 on a {CHECK_TOKENS}-token prompt, relative error {err:.4f}"
-        if impl == "w4a16":  # after timing: the twin replaces the quantized layers
+        if impl in QUANTIZED:
+            line += " (random weights: the 4-bit rounding compounds over the layers)"
+        if impl == "tilefish-nf4" and (built or {}).get("nf4") is not None and not plan.int4_lm_head:
+            # The same NF4 weights (same seed, bit-exact quantization): bitsandbytes dequantizes them and runs
+            # cuBLAS, so the two differ by the kernels' rounding (tilefish rounds each block scale once to fp16).
+            bnb_err = _rel(logits, built["nf4"])
+            info[impl]["bnb_nf4_rel_err"] = bnb_err
+            flag = f"  LARGE (> {LARGE_REL_ERR}): check the kernels" if bnb_err > LARGE_REL_ERR else ""
+            line += f"; vs bitsandbytes nf4 on the same NF4 weights {bnb_err:.4f}{flag}"
+        if impl in QUANTIZED:  # after timing: the twin replaces the quantized layers
             from ..convert import dequantize_model
 
             for layer in runner.model.model.layers:
                 layer._compiled_call_impl = None  # back to eager: the twin's layers are other modules
             dequantize_model(runner.model)
-            kernel_err = _rel(logits, _logits(runner, plan.cfg.vocab_size, plan.device))
-            info[impl]["kernel_rel_err"] = kernel_err
-            flag = f"  LARGE (> {LARGE_REL_ERR}): check the kernels" if kernel_err > LARGE_REL_ERR else ""
-            line += (f" (random weights: the 4-bit rounding compounds over the layers); vs its dense twin with the "
-                     f"dequantized weights (the kernels' error) {kernel_err:.4f}{flag}")
+            left = sorted({type(m).__name__ for m in runner.model.modules() if type(m).__module__ == "tilefish.nn"})
+            if left:  # dequantize_model does not know these layers (yet): no twin to compare with
+                line += f"; no dense twin (dequantize_model left {', '.join(left)} layers)"
+            else:
+                kernel_err = _rel(logits, _logits(runner, plan.cfg.vocab_size, plan.device))
+                info[impl]["kernel_rel_err"] = kernel_err
+                flag = f"  LARGE (> {LARGE_REL_ERR}): check the kernels" if kernel_err > LARGE_REL_ERR else ""
+                line += f"; vs its dense twin with the dequantized weights (the kernels' error) {kernel_err:.4f}{flag}"
         print(line, flush=True)
         notes.append(line)
     return logits
@@ -385,7 +420,7 @@ def _add_rows(report: Report, plan: _Plan, model: str, times: dict, info: dict) 
                 "layer_bytes": i["layer_bytes"], "model_bytes": i["model_bytes"],
                 "layer_bytes_ratio": i["layer_bytes"] / fp16["layer_bytes"],
                 "model_bytes_ratio": i["model_bytes"] / fp16["model_bytes"], "logits_rel_err": i["logits_rel_err"],
-                "kernel_rel_err": i.get("kernel_rel_err")}))
+                "kernel_rel_err": i.get("kernel_rel_err"), "bnb_nf4_rel_err": i.get("bnb_nf4_rel_err")}))
 
 
 def run(layers: int = 32, batches=DEFAULT_BATCHES, prefill=DEFAULT_PREFILL, context: int = 512, modes=MODES,
@@ -420,6 +455,9 @@ def run(layers: int = 32, batches=DEFAULT_BATCHES, prefill=DEFAULT_PREFILL, cont
     if "nf4" in timed and (why := _bnb_problem()):
         timed.remove("nf4")
         notes.append(f"nf4 skipped: {why}")
+    if "tilefish-nf4" in timed and (why := _tilefish_nf4_problem()):
+        timed.remove("tilefish-nf4")
+        notes.append(f"tilefish-nf4 skipped: {why}")
     plan = _Plan(_HF if model == "hf" else _Builtin, cfg, device, [m for m in MODES if m in modes],
                  [("decode", b) for b in batches] + [("prefill", p) for p in prefill], context, reps, backend, seed,
                  int4_lm_head)
@@ -435,14 +473,17 @@ def run(layers: int = 32, batches=DEFAULT_BATCHES, prefill=DEFAULT_PREFILL, cont
     build = ["fp16"] + [i for i in timed if i != "fp16"]  # fp16 always: the reference for the logits check
     times: dict[tuple, dict[str, tuple[float, float]]] = {}
     info: dict[str, dict] = {}
+    built: dict[str, torch.Tensor] = {}  # bitsandbytes nf4's check logits, for tilefish-nf4's
     reference = None
     with torch.no_grad(), _Progress(len(build) + len(timed) * len(plan.modes) * len(plan.cases)) as progress, \
             torch._dynamo.config.patch(recompile_limit=max(8, len(plan.cases) + 2)):
         for impl in build:
             progress.step(f"{impl}: build")
             try:
-                logits = _variant(plan, impl, reference, impl in timed, progress, info, times, report.notes)
+                logits = _variant(plan, impl, reference, impl in timed, progress, info, times, report.notes, built)
                 reference = logits if reference is None else reference
+                if impl == "nf4" and "tilefish-nf4" in timed:
+                    built[impl] = logits
             except Exception as e:  # noqa: BLE001 - a variant's failure is reported and the others still run
                 if impl == "fp16":  # no reference, no ratios: nothing left to measure against
                     raise

@@ -3,10 +3,32 @@ from __future__ import annotations
 
 
 def _nf4(args):
+    """The dequantization table and the fused matmul table (--only picks one; --variants sweeps the
+    dequantization kernel alone). --quick, and the all-families run, take the short sets."""
     from . import nf4
 
-    return nf4.run(shapes=args.shapes, dtype=args.dtype, blocksize=args.blocksize,
-                   double_quant=not args.single_quant, variants=args.variants, reps=args.reps)
+    reduced = args.family is None  # the all-families run stays quick
+    quick = getattr(args, "quick", False) or reduced
+    only = "dequantize" if args.variants else getattr(args, "only", None)
+    double_quant = not args.single_quant
+    dequant = matmul = None
+    if only in (None, "dequantize"):
+        dequant = nf4.run(shapes=args.shapes or (nf4.QUICK_SHAPES if quick else None), dtype=args.dtype,
+                          blocksize=args.blocksize, double_quant=double_quant, variants=args.variants, reps=args.reps)
+    if only in (None, "matmul"):
+        ms = [int(v) for v in args.m.split(",") if v] if args.m else (nf4.QUICK_M if quick else None)
+        kn = [tuple(s) for s in args.shapes] if args.shapes else (nf4.QUICK_KN if quick else None)
+        # --dtypes, else --dtype where the matmul runs it (bf16 / fp16), else bf16
+        dtypes = ([d for d in args.dtypes.split(",") if d] if args.dtypes
+                  else [args.dtype if args.dtype in nf4.MATMUL_DTYPES else "bf16"])
+        note = ""
+        if quick and not (args.shapes and args.m):
+            what = "the all-families run" if reduced else "--quick"
+            note = (f" [reduced for {what}: {len(kn or nf4.MATMUL_KN)} shapes, "
+                    f"m {','.join(map(str, ms or nf4.MATMUL_M))}; `tilefish bench nf4` runs the full set]")
+        matmul = nf4.run_matmul(shapes=kn, ms=ms, dtypes=dtypes, blocksize=args.blocksize, double_quant=double_quant,
+                                reps=args.reps, title_note=note)
+    return nf4.combine(dequant, matmul)
 
 
 def _w4a16(args):
@@ -54,6 +76,13 @@ def _w4a16_summary(report) -> str:
     return "Against the targets (ratio = cuBLAS time / tilefish time):\n" + table if table else ""
 
 
+def _nf4_summary(report) -> str:
+    from . import nf4
+
+    table = nf4.target_summary(report.rows)
+    return ("NF4 fused matmul against the targets (ratio = peer time / tilefish NF4 time):\n" + table) if table else ""
+
+
 FAMILIES = {"nf4": _nf4, "w4a16": _w4a16, "sgemm": _sgemm, "hgemm": _hgemm, "e2e": _e2e}
 # Printed after a family's table by `tilefish bench` (families with targets to report against).
-SUMMARIES = {"w4a16": _w4a16_summary}
+SUMMARIES = {"w4a16": _w4a16_summary, "nf4": _nf4_summary}

@@ -78,9 +78,10 @@ class W4A16Weight:
         q = unpack(self)
         if self.codebook == "int4":
             return q.dequantize(dtype)
-        from ..quant.nf4 import nf4_table
+        from ..quant.nf4 import NF4_TABLE
 
-        values = nf4_table(q.q.device).double()[q.q.long()]
+        # a fresh tensor, not a copy of a cached one: under torch.compile's backward it is traced
+        values = torch.tensor(NF4_TABLE, dtype=torch.float64, device=q.q.device)[q.q.long()]
         scales = q.scales.double().repeat_interleave(self.group_size if self.group_size != -1 else self.k, dim=1)
         return (values * scales).to(dtype)
 
