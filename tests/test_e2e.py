@@ -333,7 +333,7 @@ def test_run_on_gpu(kind):
     if kind == "hf":
         pytest.importorskip("transformers")
     rep = e2e.run(batches=(1, 4), prefill=(64,), context=64, model=kind, reps=5, config=TINY)
-    impls = 3 if e2e._bnb_problem() is None else 2
+    impls = len(e2e.IMPLS) - (0 if e2e._bnb_problem() is None else 1)  # "nf4" is bitsandbytes'
     assert len(rep.rows) == 2 * 3 * impls, rep.notes
     assert not [n for n in rep.notes if "FAILED" in n or "LARGE" in n], rep.notes
     assert all(r.time_us > 0 and r.metric > 0 for r in rep.rows)
