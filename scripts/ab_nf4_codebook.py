@@ -57,7 +57,7 @@ def main():
                 plan_nf4 = ops.LaunchPlan.build(p.kernel, None, m, x.device)
                 plan_i4 = ops.LaunchPlan.build(i4, None, m, x.device)
                 cfg = ops.choose_config(m, n, k, props.multi_processor_count, props.major * 10 + props.minor, group,
-                                        dtype=dt)
+                                        dtype=dt, codebook="nf4")
                 out = torch.empty(m, n, device="cuda", dtype=dt)
                 fns = {
                     "nf4": lambda: plan_nf4.launch(x.data_ptr(), out.data_ptr()),

@@ -73,7 +73,7 @@ def main():
                     t = time_cuda(lambda: ops.matmul_impl(x, p, cfg=cfg, slices=ctas), reps=30).median_ms
                     rows.append((t, cfg.label(), f or cfg.ctas_per_sm, err))
             rows.sort()
-            auto_cfg = ops.choose_config(m, n, k, sms, 90, p.group_size, dtype=dt)
+            auto_cfg = ops.choose_config(m, n, k, sms, 90, p.group_size, dtype=dt, codebook=p.codebook)
             worst = max(r[3] for r in rows)
             rec = {"k": k, "n": n, "m": m, "group": group, "dtype": str(dt), "cublas_us": t_cublas * 1e3,
                    "auto_us": t_auto * 1e3, "auto": auto_cfg.label(), "peers": peers, "worst_rel_err": worst,

@@ -143,6 +143,17 @@ def test_bad_inputs_are_clear_errors():
     nf4.prepare(big, torch.bfloat16)  # bf16 has the range
 
 
+def test_dispatch_takes_the_tall_tile_for_nf4_above_128_rows():
+    """The NF4 decode is paid once per tile for all its rows: above 128 rows on Hopper the 256-row
+    wgmma tile, where the int4 dispatcher's model may take shorter tiles."""
+    for m in (129, 256, 1000):
+        assert w4ops.choose_config(m, 8192, 8192, 132, 90, 64, codebook="nf4") == w4ops.NF4_TALL_TILE
+    assert w4ops.choose_config(64, 8192, 8192, 132, 90, 64, codebook="nf4") == \
+        w4ops.choose_config(64, 8192, 8192, 132, 90, 64)
+    assert w4ops.choose_config(256, 8192, 8192, 108, 80, 64, codebook="nf4") == \
+        w4ops.choose_config(256, 8192, 8192, 108, 80, 64)  # sm_80: the mma.sync kernel
+
+
 # ---- GPU ---------------------------------------------------------------------------------------------------------
 
 MS = [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 33, 64, 100, 128, 257, 1024, 4096]

@@ -280,7 +280,8 @@ def _plan_label(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> str:
 
     try:
         info = device_info()
-        return ops.choose_config(m, n, k, info.sm_count, info.cc, group, ops._device_clusters(info), dtype).label()
+        return ops.choose_config(m, n, k, info.sm_count, info.cc, group, ops._device_clusters(info), dtype,
+                                 "nf4").label()
     except Exception as e:  # noqa: BLE001 - a label only
         return f"? ({type(e).__name__})"
 
@@ -320,8 +321,9 @@ def warm_kernel_cache(shapes, ms, dtypes, group: int, processes: int | None = No
     for d in dtypes:
         for k, n in shapes:
             for m in ms:
-                cfg = ops.choose_config(m, n, k, info.sm_count, info.cc, group, ops._device_clusters(info), DTYPES[d])
                 for codebook in ("nf4", "int4"):
+                    cfg = ops.choose_config(m, n, k, info.sm_count, info.cc, group, ops._device_clusters(info),
+                                            DTYPES[d], codebook)
                     specs[ops.kernel_spec(DTYPES[d], cfg, group, False, codebook)] = None
     todo = [s for s in specs if _load_cached(s, info.arch, cache_key(s, info.arch)) is None]
     if not todo:

@@ -763,10 +763,17 @@ def _choose_skinny_config(m: int, n: int, k: int, sm_count: int, group: int | No
     return SkinnyConfig(8, 4, 2, 8, 1)
 
 
+# NF4 at 128 < m < MODEL_MAX_M: the 256-row tile. The NF4 decode costs ~2.5x the int4 one and a
+# tile decodes its weights once for all its rows, so the tallest tile wins where the int4 time
+# model (fitted without that cost) picks 128-row tiles or stream-K: same-process on the H100 at
+# m = 256 / 512 over the eight benchmark weights, 0.70-0.90x -> 0.77-1.10x of cuBLAS (docs/nf4.md).
+NF4_TALL_TILE = HopperConfig(256, 1, 2, 5)
+
+
 @functools.lru_cache(maxsize=4096)
 def choose_config(m: int, n: int, k: int, sm_count: int, cc: int = 80, group: int | None = None,
                   clusters: tuple[tuple[int, int], ...] = H200_CLUSTERS,
-                  dtype: torch.dtype | None = None) -> GemmConfig | HopperConfig | SkinnyConfig:
+                  dtype: torch.dtype | None = None, codebook: str = "int4") -> GemmConfig | HopperConfig | SkinnyConfig:
     """clusters: the device's cluster capacity on sm_90 (runtime.cluster_capacity), which decides
     which k splits the wgmma kernel runs as clusters; the H200's by default. dtype: x's (the skinny
     kernel's best configuration differs between fp16 and bf16 on large weights); None: fp16's."""
@@ -775,6 +782,8 @@ def choose_config(m: int, n: int, k: int, sm_count: int, cc: int = 80, group: in
         if skinny is not None:
             return skinny
     if cc == 90 and _uses_hopper(m, n, k):
+        if codebook == "nf4" and 128 < m < MODEL_MAX_M and n % NF4_TALL_TILE.bn == 0:
+            return NF4_TALL_TILE
         return choose_hopper_config(m, n, sm_count, k, clusters, group != -1)
     return choose_mma_config(m, n, k, sm_count)
 
@@ -959,7 +968,8 @@ class LaunchPlan:
             if t is not None and (t.data_ptr() % 16 or not t.is_contiguous()):
                 raise ValueError(f"{name} must be contiguous and 16-byte aligned for the CUDA kernel")
         info = device_info(device.index)
-        cfg = cfg or choose_config(m, w.n, w.k, info.sm_count, info.cc, w.group_size, _device_clusters(info), w.dtype)
+        cfg = cfg or choose_config(m, w.n, w.k, info.sm_count, info.cc, w.group_size, _device_clusters(info), w.dtype,
+                                   w.codebook)
         if isinstance(cfg, HopperConfig):
             launches, ws = _hopper_launches(cfg, m, w, bias, slices, info)
         elif isinstance(cfg, SkinnyConfig):
