@@ -3,7 +3,8 @@
 A table lives between `<!-- table: PATH [rows="IMPL,..."] -->` and `<!-- end table -->`; everything
 between the markers is replaced by the markdown that `tilefish table PATH` prints. With
 `view="targets"` instead (W4A16), it is the per-m summary against issue 3's targets that
-`tilefish bench w4a16` prints after its table. Tables are never typed by hand.
+`tilefish bench w4a16` prints after its table; `view="nf4-targets"`, the NF4 matmul's summary
+that `tilefish bench nf4` prints. Tables are never typed by hand.
 """
 from __future__ import annotations
 
@@ -23,12 +24,17 @@ def render(path: str, attr: str | None, value: str | None) -> str:
     rep = Report.from_json(ROOT / path)
     rows = value if attr == "rows" else None
     if attr == "view":
-        if value != "targets":
-            raise ValueError(f"{path}: unknown view {value!r} (known: targets)")
-        from tilefish.bench.w4a16 import target_summary
+        if value not in ("targets", "nf4-targets"):
+            raise ValueError(f"{path}: unknown view {value!r} (known: targets, nf4-targets)")
+        if value == "targets":
+            from tilefish.bench.w4a16 import target_summary
+            what = "cuBLAS time / tilefish time"
+        else:
+            from tilefish.bench.nf4 import target_summary
+            what = "peer time / tilefish NF4 time"
 
         env = getattr(rep, "environment", {})
-        return (f"*Ratio = cuBLAS time / tilefish time* — {env.get('gpu', '?')}, tilefish commit "
+        return (f"*Ratio = {what}* — {env.get('gpu', '?')}, tilefish commit "
                 f"{str(env.get('commit', '?'))[:12]}, {str(env.get('date', '?'))[:10]}\n\n"
                 f"{target_summary(rep.rows)}\n")
     if rows:
