@@ -118,27 +118,38 @@ def write_checkpoint(directory: Path, reference: nn.Module, fmt: Fmt, *, config:
             tensors.update({f"{name}.{role}": t for role, t in stored.items()})
             module.weight.copy_(weight)
             quantized.add(f"{name}.weight")
+    return save_checkpoint(directory, reference, tensors, quantized, fmt.dtype, fmt.shards, fmt.quantization_config(),
+                           config, torch_dtype, gen)
+
+
+@torch.no_grad()
+def save_checkpoint(directory: Path, reference: nn.Module, tensors: dict, quantized: set, dtype: torch.dtype,
+                    shards: int, quantization_config: dict, config: dict | None, torch_dtype: str | None,
+                    gen: torch.Generator) -> Path:
+    """The rest of a test checkpoint, whatever the format of its quantized layers (``tensors`` holds their
+    entries, ``quantized`` their weight names): every other tensor in ``dtype`` (tied ones once; the reference set
+    to what is stored), one safetensors file or ``shards`` of them round robin with an index, and config.json."""
     seen = set()
     for name, t in reference.state_dict(keep_vars=True).items():
         if name in quantized or id(t) in seen:
             continue
         seen.add(id(t))
         t.mul_(torch.rand(t.shape, generator=gen) + 0.5)                   # no two norms alike
-        tensors[name] = t.to(fmt.dtype)
+        tensors[name] = t.to(dtype)
         t.copy_(tensors[name])
     directory.mkdir(parents=True, exist_ok=True)
-    if fmt.shards == 1:
+    if shards == 1:
         save_file(tensors, str(directory / SINGLE_FILE))
-    else:
+    else:  # round robin: a layer's entries land in different shards
         names = sorted(tensors)
-        files = [f"model-{i + 1:05d}-of-{fmt.shards:05d}.safetensors" for i in range(fmt.shards)]
-        weight_map = {name: files[i % fmt.shards] for i, name in enumerate(names)}
+        files = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+        weight_map = {name: files[i % shards] for i, name in enumerate(names)}
         for file in files:
             save_file({n: tensors[n] for n in names if weight_map[n] == file}, str(directory / file))
         (directory / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    config = dict(config or {}, quantization_config=fmt.quantization_config())
+    config = dict(config or {}, quantization_config=quantization_config)
     if torch_dtype is not None:
-        config["torch_dtype"] = str(fmt.dtype).removeprefix("torch.") if torch_dtype == "fmt" else torch_dtype
+        config["torch_dtype"] = str(dtype).removeprefix("torch.") if torch_dtype == "fmt" else torch_dtype
     (directory / "config.json").write_text(json.dumps(config))
     return directory
 

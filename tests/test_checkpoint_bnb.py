@@ -20,8 +20,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from conftest import rel_err
-from test_checkpoint import (IDS, INDEX_FILE, LOGIT_TOLERANCE, SINGLE_FILE, OneProj, TinyLM, edit_config, edit_tensors,
-                             excluded, expect_error, llama_config, llama_reference, logits, tiny_reference)
+from test_checkpoint import (DOWN, IDS, INDEX_FILE, LOGIT_TOLERANCE, SINGLE_FILE, Q, OneProj, TinyLM, _drop, _set,
+                             edit_config, edit_tensors, excluded, expect_error, llama_config, llama_reference, logits,
+                             save_checkpoint, tiny_reference)
 from tilefish import nf4
 from tilefish.checkpoint import load_quantized
 from tilefish.nn import FusedW4A16Linear, NF4Linear, W4A16Slice
@@ -72,29 +73,8 @@ def write_bnb_checkpoint(directory: Path, reference: nn.Module, fmt: Bnb, *, con
             tensors.update(entries)
             module.weight.copy_(nf4_dequantize_fp32_chain(q, torch.float32))
             quantized.add(f"{name}.weight")
-    seen = set()
-    for name, t in reference.state_dict(keep_vars=True).items():
-        if name in quantized or id(t) in seen:
-            continue
-        seen.add(id(t))
-        t.mul_(torch.rand(t.shape, generator=gen) + 0.5)                   # no two norms alike
-        tensors[name] = t.to(fmt.dtype)
-        t.copy_(tensors[name])
-    directory.mkdir(parents=True, exist_ok=True)
-    if fmt.shards == 1:
-        save_file(tensors, str(directory / SINGLE_FILE))
-    else:  # round robin: a layer's entries land in different shards
-        names = sorted(tensors)
-        files = [f"model-{i + 1:05d}-of-{fmt.shards:05d}.safetensors" for i in range(fmt.shards)]
-        weight_map = {name: files[i % fmt.shards] for i, name in enumerate(names)}
-        for file in files:
-            save_file({n: tensors[n] for n in names if weight_map[n] == file}, str(directory / file))
-        (directory / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    config = dict(config or {}, quantization_config=fmt.quantization_config())
-    if torch_dtype is not None:
-        config["torch_dtype"] = str(fmt.dtype).removeprefix("torch.") if torch_dtype == "fmt" else torch_dtype
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
+    return save_checkpoint(directory, reference, tensors, quantized, fmt.dtype, fmt.shards, fmt.quantization_config(),
+                           config, torch_dtype, gen)
 
 
 def stored(directory: Path) -> dict[str, torch.Tensor]:
@@ -289,22 +269,6 @@ def test_unsupported_config(bnb_dir, field, value, needle):
 def test_bitsandbytes_without_load_in_4bit(bnb_dir):
     edit_config(bnb_dir, load_in_4bit=False, _load_in_4bit=False)
     expect_error(bnb_dir, "config.json", "quantization_config.quant_method = 'bitsandbytes'", "load_in_4bit")
-
-
-Q = "model.layers.0.self_attn.q_proj"
-DOWN = "model.layers.1.mlp.down_proj"
-
-
-def _set(name, value):
-    def change(tensors):
-        tensors[name] = value
-    return change
-
-
-def _drop(name):
-    def change(tensors):
-        del tensors[name]
-    return change
 
 
 def _json(name, **changes):
