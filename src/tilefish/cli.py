@@ -135,6 +135,20 @@ def _choice_list(choices):
     return parse
 
 
+def _model_names(text: str) -> str:
+    """bench w4a16 --models: comma-separated names of bench/shapes.py's MODELS, 'all', or 'list' (kept as
+    the text). Imports the table (and with bench/, torch) only when the flag is given."""
+    if text.strip().lower() == "list":
+        return "list"
+    from .bench.shapes import parse_models
+
+    try:
+        parse_models(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _parse_shapes(text: str | None):
     if not text:
         return None
@@ -147,6 +161,11 @@ def cmd_bench(args) -> int:
     from .bench import suites
     from .bench.report import Report
 
+    if args.list_models or args.models == "list":  # the model shape table: no GPU needed
+        from .bench.shapes import table
+
+        print(table())
+        return 0
     if not torch.cuda.is_available():
         print("tilefish bench needs an NVIDIA GPU (sm_80 or newer); none is visible to torch.", file=sys.stderr)
         return 2
@@ -228,6 +247,10 @@ def main(argv=None) -> int:
     b.add_argument("--m", type=_int_list,
                    help="w4a16 / nf4 matmul: comma-separated batch sizes (default 1,2,4,...,4096)")
     b.add_argument("--groups", help="w4a16: comma-separated group sizes (default 128,-1)")
+    b.add_argument("--models", type=_model_names,
+                   help="w4a16: real models' layer shapes, comma-separated names or 'all' (default llama-3-8b,"
+                   "llama-3-70b); 'list' prints the table of models and shapes; --shapes overrides")
+    b.add_argument("--list-models", action="store_true", help="w4a16: print the table of models and their shapes")
     b.add_argument("--dtypes", type=_choice_list(("fp16", "bf16")),
                    help="w4a16 / nf4 matmul: comma-separated fp16,bf16 (default: w4a16 both; nf4 matmul --dtype, "
                    "or bf16 where --dtype is fp32)")

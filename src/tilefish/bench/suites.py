@@ -38,9 +38,10 @@ def _w4a16(args):
     ms = [int(v) for v in args.m.split(",")] if args.m else None
     groups = [int(v) for v in args.groups.split(",")] if args.groups else (128, -1)
     dtypes = args.dtypes.split(",") if args.dtypes else ("fp16", "bf16")
+    models = getattr(args, "models", None)  # --models: names or "all" (--shapes overrides it)
     if args.variants:
-        return w4a16.sweep(shapes=kn, ms=ms, dtype=dtypes[0], group=groups[0])
-    return w4a16.run(shapes=kn, ms=ms, groups=groups, dtypes=dtypes, reps=args.reps)
+        return w4a16.sweep(shapes=kn, ms=ms, dtype=dtypes[0], group=groups[0], models=models)
+    return w4a16.run(shapes=kn, ms=ms, groups=groups, dtypes=dtypes, reps=args.reps, models=models)
 
 
 def _sgemm(args):

@@ -6,11 +6,12 @@ import time
 
 import torch
 
+from . import shapes as model_shapes
 from .ceilings import copy_bandwidth_gbps
 from .report import Report, Row
 from .timing import host_overhead_paired_us, time_cuda, time_paired
 
-# (k, n) of Llama-3 8B and 70B linears
+# (k, n) of Llama-3 8B and 70B linears: the union of shapes.DEFAULT_MODELS' weights (tests check the two agree)
 DEFAULT_KN = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (8192, 8192),
               (8192, 57344), (28672, 8192)]
 DEFAULT_M = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
@@ -48,6 +49,34 @@ def target_summary(rows) -> str:
     return "\n".join(lines)
 
 
+def select_shapes(shapes=None, models=None) -> tuple[list[tuple[int, int]], dict[tuple[int, int], str], list[str]]:
+    """The (k, n) list a run times: `shapes` when given (it overrides `models`), else the de-duplicated
+    union of the models' weights (names as shapes.parse_models takes them: a list, a comma-separated
+    string or "all"; None: the Llama-3 default set, DEFAULT_KN). Returns (tileable shapes, {(k, n):
+    "model:projection,..."} for the rows' extra, one line per skipped untileable shape)."""
+    if shapes:
+        entries = [model_shapes.Shape(k, n, ()) for k, n in shapes]
+    else:
+        names = model_shapes.parse_models(models) if models is None or isinstance(models, str) else list(models)
+        entries = model_shapes.union(names)
+    kn, labels, skipped = [], {}, []
+    for e in entries:
+        reason = model_shapes.untileable_reason(e.k, e.n)
+        if reason:
+            skipped.append(f"skipped k{e.k} n{e.n}{f' ({e.models})' if e.labels else ''}: untileable, {reason}")
+            continue
+        kn.append((e.k, e.n))
+        if e.labels:
+            labels[(e.k, e.n)] = e.models
+    return kn, labels, skipped
+
+
+def _skip_notes(report: Report, skipped: list[str]) -> None:
+    for line in skipped:
+        print(line, flush=True)
+        report.notes.append(line)
+
+
 def merge_streamk_resweep(base: list[dict], resweep: list[dict]) -> tuple[list[dict], float]:
     """A wgmma plan sweep (scripts/sweep_w4a16_streamk.py records) with its stream-K rows replaced
     by those of a later sweep of the stream-K configurations alone (after a change to their code),
@@ -71,14 +100,17 @@ def merge_streamk_resweep(base: list[dict], resweep: list[dict]) -> tuple[list[d
     return merged, day
 
 
-def sweep(shapes=None, ms=None, dtype: str = "fp16", group: int = 128, reps: int = 20) -> Report:
-    """Every (config, slices) for each case: the data the dispatch heuristic is fitted to."""
+def sweep(shapes=None, ms=None, dtype: str = "fp16", group: int = 128, reps: int = 20, models=None) -> Report:
+    """Every (config, slices) for each case: the data the dispatch heuristic is fitted to. Shapes:
+    `shapes`, else the models' (select_shapes), else Llama-3-8B's four."""
     from ..ops import w4a16 as ops
     from ..quant.int4 import quantize_rtn
 
     dt = DTYPES[dtype]
     report = Report(f"W4A16 config sweep ({dtype}, group {group})")
-    for k, n in shapes or DEFAULT_KN[:4]:
+    kn, _, skipped = select_shapes(shapes, models) if shapes or models else (DEFAULT_KN[:4], {}, [])
+    _skip_notes(report, skipped)
+    for k, n in kn:
         dense = torch.randn(n, k, device="cuda", dtype=dt)
         p = ops.pack(quantize_rtn(dense, group, True, scale_dtype=dt, clip_search=False))
         for m in ms or [1, 16, 32, 64, 128]:
@@ -102,16 +134,21 @@ def sweep(shapes=None, ms=None, dtype: str = "fp16", group: int = 128, reps: int
     return report
 
 
-def run(shapes=None, ms=None, groups=(128, -1), dtypes=("fp16", "bf16"), reps: int = 50) -> Report:
+def run(shapes=None, ms=None, groups=(128, -1), dtypes=("fp16", "bf16"), reps: int = 50, models=None) -> Report:
+    """Shapes: `shapes`, else the union of `models`' weights (default: the Llama-3 set, DEFAULT_KN);
+    untileable ones are skipped with a printed line (also in the notes); a row of a model's shape names
+    its model:projection pairs in extra["models"]."""
     from ..ops import w4a16 as ops
 
+    kn, labels, skipped = select_shapes(shapes, models)
     copy = copy_bandwidth_gbps()
     report = Report("W4A16 GEMM vs cuBLAS (ratio = cuBLAS time / tilefish time)", {"copy GB/s": copy})
     report.notes.append(f"tilefish and cuBLAS timed in alternating rounds (time_paired); {COOLDOWN_S} s idle "
                         f"after each case whose cuBLAS time passes {HEAVY_MS} ms")
+    _skip_notes(report, skipped)
     for dname in dtypes:
         dtype = DTYPES[dname]
-        for k, n in shapes or DEFAULT_KN:
+        for k, n in kn:
             dense = torch.randn(n, k, device="cuda", dtype=dtype)
             for group in groups:
                 p = ops.pack(__import__("tilefish.quant.int4", fromlist=["x"]).quantize_rtn(
@@ -136,7 +173,8 @@ def run(shapes=None, ms=None, groups=(128, -1), dtypes=("fp16", "bf16"), reps: i
                     report.add(Row("w4a16", f"{dname} k{k} n{n} g{group} m{m}", "tilefish", t_ours * 1e3, gbps,
                                    "GB/s", 100 * gbps / copy, {"cuBLAS": t_cublas / t_ours},
                                    {"tflops": tflops, "cublas_us": t_cublas * 1e3, "m": m, "k": k, "n": n,
-                                    "group": group, "dtype": dname, "config": cfg.label()}))
+                                    "group": group, "dtype": dname, "config": cfg.label(),
+                                    **({"models": labels[(k, n)]} if (k, n) in labels else {})}))
                 del p
             del dense
     report.notes.append(host_cost_note())
