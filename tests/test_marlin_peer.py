@@ -422,3 +422,30 @@ def test_marlin_matches_reference(cuda, group):
         assert not mw.workspace.any(), "Marlin left its lock workspace dirty"
     y3 = peer.matmul(torch.randn(2, 3, k, dtype=torch.float16, device=cuda), mw.B, mw.s, mw.workspace)
     assert y3.shape == (2, 3, n)
+
+
+# ---- bench w4a16 --peers marlin: the CLI and suite plumbing (the timing itself needs the GPU) ---------------------
+
+def test_bench_peers_flag_reaches_run(monkeypatch, capsys):
+    from tilefish import cli
+    from tilefish.bench import suites
+    from tilefish.bench import w4a16 as bench_w4a16
+
+    seen, calls = [], []
+    monkeypatch.setattr(cli, "cmd_bench", lambda args: seen.append(args) or 0)
+    monkeypatch.setattr(bench_w4a16, "run", lambda **kw: calls.append(kw))
+    assert cli.main(["bench", "w4a16", "--peers", "marlin"]) == 0
+    assert cli.main(["bench", "w4a16"]) == 0
+    for args in seen:
+        suites.FAMILIES["w4a16"](args)
+    assert [kw["peers"] for kw in calls] == [("marlin",), ()]
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "w4a16", "--peers", "exllama"])
+    assert e.value.code == 2 and "marlin" in capsys.readouterr().err
+
+
+def test_bench_run_rejects_an_unknown_peer():
+    from tilefish.bench import w4a16 as bench_w4a16
+
+    with pytest.raises(ValueError, match="known: marlin"):
+        bench_w4a16.run(shapes=[(4096, 4096)], peers=("exllama",))

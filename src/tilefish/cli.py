@@ -135,6 +135,15 @@ def _choice_list(choices):
     return parse
 
 
+def _peer_names(text: str) -> str:
+    """bench w4a16 --peers: comma-separated, each one of the known peers."""
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in names if v != "marlin"]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"unknown peer(s) {bad or [text]}; known: marlin")
+    return ",".join(names)
+
+
 def _model_names(text: str) -> str:
     """bench w4a16 --models: comma-separated names of bench/shapes.py's MODELS, 'all', or 'list' (kept as
     the text). Imports the table (and with bench/, torch) only when the flag is given."""
@@ -251,6 +260,9 @@ def main(argv=None) -> int:
                    help="w4a16: real models' layer shapes, comma-separated names or 'all' (default llama-3-8b,"
                    "llama-3-70b); 'list' prints the table of models and shapes; --shapes overrides")
     b.add_argument("--list-models", action="store_true", help="w4a16: print the table of models and their shapes")
+    b.add_argument("--peers", type=_peer_names, default=None,
+                   help="w4a16: extra peers to time beside cuBLAS: 'marlin' (the original Marlin, built from the "
+                   "vendored sources in .peers/marlin, scripts/vendor_marlin.sh; fp16, groups -1 / 128)")
     b.add_argument("--dtypes", type=_choice_list(("fp16", "bf16")),
                    help="w4a16 / nf4 matmul: comma-separated fp16,bf16 (default: w4a16 both; nf4 matmul --dtype, "
                    "or bf16 where --dtype is fp32)")

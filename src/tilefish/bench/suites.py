@@ -41,7 +41,8 @@ def _w4a16(args):
     models = getattr(args, "models", None)  # --models: names or "all" (--shapes overrides it)
     if args.variants:
         return w4a16.sweep(shapes=kn, ms=ms, dtype=dtypes[0], group=groups[0], models=models)
-    return w4a16.run(shapes=kn, ms=ms, groups=groups, dtypes=dtypes, reps=args.reps, models=models)
+    peers = tuple(args.peers.split(",")) if getattr(args, "peers", None) else ()
+    return w4a16.run(shapes=kn, ms=ms, groups=groups, dtypes=dtypes, reps=args.reps, models=models, peers=peers)
 
 
 def _sgemm(args):

@@ -134,12 +134,23 @@ def sweep(shapes=None, ms=None, dtype: str = "fp16", group: int = 128, reps: int
     return report
 
 
-def run(shapes=None, ms=None, groups=(128, -1), dtypes=("fp16", "bf16"), reps: int = 50, models=None) -> Report:
+def run(shapes=None, ms=None, groups=(128, -1), dtypes=("fp16", "bf16"), reps: int = 50, models=None,
+        peers=()) -> Report:
     """Shapes: `shapes`, else the union of `models`' weights (default: the Llama-3 set, DEFAULT_KN);
     untileable ones are skipped with a printed line (also in the notes); a row of a model's shape names
-    its model:projection pairs in extra["models"]."""
+    its model:projection pairs in extra["models"]. peers: ("marlin",) also times the original Marlin
+    (bench/peers/marlin.py) on the same integers and scales where it runs (fp16, groups -1 / 128,
+    n % 256 == 0), paired with tilefish like cuBLAS; its output is checked once per weight."""
     from ..ops import w4a16 as ops
 
+    unknown = set(peers) - {"marlin"}
+    if unknown:
+        raise ValueError(f"unknown peers {sorted(unknown)}; known: marlin")
+    marlin = None
+    if "marlin" in peers:
+        from .peers.marlin import MarlinPeer
+
+        marlin = MarlinPeer()
     kn, labels, skipped = select_shapes(shapes, models)
     copy = copy_bandwidth_gbps()
     report = Report("W4A16 GEMM vs cuBLAS (ratio = cuBLAS time / tilefish time)", {"copy GB/s": copy})
@@ -151,8 +162,10 @@ def run(shapes=None, ms=None, groups=(128, -1), dtypes=("fp16", "bf16"), reps: i
         for k, n in kn:
             dense = torch.randn(n, k, device="cuda", dtype=dtype)
             for group in groups:
-                p = ops.pack(__import__("tilefish.quant.int4", fromlist=["x"]).quantize_rtn(
-                    dense, group, True, scale_dtype=dtype, clip_search=False))
+                q = __import__("tilefish.quant.int4", fromlist=["x"]).quantize_rtn(
+                    dense, group, True, scale_dtype=dtype, clip_search=False)
+                p = ops.pack(q)
+                marlin_w = _marlin_weight(marlin, q, p, dtype, group, k, n, report) if marlin else None
                 for m in ms or DEFAULT_M:
                     x = torch.randn(m, k, device="cuda", dtype=dtype)
                     # Paired rounds: both in the same clock state. After a case long enough to heat
@@ -162,6 +175,14 @@ def run(shapes=None, ms=None, groups=(128, -1), dtypes=("fp16", "bf16"), reps: i
                     ours, cublas = time_paired(lambda: ops.matmul_impl(x, p),
                                                lambda: torch.nn.functional.linear(x, dense), reps=reps)
                     t_ours, t_cublas = ours.median_ms, cublas.median_ms
+                    ratios = {"cuBLAS": t_cublas / t_ours}
+                    marlin_extra = {}
+                    if marlin_w is not None:
+                        ours2, theirs = time_paired(lambda: ops.matmul_impl(x, p),
+                                                    lambda: marlin.matmul(x, marlin_w.B, marlin_w.s,
+                                                                          marlin_w.workspace), reps=reps)
+                        ratios["Marlin"] = theirs.median_ms / ours2.median_ms
+                        marlin_extra = {"marlin_us": theirs.median_ms * 1e3}
                     if t_cublas > HEAVY_MS:
                         torch.cuda.synchronize()
                         time.sleep(COOLDOWN_S)
@@ -171,14 +192,35 @@ def run(shapes=None, ms=None, groups=(128, -1), dtypes=("fp16", "bf16"), reps: i
                     tflops = 2 * m * n * k / (t_ours * 1e-3) / 1e12
                     cfg = ops.choose_config(m, n, k, 132, 90, group, dtype=dtype)
                     report.add(Row("w4a16", f"{dname} k{k} n{n} g{group} m{m}", "tilefish", t_ours * 1e3, gbps,
-                                   "GB/s", 100 * gbps / copy, {"cuBLAS": t_cublas / t_ours},
+                                   "GB/s", 100 * gbps / copy, ratios,
                                    {"tflops": tflops, "cublas_us": t_cublas * 1e3, "m": m, "k": k, "n": n,
-                                    "group": group, "dtype": dname, "config": cfg.label(),
+                                    "group": group, "dtype": dname, "config": cfg.label(), **marlin_extra,
                                     **({"models": labels[(k, n)]} if (k, n) in labels else {})}))
-                del p
+                del p, q, marlin_w
             del dense
+    if marlin is not None:
+        report.notes.append(f"Marlin: IST-DASLab/marlin {marlin.commit()} built from .peers/marlin "
+                            "(createpolicy cache hint patched out), timed paired with tilefish like cuBLAS")
     report.notes.append(host_cost_note())
     return report
+
+
+def _marlin_weight(marlin, q, p, dtype, group: int, k: int, n: int, report):
+    """Marlin's copy of the same integers and scales, or None with the reason in the notes; its output
+    at m = 16 must match tilefish's (same weight, fp16 tolerance) before it is timed."""
+    from ..ops import w4a16 as ops
+
+    why = marlin.available(dtype, group, k=k, n=n, build=True)
+    if why is None:
+        mw = marlin.prepare(q)
+        x = torch.randn(16, k, device="cuda", dtype=dtype)
+        ours = ops.matmul_impl(x, p).float()
+        err = ((marlin.matmul(x, mw.B, mw.s, mw.workspace).float() - ours).norm() / ours.norm()).item()
+        if err < 2e-3:
+            return mw
+        why = f"its output differs from tilefish's on the same weight (relative error {err:.1e})"
+    report.notes.append(f"Marlin skipped for {str(dtype).removeprefix('torch.')} k{k} n{n} g{group}: {why}")
+    return None
 
 
 def host_cost_note(k: int = 4096, n: int = 4096, dtype: torch.dtype = torch.float16) -> str:
