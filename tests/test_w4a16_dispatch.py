@@ -339,3 +339,19 @@ def test_time_model_features():
     assert ops.hopper_plan_features(thin, None, 16, 4096, 14336, 132, False) == (1.0, 28.0, 14.0, 4.0, 0.0)
     # units a CTA at least a tile's stages (n 131072, k 4096: 512 tiles x 64 over 264 CTAs): no chain
     assert ops.hopper_plan_features(thin, None, 16, 131072, 4096, 132, False)[3] == 0.0
+
+
+def test_dsmem_switch_reaches_the_cached_planners(monkeypatch):
+    """HOPPER_DSMEM_SPLIT off: the planners see no cluster capacity (an argument, so part of their
+    cache key) and plan no DSMEM split; back on, the device's capacity again, with no stale plan."""
+    from types import SimpleNamespace
+
+    info = SimpleNamespace(index=0, cc=90)
+    monkeypatch.setitem(ops._clusters_by_device, 0, ops.H200_CLUSTERS)
+    assert ops._device_clusters(info) == ops.H200_CLUSTERS
+    monkeypatch.setattr(ops, "HOPPER_DSMEM_SPLIT", False)
+    assert ops._device_clusters(info) == ()
+    cfg = ops.HOPPER_CONFIGS[0]
+    assert not ops.split_fits_clusters(cfg, 2, 16, cfg.bn, ops._device_clusters(info))
+    monkeypatch.setattr(ops, "HOPPER_DSMEM_SPLIT", True)
+    assert ops.split_fits_clusters(cfg, 2, 16, cfg.bn, ops._device_clusters(info))

@@ -559,7 +559,7 @@ def split_fits_clusters(cfg: HopperConfig, slices: int | None, m: int, n: int,
                         clusters: tuple[tuple[int, int], ...]) -> bool:
     """Whether _hopper_launches will run this k split as clusters (DSMEM fixup), judged from the
     device's cluster capacity ((size, clusters resident at once), ...) instead of the kernel."""
-    if cfg.sk or slices is None or not 1 < slices <= MAX_CLUSTER_SLICES or not HOPPER_DSMEM_SPLIT:
+    if cfg.sk or slices is None or not 1 < slices <= MAX_CLUSTER_SLICES:
         return False
     return (n // cfg.bn) * -(-m // cfg.mt) <= dict(clusters).get(slices, 0)
 
@@ -1010,7 +1010,11 @@ def _mma_launches(cfg: GemmConfig, m: int, w: W4A16Weight, bias, slices: int | N
 
 
 def _device_clusters(info) -> tuple[tuple[int, int], ...]:
-    """The cluster capacity the sm_90 dispatcher plans with (one CTA an SM); () elsewhere."""
+    """The cluster capacity the sm_90 dispatcher plans with (one CTA an SM); () elsewhere, and ()
+    while HOPPER_DSMEM_SPLIT is off. The flag acts here, on an argument of the cached planners
+    (choose_config, choose_hopper_plan), so switching it never leaves a stale cached plan."""
+    if not HOPPER_DSMEM_SPLIT:
+        return ()
     caps = _clusters_by_device.get(info.index)
     if caps is None:
         caps = _clusters_by_device[info.index] = (cluster_capacity(info.index, 384, ONE_CTA_PER_SM_SMEM)
