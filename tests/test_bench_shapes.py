@@ -2,7 +2,6 @@
 (de-duplication, labels, untileable skips) and the command line, on a machine without a GPU."""
 from __future__ import annotations
 
-import argparse
 
 import pytest
 
@@ -10,6 +9,8 @@ from tilefish import cli
 from tilefish.bench import shapes
 from tilefish.bench import suites
 from tilefish.bench import w4a16 as bench_w4a16
+
+from test_cli import parse  # the namespace `tilefish <argv>` hands to its command
 
 
 def test_derived_shapes_match_hand_computed_values():
@@ -91,12 +92,6 @@ def test_untileable_shapes_marked_and_skipped(capsys):
 
 # ---- the command line ----------------------------------------------------------------------------------------
 
-
-def parse(monkeypatch, *argv) -> argparse.Namespace:
-    seen = []
-    monkeypatch.setattr(cli, "cmd_bench", lambda args: seen.append(args) or 0)
-    assert cli.main(list(argv)) == 0
-    return seen[0]
 
 
 def test_bench_models_flag(monkeypatch):
