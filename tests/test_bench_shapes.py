@@ -2,7 +2,6 @@
 (de-duplication, labels, untileable skips) and the command line, on a machine without a GPU."""
 from __future__ import annotations
 
-
 import pytest
 
 from tilefish import cli
