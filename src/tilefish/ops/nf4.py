@@ -6,7 +6,7 @@ CPU tensors go to reference.py (bitsandbytes' exact fp32 arithmetic), so the ops
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -186,6 +186,8 @@ class NF4MatmulWeight:
         return self.absmax_q is not None
 
     def scale_state(self, codes: torch.Tensor) -> NF4Weight:
+        """An NF4Weight with these block scales and the given codes (an empty tensor where only the
+        scales are read, as _kernel_scales does)."""
         return NF4Weight(codes=codes, shape=self.shape, dtype=self.orig_dtype, blocksize=self.blocksize,
                          absmax=self.absmax, absmax_q=self.absmax_q, code2=self.code2, absmax2=self.absmax2,
                          offset=self.offset)
@@ -211,9 +213,7 @@ class NF4MatmulWeight:
                               self.orig_dtype, move(self.absmax), move(self.absmax_q), move(self.code2),
                               move(self.absmax2), move(self.offset))
         if dtype is not None and dtype != self.dtype:
-            from dataclasses import replace as _replace
-
-            out.kernel = _replace(out.kernel, scales=_kernel_scales(out, dtype))
+            out.kernel = replace(out.kernel, scales=_kernel_scales(out, dtype))
         return out
 
 
