@@ -449,7 +449,41 @@ def run_matmul(shapes=None, ms=None, dtypes=("bf16",), blocksize: int = 64, doub
                 if torch.device(device).type == "cuda":
                     torch.cuda.empty_cache()
     report.notes += failures
+    if torch.device(device).type == "cuda":
+        report.notes.append(host_cost_note(dtype=DTYPES[dtypes[0]], blocksize=blocksize, double_quant=double_quant))
     return report
+
+
+def host_cost_note(k: int = 4096, n: int = 4096, dtype: torch.dtype = torch.bfloat16, blocksize: int = 64,
+                   double_quant: bool = True) -> str:
+    """The eager host time of one call (Python wrapper + launch) at m = 1 on a k x n weight: the
+    NF4Linear layer, tilefish.nf4.matmul, F.linear and (when importable) bitsandbytes' Linear4bit on
+    the same shape, timed in alternating rounds. 400 calls a round keep the GPU queue short, so the
+    host clock measures the host."""
+    import torch.nn.functional as F
+
+    from .. import nf4
+    from ..nn import NF4Linear
+    from .timing import host_overhead_paired_us
+
+    dense = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=dtype)
+    layer = NF4Linear.from_linear(dense, blocksize=blocksize, double_quant=double_quant)
+    p = nf4.prepare(nf4.quantize(dense.weight, blocksize=blocksize, double_quant=double_quant), dtype)
+    x = torch.randn(1, k, device="cuda", dtype=dtype)
+    fns = {"F.linear": lambda: F.linear(x, dense.weight), "NF4Linear": lambda: layer(x),
+           "nf4.matmul": lambda: nf4.matmul(x, p)}
+    bnb = _bnb_module()
+    if bnb is not None:
+        bnb_layer = bnb.nn.Linear4bit(k, n, bias=False, compute_dtype=dtype, quant_type="nf4",
+                                      compress_statistics=double_quant, device="meta")
+        bnb_layer.weight = bnb.nn.Params4bit(dense.weight.data, requires_grad=False, blocksize=blocksize,
+                                             compress_statistics=double_quant, quant_type="nf4").to("cuda")
+        fns["bnb Linear4bit"] = lambda: bnb_layer(x)
+    with torch.inference_mode():
+        us = host_overhead_paired_us(fns, calls=400)
+    text = ", ".join(f"{name} {t:.1f} us" + (f" ({t / us['F.linear']:.2f}x F.linear)" if name != "F.linear" else "")
+                     for name, t in us.items())
+    return f"host time per eager call (m=1, k={k}, n={n}, wrapper + launch, alternating rounds): {text}"
 
 
 # ---- the report: one section per part --------------------------------------------------------------------------
