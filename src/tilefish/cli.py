@@ -182,6 +182,8 @@ def cmd_bench(args) -> int:
     reports = []
     for fam in families:
         rep = suites.FAMILIES[fam](args)
+        if int(os.environ.get("RANK", "0")) != 0:  # under torchrun (bench e2e --tp) rank 0 reports
+            return 0
         reports.append(rep)
         print(rep.table(), flush=True)
         if fam in suites.SUMMARIES and (summary := suites.SUMMARIES[fam](rep)):
@@ -280,16 +282,20 @@ def main(argv=None) -> int:
     b.add_argument("--reps", type=int, default=50)
     e = b.add_argument_group("e2e (a Llama-3-8B-shaped decoder end to end)")
     e.add_argument("--layers", type=int, default=32, help="decoder layers (default 32; fewer if the GPU cannot hold them)")
-    e.add_argument("--batches", default="1,4,16,64", help="decode batch sizes (default 1,4,16,64)")
+    e.add_argument("--batches", type=_int_list, help="decode batch sizes (default 1,4,16,64; with --tp 1,16)")
     e.add_argument("--prefill", default="512,2048", help="prefill prompt lengths, batch 1 (default 512,2048; '' for none)")
     e.add_argument("--context", type=int, default=512, help="tokens in the KV cache before a decode step (default 512)")
-    e.add_argument("--modes", default="compiled,eager",
-                   help="compiled (torch.compile per layer + CUDA graph) and/or eager (default both)")
+    e.add_argument("--modes", help="compiled (torch.compile per layer + CUDA graph) and/or eager (default both; "
+                   "with --tp compiled)")
     e.add_argument("--model", default="auto", choices=["auto", "hf", "builtin"],
                    help="transformers' LlamaForCausalLM or tilefish.models.llama (default: hf when importable)")
     e.add_argument("--impls", default=",".join(E2E_IMPLS), type=_choice_list(E2E_IMPLS),
                    help="variants to time: fp16, w4a16 (tilefish), nf4 (bitsandbytes Linear4bit), tilefish-nf4 "
                    f"(tilefish NF4, fused) (default {','.join(E2E_IMPLS)})")
+    e.add_argument("--tp", type=_int_list,
+                   help="tensor-parallel sizes, e.g. 1,2: run under torchrun with one process per GPU "
+                   "(torchrun --nproc_per_node 2 -m tilefish.cli bench e2e --tp 1,2); times fp16, w4a16 and "
+                   "tilefish-nf4 sharded by tilefish.distributed, decode only (default batches 1,16)")
     e.add_argument("--int4-lm-head", action="store_true",
                    help="w4a16 and tilefish-nf4 also quantize lm_head (default: kept fp16)")
     b.add_argument("--json", help="write the report as JSON here")

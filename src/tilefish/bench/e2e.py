@@ -77,6 +77,7 @@ class _HF:
         with _default_dtype(torch.float16), torch.device(device):  # no fp32 or CPU copy of the weights
             self.model = transformers.LlamaForCausalLM(hf_config(config)).eval()
         self.config, self.device, self.cache = config, device, None
+        self.tp = 1  # tensor-parallel ranks the attention heads are split over (tilefish.distributed.shard_model)
         # transformers 5.24 renamed the layers' past_key_values argument to cache (the old name warns)
         params = inspect.signature(type(self.model.model.layers[0]).forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
@@ -87,7 +88,8 @@ class _HF:
         self.cache = None  # free the old cache before allocating the new one
         self.cache = StaticCache(config=self.model.config, max_cache_len=max_len)
         c = self.config
-        self.cache.early_initialization(batch, c.num_key_value_heads, c.head_dim, torch.float16, self.device)
+        dtype = self.model.model.embed_tokens.weight.dtype
+        self.cache.early_initialization(batch, c.num_key_value_heads // self.tp, c.head_dim, dtype, self.device)
 
     def kv_tensors(self) -> list[torch.Tensor]:
         return [t for layer in self.cache.layers for t in (layer.keys, layer.values)]

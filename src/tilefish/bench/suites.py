@@ -66,8 +66,16 @@ def _e2e(args):
                        model=args.model, reps=args.reps,
                        title_note=" [reduced for the all-families run: 8 layers, decode b1/b16, compiled only; "
                                   "`tilefish bench e2e` runs the full set]")
-    return e2e.run(layers=args.layers, batches=ints(args.batches), prefill=ints(args.prefill), context=args.context,
-                   modes=args.modes.split(","), impls=args.impls.split(","), model=args.model,
+    if getattr(args, "tp", None):  # tensor-parallel, under torchrun (bench/e2e_tp.py)
+        from . import e2e_tp
+
+        return e2e_tp.run(ints(args.tp), impls=[i for i in args.impls.split(",") if i in e2e_tp.TP_IMPLS],
+                          layers=args.layers, batches=ints(args.batches or ",".join(map(str, e2e_tp.TP_BATCHES))),
+                          context=args.context, modes=(args.modes or "compiled").split(","), model=args.model,
+                          reps=args.reps)
+    batches = args.batches or ",".join(map(str, e2e.DEFAULT_BATCHES))
+    return e2e.run(layers=args.layers, batches=ints(batches), prefill=ints(args.prefill), context=args.context,
+                   modes=(args.modes or "compiled,eager").split(","), impls=args.impls.split(","), model=args.model,
                    int4_lm_head=args.int4_lm_head, reps=args.reps)
 
 

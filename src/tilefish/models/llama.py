@@ -188,7 +188,8 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"max_len {max_len} exceeds max_position_embeddings {c.max_position_embeddings}")
         self.model.kv_cache = []  # free the old cache before allocating the new one
         w = self.model.embed_tokens.weight
-        shape = (batch_size, c.num_key_value_heads, max_len, c.head_dim)
+        # per layer heads: fewer than the config's on each rank of a tensor-parallel model (tilefish.distributed)
+        shape = (batch_size, self.model.layers[0].self_attn.kv_heads, max_len, c.head_dim)
         self.model.kv_cache = [(torch.zeros(shape, device=w.device, dtype=w.dtype),
                                 torch.zeros(shape, device=w.device, dtype=w.dtype)) for _ in range(c.num_hidden_layers)]
 
