@@ -266,7 +266,7 @@ class ShardReport:
     column: list[str] = field(default_factory=list)
     row: list[str] = field(default_factory=list)
     attention: list[str] = field(default_factory=list)  # modules whose head counts now are per rank
-    replicated_bytes: int = 0  # parameters and buffers every rank holds whole (embeddings, norms, lm_head)
+    replicated_bytes: int = 0  # parameters and buffers every rank holds whole (embeddings, norms)
 
     def __str__(self) -> str:
         return (f"rank {self.rank} of {self.world}: {len(self.column)} column-parallel, {len(self.row)} row-parallel "
@@ -291,11 +291,14 @@ def _attention_heads(attn: nn.Module) -> tuple[int, int] | None:
     return None
 
 
-def shard_model(model: nn.Module, group=None, *, device=None, gather_output: bool = False) -> ShardReport:
+def shard_model(model: nn.Module, group=None, *, device=None, gather_output: bool = False,
+                lm_head: bool = True) -> ShardReport:
     """Make a Llama-style decoder tensor-parallel over `group`, in place, on every rank (each rank calls it
     with the same whole model: built from the same seed, converted by quantize_model, or loaded by
     load_quantized): q/k/v and gate/up (fused or not) column-parallel, o and down row-parallel, attention
-    heads split across the ranks; everything else (embeddings, norms, lm_head) stays whole on every rank.
+    heads split across the ranks; lm_head (lm_head=True) vocab-parallel: column-parallel with its logits
+    all-gathered, so each rank reads 1/world of its weight; everything else (embeddings, norms) stays
+    whole on every rank.
     device: where the shards and the rest go (e.g. f"cuda:{local_rank}"), each shard moved as it is cut,
     so a model on the CPU never needs to fit on one GPU whole. Every shape is checked before anything
     changes: a ShardError names the layer and the constraint (heads or kv heads not divisible by the
@@ -326,6 +329,9 @@ def shard_model(model: nn.Module, group=None, *, device=None, gather_output: boo
                         raise ShardError(f"{parent_name}: {what} {h} is not divisible by the tensor-parallel "
                                          f"size {world}")
                 attention.append((parent, parent_name))
+    head = getattr(model, "lm_head", None) if lm_head else None
+    if head is not None:
+        column.append((model, "lm_head", "lm_head"))
     if not column and not row:
         raise ShardError("no layer to shard: tensor parallelism splits modules named "
                          f"{', '.join(COLUMN_NAMES)} (column-parallel) and {', '.join(ROW_NAMES)} (row-parallel)")
@@ -356,8 +362,8 @@ def shard_model(model: nn.Module, group=None, *, device=None, gather_output: boo
     # Apply.
     for parent, name, full in column:
         layer = getattr(parent, name)
-        shard = ColumnParallelLinear.from_layer(layer, group, gather_output=gather_output, rank=rank, world=world,
-                                                name=full)
+        shard = ColumnParallelLinear.from_layer(layer, group, gather_output=gather_output or layer is head,
+                                                rank=rank, world=world, name=full)
         if device is not None:
             shard = shard.to(device)
         setattr(parent, name, shard)

@@ -81,7 +81,8 @@ def run(tps, impls=TP_IMPLS, layers: int = 32, batches=TP_BATCHES, context: int 
     report.notes += notes + [
         f"{world} processes (torchrun), one GPU each; TP sizes {', '.join(map(str, tps))}: ranks 0..N-1 hold the "
         "shards, rank 0's times reported; q/k/v and gate/up column-parallel, o and down row-parallel (one "
-        "all-reduce each), embeddings, norms and lm_head whole on every rank (tilefish.distributed.shard_model)",
+        "all-reduce each), lm_head vocab-parallel (its logits all-gathered), embeddings and norms whole on every rank "
+        "(tilefish.distributed.shard_model)",
         f"decode: one token per sequence over a KV cache filled with {context} random K/V positions; compiled: each "
         "decoder layer torch.compile(fullgraph=True), the whole step captured in one CUDA graph and replayed"]
     times: dict[tuple, dict[tuple[str, int], float]] = {}
