@@ -278,3 +278,56 @@ def _bench_worker(rank: int, world: int, init: str, out: str):
             assert not rep.rows  # rank 0 reports
     finally:
         dist.destroy_process_group()
+
+
+def test_cli_tp_flags_reach_the_tp_bench(monkeypatch):
+    import argparse
+
+    from tilefish.bench import e2e_tp, suites
+    from tilefish.bench.report import Report
+
+    calls = []
+    monkeypatch.setattr(e2e_tp, "run", lambda tps, **kw: calls.append((tps, kw)) or Report("tp"))
+    args = argparse.Namespace(family="e2e", tp="1,2", impls="fp16,w4a16,nf4", layers=8, batches=None, context=256,
+                              modes=None, model="builtin", reps=9, prefill="512", int4_lm_head=False)
+    suites.FAMILIES["e2e"](args)
+    tps, kw = calls[-1]
+    assert tps == [1, 2] and kw["batches"] == [1, 16] and kw["modes"] == ["compiled"]
+    assert kw["impls"] == ["fp16", "w4a16", "nf4"]  # e2e_tp.run notes that it skips bitsandbytes' nf4
+    with pytest.raises(ValueError, match="needs that many processes"):
+        e2e_tp.check_tp_sizes([1, 4], world=2)
+
+
+@pytest.mark.parametrize("case", ["gptq-g128", "gptq-act-order-g32"])
+def test_gloo_load_sharded_checkpoint(tmp_path, case):
+    """load_sharded: each rank loads a GPTQ checkpoint (act-order too) and keeps its shards; the sharded
+    model's logits match the unsharded load."""
+    transformers = pytest.importorskip("transformers")
+    from test_checkpoint import Fmt, llama_reference, write_checkpoint
+
+    fmt = {"gptq-g128": Fmt(group_size=128), "gptq-act-order-g32": Fmt(group_size=32, sym=False, desc_act=True)}[case]
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    directory = write_checkpoint(tmp_path / "ckpt", llama_reference(config), fmt, config=config.to_dict())
+    mp.start_processes(_load_worker, args=(2, f"file://{tmp_path}/store", str(directory), fmt.desc_act), nprocs=2,
+                       join=True, start_method="spawn")
+
+
+def _load_worker(rank: int, world: int, init: str, directory: str, act_order: bool):
+    from tilefish.checkpoint import load_quantized
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        ids = torch.randint(256, (2, 9), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            whole, _ = load_quantized(directory)
+            want = whole(ids).logits.float()
+            model, report = tp.load_sharded(directory)
+            got = model(ids).logits.float()
+        row = model.model.layers[0].mlp.down_proj
+        assert isinstance(row, tp.RowParallelLinear) and (row.input_index is not None) == act_order
+        assert len(report.row) == 4, report
+        err = rel_err(got, want)
+        assert err < TP_TOL[torch.float16], f"rank {rank}: sharded checkpoint logits rel err {err:.3g}"
+    finally:
+        dist.destroy_process_group()

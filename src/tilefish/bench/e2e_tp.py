@@ -60,12 +60,13 @@ def run(tps, impls=TP_IMPLS, layers: int = 32, batches=TP_BATCHES, context: int 
     tps = check_tp_sizes(tps, world)
     if model == "auto":
         model = "hf" if e2e._has_transformers() else "builtin"
-    unknown = set(impls) - set(TP_IMPLS)
+    unknown = set(impls) - set(e2e.IMPLS)
     if unknown:
-        raise ValueError(f"--tp runs {', '.join(TP_IMPLS)}; not {', '.join(sorted(unknown))} (bitsandbytes' "
-                         "Linear4bit layers cannot be sharded by tilefish.distributed)")
+        raise ValueError(f"unknown impls {sorted(unknown)}; --tp runs {', '.join(TP_IMPLS)}")
+    notes = [f"{i} skipped: bitsandbytes' Linear4bit layers cannot be sharded by tilefish.distributed"
+             for i in impls if i not in TP_IMPLS]
+    impls = [i for i in impls if i in TP_IMPLS]
     cfg = config or e2e.LlamaConfig.llama3_8b(layers)
-    notes = []
     if device.type == "cuda":
         kv_tokens = max(b * e2e._round_up(context + 1, e2e.CACHE_ALIGN) for b in batches)
         fit = e2e._fit_layers(cfg, max(kv_tokens, e2e.CHECK_TOKENS), torch.cuda.mem_get_info(device)[0])

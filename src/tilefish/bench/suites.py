@@ -69,7 +69,7 @@ def _e2e(args):
     if getattr(args, "tp", None):  # tensor-parallel, under torchrun (bench/e2e_tp.py)
         from . import e2e_tp
 
-        return e2e_tp.run(ints(args.tp), impls=[i for i in args.impls.split(",") if i in e2e_tp.TP_IMPLS],
+        return e2e_tp.run(ints(args.tp), impls=args.impls.split(","),
                           layers=args.layers, batches=ints(args.batches or ",".join(map(str, e2e_tp.TP_BATCHES))),
                           context=args.context, modes=(args.modes or "compiled").split(","), model=args.model,
                           reps=args.reps)
