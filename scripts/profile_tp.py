@@ -19,23 +19,16 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 
 def graph_us(fn, calls=64, reps=20):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=side):
-        for _ in range(calls):
-            fn()
+    from tilefish.bench.e2e import _captured  # warm-up on a side stream, then one graph of `calls` calls
+
+    replay = _captured(lambda: [fn() for _ in range(calls)])
     times = []
     for _ in range(reps):
         dist.barrier()
         torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        g.replay()
+        replay()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3 / calls)
