@@ -30,9 +30,9 @@ for dt in (torch.bfloat16, torch.float16):
             for cfg in ops.HOPPER_CONFIGS:
                 if n % cfg.bn == 0:
                     ops.matmul_impl(torch.randn(300, k, device="cuda", dtype=dt), p.kernel, bias, cfg=cfg,
-                                    slices=None if cfg.sk else 2)
+                                    slices=None if cfg.streamk else 2)
             for cfg in ops.SKINNY_CONFIGS:
                 if n % cfg.bn == 0:
-                    ops.matmul_impl(torch.randn(5, k, device="cuda", dtype=dt), p.kernel, bias, cfg=cfg, slices=24)
+                    ops.matmul_impl(torch.randn(5, k, device="cuda", dtype=dt), p.kernel, bias, cfg=cfg, ctas=24)
 torch.cuda.synchronize()
 print("sanitize run done (nf4):", ", ".join(sorted(plans)))

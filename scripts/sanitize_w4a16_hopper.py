@@ -16,6 +16,7 @@ import sys
 import torch
 
 from tilefish.ops import w4a16 as ops
+from tilefish.ops.w4a16 import launch
 from tilefish.quant.int4 import quantize_rtn
 
 torch.manual_seed(0)
@@ -28,16 +29,16 @@ if "--skinny" in sys.argv:
             for m in (1, 5, cfg.mt):
                 for ctas in (3, 24):
                     x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-                    ops.matmul_impl(x, p, torch.randn(n, device="cuda", dtype=torch.float16), cfg=cfg, slices=ctas)
+                    ops.matmul_impl(x, p, torch.randn(n, device="cuda", dtype=torch.float16), cfg=cfg, ctas=ctas)
     torch.cuda.synchronize()
     print("sanitize run done (skinny)")
     sys.exit(0)
 if "--stream-k" in sys.argv:
-    spec_of = ops.kernel_spec
+    spec_of = launch.kernel_spec  # the launch path builds its kernels through launch.kernel_spec
     for no_peek in (False, True):
         extra = (("TF_W4A16_TEST_NO_PEEK", "1"),) if no_peek else ()
-        ops.kernel_spec = lambda *a: dataclasses.replace(spec_of(*a), defines=spec_of(*a).defines + extra)
-        ops._kernels.clear()
+        launch.kernel_spec = lambda *a: dataclasses.replace(spec_of(*a), defines=spec_of(*a).defines + extra)
+        launch._kernels.clear()
         for k, n, group, sym in ((2048, 512, 64, False), (1024, 256, -1, True)):
             q = quantize_rtn(torch.randn(n, k, device="cuda"), group, sym, scale_dtype=torch.float16, clip_search=False)
             p = ops.pack(q)
@@ -48,7 +49,7 @@ if "--stream-k" in sys.argv:
                 for m in (cfg.mt - 3, cfg.mt + 5):
                     for ctas in (None, 7, 13):
                         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-                        ops.matmul_impl(x, p, torch.randn(n, device="cuda", dtype=torch.float16), cfg=cfg, slices=ctas)
+                        ops.matmul_impl(x, p, torch.randn(n, device="cuda", dtype=torch.float16), cfg=cfg, ctas=ctas)
     torch.cuda.synchronize()
     print("sanitize run done (stream-k)")
     sys.exit(0)

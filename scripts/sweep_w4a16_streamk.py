@@ -1,8 +1,8 @@
-"""Sweep the W4A16 wgmma kernel's stream-K configurations (HopperConfig sk=True) against cuBLAS,
+"""Sweep the W4A16 wgmma kernel's stream-K configurations (HopperConfig streamk=True) against cuBLAS,
 the current dispatch and the tile-mode configurations, m = 16..1024 (H200). Each stream-K
 configuration is checked against the float64 reference once per (shape, m) before it is timed.
 Each plan is recorded as [time us, label, cluster]: cluster = 1 when its k split ran as clusters of
-its slices (the DSMEM fixup, `ops.HOPPER_DSMEM_SPLIT`), which the time model weighs apart.
+its slices (the DSMEM fixup, `ops.w4a16.launch.HOPPER_DSMEM_SPLIT`), which the time model weighs apart.
 
 Usage: python scripts/sweep_w4a16_streamk.py OUT.json [fp16|bf16] [group] [m,m,...]
 Env CONFIGS=label,label limits the plans to those configurations (HopperConfig labels, every k
@@ -24,7 +24,7 @@ SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240
 if os.environ.get("SHAPES"):
     SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ["SHAPES"].split(",")]
 MS = [16, 24, 32, 64, 128, 256, 512, 1024]
-ONLY = set(os.environ["CONFIGS"].split(",")) if os.environ.get("CONFIGS") else None
+ONLY = {ops.canonical_label(c) for c in os.environ["CONFIGS"].split(",")} if os.environ.get("CONFIGS") else None
 SLICES = (1, 2, 3, 4, 6, 8)
 
 
@@ -41,7 +41,7 @@ def candidates(m, n, k, sms):
             continue
         if n % cfg.bn or cfg.mt > max(32, 2 * m) or (m >= 128 and cfg.mt < 64) or (m >= 512 and cfg.mt < 128):
             continue
-        if cfg.sk:
+        if cfg.streamk:
             out.append((cfg, None))
             continue
         tiles = (n // cfg.bn) * -(-m // cfg.mt)
@@ -72,22 +72,22 @@ def main():
             t_auto = time_cuda(lambda: ops.matmul_impl(x, p), reps=reps).median_ms * 1e3
             rows = []
             for cfg, sl in candidates(m, n, k, sms):
-                if cfg.sk and ref is not None:
+                if cfg.streamk and ref is not None:
                     err = rel_err(ops.matmul_impl(x, p, cfg=cfg), ref)
                     assert err < 2e-2, (cfg.label(), k, n, m, err)
                 t = time_cuda(lambda: ops.matmul_impl(x, p, cfg=cfg, slices=sl), reps=reps).median_ms * 1e3
                 cl = sl is not None and ops.hopper_split_uses_clusters(cfg, m, n, k, sl, group, False, dt, x.device)
                 rows.append((t, cfg.label() + ("" if sl is None else f"/x{sl}"), int(cl)))
             rows.sort()
-            best_sk = next(((t, lab) for t, lab, _ in rows if lab.endswith("-sk")), (float("nan"), "-"))
-            best_tile = next(((t, lab) for t, lab, _ in rows if not lab.endswith("-sk")), (float("nan"), "-"))
+            best_sk = next(((t, lab) for t, lab, _ in rows if lab.endswith("-streamk")), (float("nan"), "-"))
+            best_tile = next(((t, lab) for t, lab, _ in rows if not lab.endswith("-streamk")), (float("nan"), "-"))
             auto_sl = (ops.choose_hopper_slices(auto, m, n, k, sms)
-                       if isinstance(auto, ops.HopperConfig) and not auto.sk else None)
+                       if isinstance(auto, ops.HopperConfig) and not auto.streamk else None)
             rec = {"k": k, "n": n, "m": m, "dtype": str(dt), "group": group, "cublas_us": t_cublas,
                    "auto": auto.label() + ("" if auto_sl is None else f"/x{auto_sl}"), "auto_us": t_auto, "configs": rows}
             results.append(rec)
             print(f"k{k} n{n} m{m}: cuBLAS {t_cublas:.1f}; auto {auto.label()} {t_auto:.1f} ({t_cublas / t_auto:.2f}x); "
-                  f"best sk {best_sk[1]} {best_sk[0]:.1f} ({t_cublas / best_sk[0]:.2f}x); "
+                  f"best streamk {best_sk[1]} {best_sk[0]:.1f} ({t_cublas / best_sk[0]:.2f}x); "
                   f"best tile {best_tile[1]} {best_tile[0]:.1f} ({t_cublas / best_tile[0]:.2f}x)", flush=True)
         del dense, p, q, deq
         json.dump(results, open(out_path, "w"), indent=1)

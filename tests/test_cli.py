@@ -174,7 +174,7 @@ def synthetic_rows(shapes=((4096, 4096), (8192, 8192), (4096, 28672)), ms=(1, 2,
                 times["W4A16 g64"] = 10.0 * w4a16
             e = (errs(m, i) if errs else None) or {"tilefish": 0.004, "cuBLAS": None, "bitsandbytes": 0.005,
                                                    "W4A16 g64": 0.003}
-            rows.append(bench_nf4.matmul_row(dtype, k, n, m, times, e, label="sk-8x4", weight_bytes=k * n // 2,
+            rows.append(bench_nf4.matmul_row(dtype, k, n, m, times, e, label="skinny-8x4", weight_bytes=k * n // 2,
                                              copy_gbps=3000.0, peak_tflops=700.0, group=64, blocksize=64,
                                              double_quant=True))
     return rows
@@ -197,7 +197,7 @@ def test_matmul_row_rates_ratios_and_checks():
     assert large.unit == "TFLOP/s" and large.metric == pytest.approx(2 * 128 * 4096 * 4096 / 10e-6 / 1e12)
     assert large.pct_ceiling == pytest.approx(100 * large.metric / 700.0)
     assert small.ratios == {"cuBLAS": 3.0, "bitsandbytes": 2.0, "W4A16 g64": 0.95}
-    assert small.impl == "tilefish [sk-8x4]" and small.extra["check_ok"] and small.extra["plan"] == "sk-8x4"
+    assert small.impl == "tilefish [skinny-8x4]" and small.extra["check_ok"] and small.extra["plan"] == "skinny-8x4"
     assert small.extra["checks"] == {"tilefish": True, "bitsandbytes": True, "W4A16 g64": True}
     assert small.family == bench_nf4.MATMUL_FAMILY and small.case == "bf16 k4096 n4096 m64"
     bad = {"tilefish": float("nan"), "cuBLAS": None, "bitsandbytes": 0.5, "W4A16 g64": 0.003}

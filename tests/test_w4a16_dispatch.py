@@ -11,6 +11,7 @@ import torch
 
 from tilefish.bench.w4a16 import TARGETS, merge_streamk_resweep, target_summary
 from tilefish.ops import w4a16 as ops
+from tilefish.ops.w4a16 import launch, time_model
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (8192, 8192),
           (8192, 57344), (28672, 8192), (128, 64), (256, 192), (1024, 320), (384, 128)]
@@ -40,7 +41,7 @@ def test_hopper_dispatch_is_consistent():
             assert cfg.mt in (16, 32, 64, 128, 256) and cfg.nt in (1, 2, 4) and cfg.cons in (1, 2)
             assert cfg.cons == 2 or cfg.mt <= 128
             assert cfg.smem_bytes(128, True) <= 227 * 1024
-            if cfg.sk:
+            if cfg.streamk:
                 assert cfg.label() in ops.hopper_time_model(m) and m < ops.MODEL_MAX_M
             else:
                 slices = ops.choose_hopper_slices(cfg, m, n, k, 132)
@@ -124,7 +125,7 @@ def test_skinny_staged_dispatch():
             cfg = pick(m, n, k)
             assert not getattr(cfg, "staged", False), (m, n, k)
     cfg = ops.SkinnyConfig(8, 4, 1, 3, 2, staged=True)
-    assert cfg.label() == "sk-m8n256w1s3x2-st" and cfg.smem_bytes(128, False) == cfg.smem_limit()
+    assert cfg.label() == "skinny-m8n256w1s3x2-st" and cfg.smem_bytes(128, False) == cfg.smem_limit()
     assert "true>" in ops.kernel_spec(torch.float16, cfg, 128, False).name
 
 
@@ -141,23 +142,25 @@ def fitted_sweep(name):
     return merge_streamk_resweep(base, resweep)[0]
 
 
-def test_merge_streamk_resweep():
+@pytest.mark.parametrize("sk", ["-streamk", "-sk"])  # today's stream-K label, and the committed sweeps' spelling
+def test_merge_streamk_resweep(sk):
     """Stream-K rows come from the re-sweep, scaled by the median ratio of the tile-mode picks timed
     in both; tile rows stay; records the re-sweep lacks keep their own stream-K rows."""
     def rec(m, auto, auto_us, rows):
         return {"k": 4096, "n": 4096, "m": m, "auto": auto, "auto_us": auto_us, "configs": rows}
-    base = [rec(16, "wg-a/x2", 10.0, [[10.0, "wg-a/x2", 0], [12.0, "wg-b-sk", 0]]),
-            rec(32, "wg-a/x1", 20.0, [[20.0, "wg-a/x1", 0], [25.0, "wg-b-sk", 0]]),
-            rec(64, "wg-b-sk", 30.0, [[31.0, "wg-a/x1", 0], [30.0, "wg-b-sk", 0]])]
-    later = [rec(16, "wg-a/x2", 9.0, [[8.0, "wg-b-sk", 0]]),   # tile pick 10 / 9
-             rec(32, "wg-a/x1", 18.0, [[19.0, "wg-b-sk", 0]])]  # 20 / 18: day factor 10 / 9
+    b = "wg-b" + sk
+    base = [rec(16, "wg-a/x2", 10.0, [[10.0, "wg-a/x2", 0], [12.0, b, 0]]),
+            rec(32, "wg-a/x1", 20.0, [[20.0, "wg-a/x1", 0], [25.0, b, 0]]),
+            rec(64, b, 30.0, [[31.0, "wg-a/x1", 0], [30.0, b, 0]])]
+    later = [rec(16, "wg-a/x2", 9.0, [[8.0, b, 0]]),   # tile pick 10 / 9
+             rec(32, "wg-a/x1", 18.0, [[19.0, b, 0]])]  # 20 / 18: day factor 10 / 9
     merged, day = merge_streamk_resweep(base, later)
     assert day == pytest.approx(10 / 9)
-    assert merged[0]["configs"] == [[pytest.approx(80 / 9), "wg-b-sk", 0], [10.0, "wg-a/x2", 0]]
-    assert merged[1]["configs"] == [[20.0, "wg-a/x1", 0], [pytest.approx(190 / 9), "wg-b-sk", 0]]
-    assert merged[2]["configs"] == [[30.0, "wg-b-sk", 0], [31.0, "wg-a/x1", 0]]
+    assert merged[0]["configs"] == [[pytest.approx(80 / 9), b, 0], [10.0, "wg-a/x2", 0]]
+    assert merged[1]["configs"] == [[20.0, "wg-a/x1", 0], [pytest.approx(190 / 9), b, 0]]
+    assert merged[2]["configs"] == [[30.0, b, 0], [31.0, "wg-a/x1", 0]]
     with pytest.raises(ValueError, match="no tile-mode pick"):
-        merge_streamk_resweep(base[2:], [rec(64, "wg-b-sk", 29.0, [])])
+        merge_streamk_resweep(base[2:], [rec(64, b, 29.0, [])])
 
 
 def test_target_summary():
@@ -185,7 +188,7 @@ def test_hopper_time_model_picks_near_the_measured_best(name):
     ratios = []
     for rec in fitted_sweep(name):
         m, n, k = rec["m"], rec["n"], rec["k"]
-        times = {label: t for t, label, *_ in rec["configs"]}
+        times = {ops.canonical_label(label): t for t, label, *_ in rec["configs"]}  # the sweeps' "-sk" labels
         cfg, sl = ops.choose_hopper_plan(m, n, k, 132, grouped=rec["group"] != -1)
         label = cfg.label() + ("" if sl is None else f"/x{sl}")
         if label not in times:
@@ -200,12 +203,12 @@ def test_time_model_knows_which_splits_ran_as_clusters(name):
     """The sweeps record, per plan, whether its k split ran as clusters (DSMEM fixup); the time
     model's split_fits_clusters, from the H200's cluster capacity, must say the same."""
     path = RESULTS / name
-    by_label = {c.label(): c for c in ops.HOPPER_CONFIGS}
     seen = 0
     for rec in json.loads(path.read_text()):
         for _, label, cluster in rec["configs"]:
-            name, _, sl = label.partition("/x")
-            fits = ops.split_fits_clusters(by_label[name], int(sl) if sl else None, rec["m"], rec["n"], ops.H200_CLUSTERS)
+            cfg, sl = ops.parse_plan(label)
+            assert cfg in ops.HOPPER_CONFIGS, label
+            fits = ops.split_fits_clusters(cfg, sl, rec["m"], rec["n"], ops.H200_CLUSTERS)
             assert fits == bool(cluster), (rec["m"], rec["n"], rec["k"], label)
             seen += cluster
     assert seen > 100
@@ -234,24 +237,88 @@ def test_hopper_config_rejects_impossible_shapes():
         with pytest.raises(ValueError, match="HopperConfig"):
             ops.HopperConfig(**{**dict(mt=64, nt=4, cons=2, stages=4), **bad})
     for cfg in ops.HOPPER_CONFIGS:  # the shipped design space stays valid
-        ops.HopperConfig(cfg.mt, cfg.nt, cfg.cons, cfg.stages, cfg.sk)
+        ops.HopperConfig(cfg.mt, cfg.nt, cfg.cons, cfg.stages, cfg.streamk)
     # stream-K adds the epilogue's own staging area: a 64 x 512 tile no longer fits 6 stages
     ops.HopperConfig(64, 4, 2, 6)
-    with pytest.raises(ValueError, match="HopperConfig .*-sk needs"):
+    with pytest.raises(ValueError, match="HopperConfig .*-streamk needs"):
         ops.HopperConfig(64, 4, 2, 6, True)
 
 
 def test_matmul_rejects_bad_slices():
-    """slices (k splits, or the stream-K CTA count) must be a positive int: 0, negatives, bools and
-    floats are refused before any launch (on CPU tensors too)."""
+    """slices (k splits) and ctas (the stream-K CTA count) must be positive ints: 0, negatives, bools
+    and floats are refused before any launch (on CPU tensors too)."""
     from tilefish.quant.int4 import quantize_rtn
 
     p = ops.pack(quantize_rtn(torch.randn(128, 256), 128, True, scale_dtype=torch.float16, clip_search=False))
     x = torch.randn(3, 256, dtype=torch.float16)
-    for bad in (0, -2, True, 2.0):
-        with pytest.raises(ValueError, match="slices must be a positive int"):
-            ops.matmul_impl(x, p, slices=bad)
-    assert ops.matmul_impl(x, p, slices=3).shape == (3, 128)
+    for name in ("slices", "ctas"):
+        for bad in (0, -2, True, 2.0):
+            with pytest.raises(ValueError, match=f"{name} must be a positive int"):
+                ops.matmul_impl(x, p, **{name: bad})
+        assert ops.matmul_impl(x, p, **{name: 3}).shape == (3, 128)
+
+
+def test_plan_takes_slices_for_k_splits_and_ctas_for_stream_k(monkeypatch):
+    """A k split (slices) goes to the tile kernels, a grid size (ctas) to the stream-K ones; the
+    other is refused when the plan is made, before anything launches (a fake sm_90 device)."""
+    from types import SimpleNamespace
+
+    from tilefish.quant.int4 import quantize_rtn
+
+    monkeypatch.setattr(launch, "device_info", lambda *a: SimpleNamespace(sm_count=132, cc=90, index=0))
+    p = ops.pack(quantize_rtn(torch.randn(512, 1024), 128, True, scale_dtype=torch.float16, clip_search=False))
+    dev = torch.device("cuda", 0)
+    for cfg in (ops.SkinnyConfig(8, 4, 1, 3, 2), ops.HopperConfig(64, 2, 2, 6, True)):
+        with pytest.raises(ValueError, match="is stream-K: it takes ctas"):
+            ops.LaunchPlan.build(p, None, 4, dev, cfg, slices=2)
+    for cfg in (ops.HopperConfig(64, 2, 2, 6), ops.GemmConfig(1, 2, 4, 4, True, True)):
+        with pytest.raises(ValueError, match="splits k: it takes slices"):
+            ops.LaunchPlan.build(p, None, 4, dev, cfg, ctas=2)
+
+
+def test_labels_name_each_kernel_and_parse_back():
+    """Labels say which kernel: "skinny-..." for the small-m stream-K kernel, "wg-...-streamk" for the
+    wgmma kernel's stream-K mode. parse_plan inverts label() (a "/x<slices>" k split on tile
+    configurations) and reads the spelling of results recorded before ("sk-...", "...-sk")."""
+    for cfg in ops.CONFIGS + ops.HOPPER_CONFIGS + ops.SKINNY_CONFIGS + [dataclasses.replace(ops.SKINNY_CONFIGS[0],
+                                                                                           staged=True)]:
+        label = cfg.label()
+        assert label.startswith("skinny-") == isinstance(cfg, ops.SkinnyConfig)
+        assert label.endswith("-streamk") == (isinstance(cfg, ops.HopperConfig) and cfg.streamk)
+        assert "-sk" not in label and not label.startswith("sk-")
+        assert ops.parse_plan(label) == (cfg, None) and ops.canonical_label(label) == label
+        if not cfg.streamk:
+            assert ops.parse_plan(label + "/x3") == (cfg, 3)
+    assert ops.parse_plan("sk-m8n256w1s3x2-st") == (ops.SkinnyConfig(8, 4, 1, 3, 2, staged=True), None)
+    assert ops.parse_plan("wg-m64n256c2s6-sk") == (ops.HopperConfig(64, 2, 2, 6, True), None)
+    assert ops.canonical_label("wg-m64n512c2s6/x2") == "wg-m64n512c2s6/x2"
+    for bad in ("wg-m64n256c2s6-streamk/x2", "skinny-m8n256w1s3x2/x2", "auto", "wg-m64"):
+        with pytest.raises(ValueError):
+            ops.parse_plan(bad)
+
+
+def test_time_model_file():
+    """The shipped coefficients (time_model_h200.json, written by scripts/fit_w4a16_time_model.py)
+    were fitted with the features this code computes, name only design-space configurations, and
+    have five coefficients (four for stream-K, whose cluster fixup is 0)."""
+    data = json.loads(time_model.TIME_MODEL_FILE.read_text())
+    assert data["model_large_m"] == time_model.MODEL_LARGE_M
+    assert data["fixup_per_wave"] == time_model.FIXUP_PER_WAVE
+    labels = {c.label(): c for c in ops.HOPPER_CONFIGS}
+    for regime in ("small_m", "large_m"):
+        for fmt in ("grouped", "per_channel"):
+            for label, coef in ops.HOPPER_TIME_MODEL[regime][fmt].items():
+                assert label in labels and isinstance(coef, tuple) and len(coef) == 5, label
+                assert not labels[label].streamk or coef[4] == 0.0
+
+
+def test_package_keeps_launch_state_in_launch():
+    """The launch path's switches and caches are read in launch.py; the package does not re-export
+    them (a patch of a copy bound there would not reach the launches) and says where they are."""
+    for name in ("HOPPER_DSMEM_SPLIT", "HOPPER_SEPARATE_TAIL", "_kernels", "_workspaces", "_clusters_by_device"):
+        assert hasattr(launch, name)
+        with pytest.raises(AttributeError, match=f"read or set launch.{name}"):
+            getattr(ops, name)
 
 
 def test_hopper_kernel_sass(tmp_path, monkeypatch):
@@ -304,13 +371,14 @@ def test_separate_tail_only_for_a_partial_wave_that_fits_one_cta_an_sm():
 
 def test_separate_tail_modes(monkeypatch):
     two = ops.HopperConfig(128, 2, 1, 4)
-    monkeypatch.setattr(ops, "HOPPER_SEPARATE_TAIL", "never")
+    assert ops._separate_tail(two, 384, 1, 1, 128, False, 132) == 0  # the rule: not for group scales
+    monkeypatch.setattr(launch, "HOPPER_SEPARATE_TAIL", "never")
     assert ops._separate_tail(two, 384, 1, 1, -1, False, 132) == 0
-    monkeypatch.setattr(ops, "HOPPER_SEPARATE_TAIL", "always")
+    monkeypatch.setattr(launch, "HOPPER_SEPARATE_TAIL", "always")
     assert ops._separate_tail(two, 384, 1, 1, 128, False, 132) == 120
     assert ops._separate_tail(two, 264 + 48, 1, 1, -1, False, 132) == 48
     assert ops._separate_tail(two, 264 + 133, 1, 1, -1, False, 132) == 0
-    monkeypatch.setattr(ops, "HOPPER_SEPARATE_TAIL", True)
+    monkeypatch.setattr(launch, "HOPPER_SEPARATE_TAIL", True)
     with pytest.raises(ValueError, match="'rule', 'never' or 'always'"):
         ops._separate_tail(two, 384, 1, 1, -1, False, 132)
 
@@ -347,11 +415,11 @@ def test_dsmem_switch_reaches_the_cached_planners(monkeypatch):
     from types import SimpleNamespace
 
     info = SimpleNamespace(index=0, cc=90)
-    monkeypatch.setitem(ops._clusters_by_device, 0, ops.H200_CLUSTERS)
+    monkeypatch.setitem(launch._clusters_by_device, 0, ops.H200_CLUSTERS)
     assert ops._device_clusters(info) == ops.H200_CLUSTERS
-    monkeypatch.setattr(ops, "HOPPER_DSMEM_SPLIT", False)
+    monkeypatch.setattr(launch, "HOPPER_DSMEM_SPLIT", False)
     assert ops._device_clusters(info) == ()
     cfg = ops.HOPPER_CONFIGS[0]
     assert not ops.split_fits_clusters(cfg, 2, 16, cfg.bn, ops._device_clusters(info))
-    monkeypatch.setattr(ops, "HOPPER_DSMEM_SPLIT", True)
+    monkeypatch.setattr(launch, "HOPPER_DSMEM_SPLIT", True)
     assert ops.split_fits_clusters(cfg, 2, 16, cfg.bn, ops._device_clusters(info))

@@ -9,6 +9,7 @@ import torch
 import tilefish
 from tilefish import w4a16
 from tilefish.ops import w4a16 as ops
+from tilefish.ops.w4a16 import launch
 from tilefish.quant.int4 import quantize_rtn
 from tilefish.reference import w4a16_matmul as ref_matmul
 
@@ -36,6 +37,11 @@ def _poison_allocator(rows, cols, dtype):
 
 def _cc() -> int:
     return torch.cuda.get_device_capability()[0] * 10 + torch.cuda.get_device_capability()[1]
+
+
+def _grid(cfg, n):
+    """n as the plan argument cfg takes: its k split, or for a stream-K configuration its CTA count."""
+    return {"ctas": n} if cfg.streamk else {"slices": n}
 
 
 def _check(x, q, p, bias=None, **kw):
@@ -87,14 +93,15 @@ hopper = pytest.mark.skipif(not torch.cuda.is_available() or _cc() != 90, reason
 
 @hopper
 def test_hopper_every_config_and_split():
-    """Every wgmma configuration, m below / at / across its tile, k split 1..all stages."""
+    """Every wgmma configuration, m below / at / across its tile, k split 1..all stages (stream-K:
+    grids of as many CTAs)."""
     q, p = _case(1024, 512, 128, False, torch.float16)
     for cfg in ops.HOPPER_CONFIGS:
         for m in (1, 9, cfg.mt, cfg.mt + 5, 2 * cfg.mt + 3):
             x = torch.randn(m, 1024, device="cuda", dtype=torch.float16)
             for slices in (1, 2, 3, 16):
                 _check(x, q, p, torch.randn(512, device="cuda", dtype=torch.float16) if m % 2 else None,
-                       cfg=cfg, slices=slices)
+                       cfg=cfg, **_grid(cfg, slices))
 
 
 @hopper
@@ -105,6 +112,7 @@ def test_hopper_split_k_cluster_and_workspace(group, dtype, monkeypatch):
     distributed shared memory; with HOPPER_DSMEM_SPLIT off (and for wider splits) they go through the
     global workspace. Both against the reference, bitwise repeatable, m below / across tiles, bias."""
     q, p = _case(2048, 512, group, group == 128, dtype)
+    cluster_runs = 0
     for cfg in (ops.HopperConfig(16, 4, 1, 8), ops.HopperConfig(64, 4, 1, 6), ops.HopperConfig(128, 2, 2, 6),
                 ops.HopperConfig(256, 1, 2, 5), ops.HopperConfig(128, 1, 2, 6), ops.HopperConfig(64, 2, 1, 8)):
         for m in (5, cfg.mt + 3):
@@ -112,9 +120,14 @@ def test_hopper_split_k_cluster_and_workspace(group, dtype, monkeypatch):
             bias = torch.randn(512, device="cuda", dtype=dtype) if m % 2 else None
             for slices in (2, 3, 5, 8):
                 for dsmem in (True, False):
-                    monkeypatch.setattr(ops, "HOPPER_DSMEM_SPLIT", dsmem)
+                    monkeypatch.setattr(launch, "HOPPER_DSMEM_SPLIT", dsmem)
                     out = _check(x, q, p, bias, cfg=cfg, slices=slices)
                     assert torch.equal(out, ops.matmul_impl(x, p, bias, cfg=cfg, slices=slices))
+                    clusters = ops.hopper_split_uses_clusters(cfg, m, 512, 2048, slices, group, group != 128, dtype,
+                                                              x.device)  # what the launch decided
+                    assert dsmem or not clusters
+                    cluster_runs += clusters
+    assert cluster_runs > 0, "the DSMEM path ran"
 
 
 @hopper
@@ -126,7 +139,7 @@ def test_hopper_groups_zero_points_dtypes(group, sym, dtype):
     for cfg in (ops.HopperConfig(32, 4, 1, 6), ops.HopperConfig(128, 2, 1, 4), ops.HopperConfig(64, 2, 2, 6),
                 ops.HopperConfig(64, 2, 2, 6, True), ops.HopperConfig(128, 2, 1, 3, True)):
         for m in (17, 100):
-            _check(torch.randn(m, 768, device="cuda", dtype=dtype), q, p, cfg=cfg, slices=1 + m % 3)
+            _check(torch.randn(m, 768, device="cuda", dtype=dtype), q, p, cfg=cfg, **_grid(cfg, 1 + m % 3))
 
 
 @hopper
@@ -147,8 +160,10 @@ def test_hopper_partial_last_wave_as_its_own_launch(sym, dtype, monkeypatch):
     q, p = _case(k, n, group, sym, dtype)
     x = torch.randn(m, k, device="cuda", dtype=dtype)
     bias = torch.randn(n, device="cuda", dtype=dtype)
+    assert len(ops.LaunchPlan.build(p, bias, m, x.device, cfg, slices=1).launches) == 2
     out = _check(x, q, p, bias, cfg=cfg, slices=1)
-    monkeypatch.setattr(ops, "HOPPER_SEPARATE_TAIL", "never")
+    monkeypatch.setattr(launch, "HOPPER_SEPARATE_TAIL", "never")
+    assert len(ops.LaunchPlan.build(p, bias, m, x.device, cfg, slices=1).launches) == 1
     assert torch.equal(out, ops.matmul_impl(x, p, bias, cfg=cfg, slices=1))
 
 
@@ -173,17 +188,17 @@ def test_hopper_stream_k_any_grid_deterministic_counters_reset():
     CTAs than tiles, more CTAs than k stages of a tile, up to one unit per CTA): correct with a
     fresh x every launch, bitwise repeatable, and every tile counter back at zero afterwards."""
     q, p = _case(2048, 512, 64, False, torch.float16)
-    for cfg in [c for c in ops.HOPPER_CONFIGS if c.sk]:
+    for cfg in [c for c in ops.HOPPER_CONFIGS if c.streamk]:
         if 512 % cfg.bn:
             continue
         for m in (cfg.mt - 3, 2 * cfg.mt + 5):
             bias = torch.randn(512, device="cuda", dtype=torch.float16)
             for ctas in (None, 1, 2, 7, 13, 31, 131, 263, 100000):
                 x = torch.randn(m, 2048, device="cuda", dtype=torch.float16)
-                out = _check(x, q, p, bias, cfg=cfg, slices=ctas)
-                assert torch.equal(out, ops.matmul_impl(x, p, bias, cfg=cfg, slices=ctas))
+                out = _check(x, q, p, bias, cfg=cfg, ctas=ctas)
+                assert torch.equal(out, ops.matmul_impl(x, p, bias, cfg=cfg, ctas=ctas))
     torch.cuda.synchronize()
-    for (dev, _), (_, counters) in ops._workspaces.items():
+    for (dev, _), (_, counters) in launch._workspaces.items():
         assert int(counters.abs().sum()) == 0, "stream-K tile counters must be reset by every launch"
 
 
@@ -195,21 +210,26 @@ def test_hopper_stream_k_peek_is_bitwise_the_slot_path(monkeypatch):
     the same sums in the same k order, so the outputs must be bitwise equal; counters reset."""
     q, p = _case(2048, 512, 64, False, torch.float16)
     cases = []
-    for cfg in [c for c in ops.HOPPER_CONFIGS if c.sk and 512 % c.bn == 0]:
+    for cfg in [c for c in ops.HOPPER_CONFIGS if c.streamk and 512 % c.bn == 0]:
         for m in (cfg.mt - 3, 2 * cfg.mt + 5):
             for ctas in (None, 7, 13, 131):
                 x = torch.randn(m, 2048, device="cuda", dtype=torch.float16)
                 bias = torch.randn(512, device="cuda", dtype=torch.float16)
-                cases.append((cfg, ctas, x, bias, _check(x, q, p, bias, cfg=cfg, slices=ctas)))
-    spec_of = ops.kernel_spec
-    monkeypatch.setattr(ops, "kernel_spec", lambda *a: dataclasses.replace(
-        spec_of(*a), defines=spec_of(*a).defines + (("TF_W4A16_TEST_NO_PEEK", "1"),)))
-    monkeypatch.setattr(ops, "_kernels", {})
+                cases.append((cfg, ctas, x, bias, _check(x, q, p, bias, cfg=cfg, ctas=ctas)))
+    # The launch path builds its kernels through launch.kernel_spec, cached in launch._kernels.
+    spec_of, built = launch.kernel_spec, []
+
+    def no_peek(*a):
+        built.append(a[1])
+        return dataclasses.replace(spec_of(*a), defines=spec_of(*a).defines + (("TF_W4A16_TEST_NO_PEEK", "1"),))
+    monkeypatch.setattr(launch, "kernel_spec", no_peek)
+    monkeypatch.setattr(launch, "_kernels", {})
     for cfg, ctas, x, bias, shipped in cases:
-        out = _check(x, q, p, bias, cfg=cfg, slices=ctas)
+        out = _check(x, q, p, bias, cfg=cfg, ctas=ctas)
         assert torch.equal(out, shipped), (cfg.label(), x.shape[0], ctas)
+    assert set(built) == {cfg for cfg, *_ in cases}, "every case must have run the test build"
     torch.cuda.synchronize()
-    for (dev, _), (_, counters) in ops._workspaces.items():
+    for (dev, _), (_, counters) in launch._workspaces.items():
         assert int(counters.abs().sum()) == 0, "stream-K tile counters must be reset by every launch"
 
 
@@ -235,7 +255,7 @@ def test_skinny_every_config_and_cta_count():
             x = torch.randn(m, 1024, device="cuda", dtype=torch.float16)
             bias = torch.randn(512, device="cuda", dtype=torch.float16) if m % 2 else None
             for ctas in (None, 1, 5, 31, 1000):
-                _check(x, q, p, bias, cfg=cfg, slices=ctas)
+                _check(x, q, p, bias, cfg=cfg, ctas=ctas)
         with pytest.raises(ValueError, match=f"m <= {cfg.mt}"):
             ops.matmul_impl(torch.randn(cfg.mt + 1, 1024, device="cuda", dtype=torch.float16), p, cfg=cfg)
 
@@ -250,7 +270,7 @@ def test_skinny_groups_zero_points_dtypes(group, sym, dtype):
                 ops.SkinnyConfig(32, 2, 4, 8, 1), ops.SkinnyConfig(8, 4, 1, 3, 2, staged=True),
                 ops.SkinnyConfig(16, 4, 1, 4, 2, staged=True)):
         for m in (1, cfg.mt):
-            _check(torch.randn(m, 768, device="cuda", dtype=dtype), q, p, cfg=cfg, slices=7)
+            _check(torch.randn(m, 768, device="cuda", dtype=dtype), q, p, cfg=cfg, ctas=7)
 
 
 @hopper
@@ -266,11 +286,11 @@ def test_skinny_fixup_many_slots(dtype):
         for m in ms:
             for ctas in (64, 41, 17):
                 x = torch.randn(m, 8192, device="cuda", dtype=dtype)
-                out = _check(x, q, p, cfg=cfg, slices=ctas)
+                out = _check(x, q, p, cfg=cfg, ctas=ctas)
                 # The staged-fixup build: the same sums in the same order, through shared memory in
                 # batches (64 slots of up to 8 KB are more than one batch holds).
                 _poison_allocator(m, 256, dtype)
-                staged = ops.matmul_impl(x, p, cfg=dataclasses.replace(cfg, staged=True), slices=ctas)
+                staged = ops.matmul_impl(x, p, cfg=dataclasses.replace(cfg, staged=True), ctas=ctas)
                 assert torch.equal(staged, out), (cfg.label(), m, ctas)
 
 

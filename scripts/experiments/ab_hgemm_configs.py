@@ -2,7 +2,7 @@
 timed in alternating rounds (a GPU that heats up slows them alike), samples pooled, median
 reported; each configuration's result is also checked against an fp32 reference first.
 
-Usage: python scripts/ab_hgemm_configs.py OUT.json fp16|bf16 SHAPE[,SHAPE...] CONFIG [CONFIG ...]
+Usage: python scripts/experiments/ab_hgemm_configs.py OUT.json fp16|bf16 SHAPE[,SHAPE...] CONFIG [CONFIG ...]
 SHAPE is MxNxK or a single number for a cube; CONFIG is STEP:V,V,... with the step's tile
 parameters (e.g. 05_multistage:128,256,64,64,64,3), or a step name for its TUNED configuration.
 """

@@ -2,7 +2,7 @@
 lookup costs, per kernel family and m. Also cuBLAS (dense weight) and bitsandbytes' matmul_4bit on
 the same NF4 weight when importable. Alternating rounds (bench.timing.time_alternating_us).
 
-Usage: python scripts/ab_nf4_codebook.py OUT.json [bf16,fp16] [1,4,16,64,256,1024,4096]
+Usage: python scripts/experiments/ab_nf4_codebook.py OUT.json [bf16,fp16] [1,4,16,64,256,1024,4096]
 Env SHAPES=KxN,... (default: the Llama-3 8B / 70B shapes); BLOCKSIZE (default 64, double quant).
 """
 import json

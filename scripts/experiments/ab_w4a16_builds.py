@@ -2,7 +2,7 @@
 mma.sync kernel), launched with each build of its kernel in turn and cuBLAS, timed in alternating
 rounds. For source changes whose gain is a few percent, below the run-to-run spread of two benches.
 
-Usage: python scripts/ab_w4a16_builds.py OUT.json [fp16,bf16] [128,-1] [1,4,8,16]
+Usage: python scripts/experiments/ab_w4a16_builds.py OUT.json [fp16,bf16] [128,-1] [1,4,8,16]
 Env SHAPES=KxN,... limits the shapes (default: the eight benchmark shapes); VARIANTS=name:HOW,...
 names the builds (default "fences:TF_W4A16_SC_FENCES,shipped:"; the first is the reference of the
 printed ratios). HOW is defines (NAME or NAME=VALUE) joined by "+" (empty: the shipped build), or "@head": the kernel's
@@ -19,10 +19,11 @@ import torch
 
 from tilefish.bench.timing import time_alternating_us
 from tilefish.ops import w4a16 as ops
+from tilefish.ops.w4a16 import launch
 from tilefish.quant.int4 import quantize_rtn
 from tilefish.runtime import get_kernel
 
-from ab_w4a16_plans import SHAPES  # noqa: E402 (scripts/ is the script's own directory; env SHAPES applied there)
+from ab_w4a16_plans import SHAPES  # noqa: E402 (this script's own directory; env SHAPES applied there)
 VARIANTS = [(v.partition(":")[0], v.partition(":")[2])
             for v in os.environ.get("VARIANTS", "fences:TF_W4A16_SC_FENCES,shipped:").split(",")]
 
@@ -53,14 +54,17 @@ def main():
                 deq = q.dequantize(torch.float32).to(dt)
                 for m in ms:
                     cfg = ops.choose_config(m, n, k, sms, 90, group, dtype=dt)
-                    key = (dt, cfg, group, False, dev)
+                    key = (dt, cfg, group, False, dev, "int4")  # launch._kernel's cache key
                     spec = ops.kernel_spec(dt, cfg, group, False)
                     kerns = {name: get_kernel(variant_spec(spec, how), dev) for name, how in VARIANTS}
                     x = torch.randn(m, k, device="cuda", dtype=dt)
 
                     def run(kern):
-                        ops._kernels[key] = kern  # the launch path looks its kernel up here
-                        return ops.matmul_impl(x, p)
+                        launch._kernels[key] = kern  # the launch path looks its kernel up here
+                        cached = len(launch._kernels)
+                        out = ops.matmul_impl(x, p)
+                        assert len(launch._kernels) == cached, "the launch took another kernel than the override"
+                        return out
 
                     ref = torch.nn.functional.linear(x.float(), deq.float())
                     outs = {name: run(kern).float() for name, kern in kerns.items()}
@@ -69,7 +73,7 @@ def main():
                     fns = {"cuBLAS": lambda: torch.nn.functional.linear(x, deq)}
                     fns.update({name: (lambda kern=kern: run(kern)) for name, kern in kerns.items()})
                     us = time_alternating_us(fns, rounds=4, per_round=6)
-                    ops._kernels.pop(key, None)
+                    launch._kernels.pop(key, None)
                     results.append({"k": k, "n": n, "m": m, "dtype": dname, "group": group, "config": cfg.label(),
                                     "us": us, "err": err, "bitwise_same": same})
                     print(f"{dname} g{group} k{k} n{n} m{m} {cfg.label()}: "

@@ -3,18 +3,18 @@ alternating rounds (so a GPU that heats up under long launches slows every plan 
 pooled, median reported. For choices the sweeps cannot settle because one launch-after-another
 comparison drifts with the clocks (m >= 2048).
 
-Usage: python scripts/ab_w4a16_plans.py OUT.json fp16|bf16 GROUP M[,M...] PLAN [PLAN ...]
+Usage: python scripts/experiments/ab_w4a16_plans.py OUT.json fp16|bf16 GROUP M[,M...] PLAN [PLAN ...]
 PLAN is a configuration label with an optional k split, as in the sweeps: wg-m128n256c2s6/x1,
-wg-m128n256c2s5-sk, or a skinny one (sk-m8n256w1s4x2, any stage count; -st: the staged-fixup
-build); "auto" is the dispatcher's choice, "auto-st" its skinny configuration as the staged-fixup
-build (skipped where the dispatcher takes another kernel; checked bitwise against "auto"),
+wg-m128n256c2s5-streamk, or a skinny one (skinny-m8n256w1s4x2, any stage count; -st: the
+staged-fixup build; ops.w4a16.parse_plan reads them, and the older spellings "...-sk" and "sk-...");
+"auto" is the dispatcher's choice, "auto-st" its skinny configuration as the staged-fixup build
+(skipped where the dispatcher takes another kernel; checked bitwise against "auto"),
 "wg-model" the time model's wgmma plan (choose_hopper_plan) where the dispatcher may take another
 kernel. Env SHAPES=KxN,KxN limits the shapes (default: the eight benchmark shapes).
 """
 import dataclasses
 import os
 import json
-import re
 import sys
 
 import torch
@@ -31,18 +31,11 @@ ROUNDS, PER_ROUND = 4, 6
 
 
 def parse(label):
-    """A label as HopperConfig.label() writes it (any stage count, not only HOPPER_CONFIGS'), plus
-    an optional /x<k slices>."""
+    """(config, k slices or None): a plan label (ops.w4a16.parse_plan), or (None, None) for this
+    script's "auto", "auto-st" and "wg-model"."""
     if label in ("auto", "auto-st", "wg-model"):
         return None, None
-    skinny = re.fullmatch(r"sk-m(\d+)n(\d+)w(\d)s(\d+)x(\d)(-st)?", label)
-    if skinny:
-        mt, bn, wk, stages, cps = (int(v) for v in skinny.groups()[:5])
-        return ops.SkinnyConfig(mt, bn // 64, wk, stages, cps, skinny.group(6) is not None), None
-    name, _, sl = label.partition("/x")
-    mt, bn, cons, stages, sk = re.fullmatch(r"wg-m(\d+)n(\d+)c(\d)s(\d+)(-sk)?", name).groups()
-    cfg = ops.HopperConfig(int(mt), int(bn) // (64 * int(cons)), int(cons), int(stages), sk is not None)
-    return cfg, (int(sl) if sl else None)
+    return ops.parse_plan(label)
 
 
 def main():

@@ -3,7 +3,7 @@ launch of its own (ops.w4a16._separate_tail), on the dispatcher's plan, for ever
 group 128 and per-channel, where the plan is a whole-tile, two-CTA-an-SM one with a partial last
 wave that fits one CTA an SM. Alternating rounds, L2 flushed, cuBLAS in the same rounds.
 
-Usage: python scripts/ab_w4a16_tail.py OUT.json fp16|bf16 M[,M...]
+Usage: python scripts/experiments/ab_w4a16_tail.py OUT.json fp16|bf16 M[,M...]
 """
 import json
 import sys
@@ -12,6 +12,7 @@ import torch
 
 from tilefish.bench.timing import time_alternating_us
 from tilefish.ops import w4a16 as ops
+from tilefish.ops.w4a16 import launch  # the launch path reads HOPPER_SEPARATE_TAIL there
 from tilefish.quant.int4 import quantize_rtn
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (8192, 8192),
@@ -32,23 +33,23 @@ def main():
             for m in ms:
                 cfg, slices = ops.choose_hopper_plan(m, n, k, sms, grouped=group != -1)
                 tiles = (n // cfg.bn) * -(-m // cfg.mt)
-                ops.HOPPER_SEPARATE_TAIL = "always"
+                launch.HOPPER_SEPARATE_TAIL = "always"
                 tail = ops._separate_tail(cfg, tiles, slices or 0, 1, group, False, sms)
-                ops.HOPPER_SEPARATE_TAIL = "rule"
+                launch.HOPPER_SEPARATE_TAIL = "rule"
                 rule = ops._separate_tail(cfg, tiles, slices or 0, 1, group, False, sms)
                 if not tail:
                     continue
                 x = torch.randn(m, k, device="cuda", dtype=dt)
                 def with_mode(mode):
                     def run():
-                        ops.HOPPER_SEPARATE_TAIL = mode  # host-side; set before the launch it steers
+                        launch.HOPPER_SEPARATE_TAIL = mode  # host-side; set before the launch it steers
                         ops.matmul_impl(x, p)
                     return run
 
                 us = time_alternating_us({"one launch": with_mode("never"), "tail apart": with_mode("always"),
                                           "cuBLAS": lambda: torch.nn.functional.linear(x, dense)},
                                          rounds=ROUNDS, per_round=PER_ROUND)
-                ops.HOPPER_SEPARATE_TAIL = "rule"
+                launch.HOPPER_SEPARATE_TAIL = "rule"
                 results.append({"k": k, "n": n, "m": m, "group": group, "dtype": dname, "plan": cfg.label(),
                                 "tiles": tiles, "tail": tail, "rule_separates": bool(rule), "us": us})
                 print(f"{dname} k{k} n{n} g{group} m{m} {cfg.label()} tiles {tiles} tail {tail}: "

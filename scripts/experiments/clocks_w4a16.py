@@ -4,7 +4,7 @@ weights are ~5x the L2, and the m = 4096 case is compute-bound) while `nvidia-sm
 and power every 20 ms; the samples inside the second half of its window (clocks settled) are
 averaged, and the median launch time of that half is reported.
 
-Usage: python scripts/clocks_w4a16.py OUT.json   (env CLOCKS_SECONDS, default 2; CLOCKS_CASES, default
+Usage: python scripts/experiments/clocks_w4a16.py OUT.json   (env CLOCKS_SECONDS, default 2; CLOCKS_CASES, default
 the large-weight cases below: "k:n:m:group:plan,..." with group 128 or -1)
 """
 import json
@@ -18,12 +18,10 @@ import torch
 from tilefish.ops import w4a16 as ops
 from tilefish.quant.int4 import quantize_rtn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ab_w4a16_plans import parse as plan  # noqa: E402  (a plan label -> config, k slices)
-
 SECONDS = float(os.environ.get("CLOCKS_SECONDS", "2"))
-# (k, n, m, label): label a plan as ab_w4a16_plans.py writes it, "auto" or "cuBLAS".
-CASES = [(8192, 57344, 64, "cuBLAS"), (8192, 57344, 64, "wg-m64n512c2s6/x1"), (8192, 57344, 64, "wg-m64n512c2s5-sk"),
+# (k, n, m, label): label a plan (ops.w4a16.parse_plan), "auto" or "cuBLAS".
+CASES = [(8192, 57344, 64, "cuBLAS"), (8192, 57344, 64, "wg-m64n512c2s6/x1"),
+         (8192, 57344, 64, "wg-m64n512c2s5-streamk"),
          (8192, 57344, 32, "cuBLAS"), (8192, 57344, 32, "auto"), (8192, 57344, 1, "auto"),
          (8192, 57344, 128, "cuBLAS"), (8192, 57344, 128, "auto"), (8192, 8192, 4096, "cuBLAS"),
          (8192, 8192, 4096, "auto")]
@@ -48,7 +46,7 @@ def main():
         if label == "cuBLAS":
             fn = lambda: torch.nn.functional.linear(x, deq)  # noqa: E731
         else:
-            cfg, sl = plan(label)
+            cfg, sl = (None, None) if label == "auto" else ops.parse_plan(label)
             fn = lambda: ops.matmul_impl(x, p, cfg=cfg, slices=sl)  # noqa: E731
         fn()
         torch.cuda.synchronize()

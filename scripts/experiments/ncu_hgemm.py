@@ -1,7 +1,7 @@
 """Launch every HGEMM ladder step once at 4096^3 (fp16) so ncu can read the counter each step moves.
 
-    ncu --clock-control none --csv --profile-from-start off -k regex:hgemm --metrics <list> python scripts/ncu_hgemm.py
-(scripts/ncu_hgemm.sh runs it with the metric list and writes the CSV).
+    ncu --clock-control none --csv --profile-from-start off -k regex:hgemm --metrics <list> python scripts/experiments/ncu_hgemm.py
+(scripts/experiments/ncu_hgemm.sh runs it with the metric list and writes the CSV).
 
 Steps come from ops.KERNELS, so a new step (07_wgmma_tma) is picked up without editing this file.
 A step whose call raises (e.g. the wgmma step on a GPU that is not sm_90) is skipped with a note on

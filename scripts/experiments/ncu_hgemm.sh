@@ -28,13 +28,13 @@ done
 # The script's warm-up launches (compile / load) precede torch.cuda.profiler.start(): with
 # --profile-from-start off they are not profiled, whatever the number of steps that ran.
 ncu --clock-control none --csv --profile-from-start off -k regex:hgemm --metrics "$M" \
-    python3 scripts/ncu_hgemm.py > "$OUT/ncu_hgemm.csv" 2> "$OUT/ncu_hgemm.err"
+    python3 scripts/experiments/ncu_hgemm.py > "$OUT/ncu_hgemm.csv" 2> "$OUT/ncu_hgemm.err"
 if ! grep -q '"Metric Value"' "$OUT/ncu_hgemm.csv"; then  # an unknown metric name fails the whole run:
     echo "ncu_hgemm: retrying without the two metric names not yet run here" >&2  # drop them and retry
     M=${M//,sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active/}
     M=${M//smsp__sass_inst_executed_op_shared_ld.sum/smsp__inst_executed_op_shared_ld.sum}
     ncu --clock-control none --csv --profile-from-start off -k regex:hgemm --metrics "$M" \
-        python3 scripts/ncu_hgemm.py > "$OUT/ncu_hgemm.csv" 2>> "$OUT/ncu_hgemm.err"
+        python3 scripts/experiments/ncu_hgemm.py > "$OUT/ncu_hgemm.csv" 2>> "$OUT/ncu_hgemm.err"
 fi
 grep '^ncu_hgemm: skipping' "$OUT/ncu_hgemm.err" >&2
 python3 - "$OUT/ncu_hgemm.csv" "$OUT/ncu_hgemm.txt" <<'PY'

@@ -1,5 +1,5 @@
 """Launch HGEMM step 07 (TUNED) and cuBLAS (torch.matmul) once each at 4096^3 and 8192^3 (fp16)
-inside a profiler range, for scripts/ncu_hgemm7_vs_cublas.sh."""
+inside a profiler range, for scripts/experiments/ncu_hgemm7_vs_cublas.sh."""
 import torch
 from tilefish.ops import hgemm as ops
 cases = []

@@ -1,7 +1,7 @@
 """Launch every SGEMM ladder step once at 2048^3 so ncu can read the counter each step moves.
 
-    ncu --clock-control none --csv -k regex:sgemm --metrics <list> python scripts/ncu_sgemm.py
-(scripts/ncu_sgemm.sh runs it with the metric list and writes the CSV).
+    ncu --clock-control none --csv -k regex:sgemm --metrics <list> python scripts/experiments/ncu_sgemm.py
+(scripts/experiments/ncu_sgemm.sh runs it with the metric list and writes the CSV).
 """
 import torch
 

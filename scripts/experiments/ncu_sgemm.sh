@@ -11,7 +11,7 @@ M+=,sm__warps_active.avg.pct_of_peak_sustained_active,sm__pipe_fma_cycles_active
 M+=,dram__bytes_read.sum,lts__t_sectors_srcunit_tex_op_read.sum
 M+=,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio
 M+=,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio
-ncu --clock-control none --csv -k regex:sgemm --launch-skip 9 --metrics "$M" python3 scripts/ncu_sgemm.py > "$OUT/ncu_sgemm.csv" 2> "$OUT/ncu_sgemm.err"
+ncu --clock-control none --csv -k regex:sgemm --launch-skip 9 --metrics "$M" python3 scripts/experiments/ncu_sgemm.py > "$OUT/ncu_sgemm.csv" 2> "$OUT/ncu_sgemm.err"
 python3 - "$OUT/ncu_sgemm.csv" <<'PY'
 import csv, sys
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]

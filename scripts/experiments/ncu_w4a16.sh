@@ -20,7 +20,7 @@ M+=,sm__cycles_elapsed.avg.per_second,lts__t_sectors_srcunit_tex_op_read.sum,sms
 M+=,launch__grid_size,launch__occupancy_limit_shared_mem,launch__registers_per_thread
 M+=${NCU_EXTRA:+,$NCU_EXTRA}  # more metrics, comma-separated
 ncu --clock-control none --csv -k regex:w4a16 --launch-skip ${SKIP:-2} --launch-count ${COUNT:-4} --metrics "$M" \
-    python3 scripts/profile_w4a16.py --ncu > "$OUT/ncu_w4a16.csv" 2> "$OUT/ncu_w4a16.err"
+    python3 scripts/experiments/profile_w4a16.py --ncu > "$OUT/ncu_w4a16.csv" 2> "$OUT/ncu_w4a16.err"
 python3 - "$OUT/ncu_w4a16.csv" <<'PY'
 import csv, sys
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]

@@ -13,13 +13,10 @@ from tilefish.quant.int4 import quantize_rtn
 if "--ncu" in sys.argv:  # a few launches of the cases worth looking at under ncu
     import os  # env NCU_CASES="m,k,n[,group[,plan]];...", group 128 unless given (-1: per channel); fp16
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from ab_w4a16_plans import parse  # a plan label -> config, k slices (default: the dispatcher's)
-
     cases = [c.split(",") for c in os.environ.get("NCU_CASES", "1,28672,8192;1,8192,57344").split(";")]
     for c in cases:
         m, k, n, group = (int(v) for v in (c + ["128"])[:4])
-        cfg, slices = parse(c[4]) if len(c) > 4 else (None, None)
+        cfg, slices = ops.parse_plan(c[4]) if len(c) > 4 else (None, None)  # default: the dispatcher's plan
         p = ops.pack(quantize_rtn(torch.randn(n, k, device="cuda"), group, True, scale_dtype=torch.float16, clip_search=False))
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
         label = cfg.label() if cfg else ops.choose_config(m, n, k, 132, 90, group).label()

@@ -1,6 +1,6 @@
 """Sweep the W4A16 wgmma configurations x k splits against cuBLAS and the current dispatch (H200).
 
-Usage: python scripts/sweep_w4a16_hopper.py OUT.json [fp16|bf16]. Prints, per (shape, m), cuBLAS,
+Usage: python scripts/experiments/sweep_w4a16_hopper.py OUT.json [fp16|bf16]. Prints, per (shape, m), cuBLAS,
 auto (the dispatcher's pick) and the best three (config, slices), as time and ratio to cuBLAS.
 """
 import json
@@ -38,7 +38,8 @@ def main():
                 for sl in SLICES:
                     if sl > k // 256 or tiles * sl > 8 * 132 or (sl > 1 and tiles >= 2 * 132):
                         continue
-                    t = time_cuda(lambda: ops.matmul_impl(x, p, cfg=cfg, slices=sl), reps=reps).median_ms
+                    grid = {"ctas": sl} if cfg.streamk else {"slices": sl}  # stream-K configs: sl CTAs
+                    t = time_cuda(lambda: ops.matmul_impl(x, p, cfg=cfg, **grid), reps=reps).median_ms
                     rows.append((t, cfg.label(), sl))
             rows.sort()
             auto_cfg = ops.choose_config(m, n, k, 132, 90, 128)  # the weights above: group 128

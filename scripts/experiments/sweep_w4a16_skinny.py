@@ -5,7 +5,7 @@ once per (shape, m) before it is timed.
 Besides cuBLAS and the dispatch's pick it times the two kernels the skinny one competes with at
 these m: the mma.sync kernel's own plan (m <= 16) and the wgmma kernel's model plan (m >= 9).
 
-Usage: python scripts/sweep_w4a16_skinny.py OUT.json [fp16|bf16] [group]   (env MS=1,8,16 limits m,
+Usage: python scripts/experiments/sweep_w4a16_skinny.py OUT.json [fp16|bf16] [group]   (env MS=1,8,16 limits m,
 SHAPES=KxN,... the weights, CODEBOOK=nf4 sweeps NF4 weights (blocksize = group, double quant))
 """
 import json
@@ -68,9 +68,9 @@ def main():
                     continue
                 for f in CTA_FACTORS:
                     ctas = None if f is None else f * sms
-                    y = ops.matmul_impl(x, p, cfg=cfg, slices=ctas)
+                    y = ops.matmul_impl(x, p, cfg=cfg, ctas=ctas)
                     err = rel_err(y, ref)
-                    t = time_cuda(lambda: ops.matmul_impl(x, p, cfg=cfg, slices=ctas), reps=30).median_ms
+                    t = time_cuda(lambda: ops.matmul_impl(x, p, cfg=cfg, ctas=ctas), reps=30).median_ms
                     rows.append((t, cfg.label(), f or cfg.ctas_per_sm, err))
             rows.sort()
             auto_cfg = ops.choose_config(m, n, k, sms, 90, p.group_size, dtype=dt, codebook=p.codebook)

@@ -5,8 +5,8 @@ landed, 3 its consumers' final hand-off done, 4 the finisher's exit, 5 the consu
 the final fixup), 8 its final segment's main loop end, 9 the tile counter's reply to the final
 record, 10 the consumers past fix_ready; plus its SM id. The last CTA's chain is printed.
 
-Usage: [CTA_FACTORS=1,2,4] [SHAPES=KxN,...] [M=1,8] [CONFIGS=sk-m8n256w1s3x2,...]
-       [VARIANTS=,TF_W4A16_SC_FENCES] python scripts/timeline_w4a16_skinny.py
+Usage: [CTA_FACTORS=1,2,4] [SHAPES=KxN,...] [M=1,8] [CONFIGS=skinny-m8n256w1s3x2,...]
+       [VARIANTS=,TF_W4A16_SC_FENCES] python scripts/experiments/timeline_w4a16_skinny.py
 (one line per shape x m x config x grid x variant; a variant is a define added to the build, or
 none: the shipped kernel)
 """
@@ -25,8 +25,7 @@ if os.environ.get("SHAPES"):
     CASES = [tuple(int(v) for v in s.split("x")) for s in os.environ["SHAPES"].split(",")]
 CONFIGS = [ops.SkinnyConfig(8, 4, 1, 3, 2), ops.SkinnyConfig(8, 4, 2, 4, 2)]
 if os.environ.get("CONFIGS"):
-    from ab_w4a16_plans import parse  # noqa: E402 (scripts/ is the script's own directory)
-    CONFIGS = [parse(label)[0] for label in os.environ["CONFIGS"].split(",")]
+    CONFIGS = [ops.parse_plan(label)[0] for label in os.environ["CONFIGS"].split(",")]
 MS = [int(v) for v in os.environ.get("M", "1").split(",")]
 VARIANTS = os.environ.get("VARIANTS", "").split(",")
 CTA_FACTORS = [int(v) for v in os.environ.get("CTA_FACTORS", "1").split(",")]  # x SMs x ctas_per_sm

@@ -1,9 +1,9 @@
 """Is a skinny-kernel CTA's main-loop end a property of its SM? Per-CTA %globaltimer stamps (the
-TF_TIMELINE build, as scripts/timeline_w4a16_skinny.py) over 15 launches at m = 1, grouped by SM id:
+TF_TIMELINE build, as scripts/experiments/timeline_w4a16_skinny.py) over 15 launches at m = 1, grouped by SM id:
 the split-half correlation of each SM's mean lateness (its CTAs' latest loop end minus the launch's
 median), the spread of those means, the first data per SM, and the two CTAs of one SM.
 
-Usage: [SHAPES=KxN,...] [CONFIGS=sk-m8n256w1s3x2,...] python scripts/timeline_w4a16_skinny_sm.py
+Usage: [SHAPES=KxN,...] [CONFIGS=skinny-m8n256w1s3x2,...] python scripts/experiments/timeline_w4a16_skinny_sm.py
 """
 import os
 import statistics as st
@@ -14,8 +14,7 @@ from tilefish.bench.timing import flush_l2
 from tilefish.ops import w4a16 as ops
 from tilefish.quant.int4 import quantize_rtn
 
-from ab_w4a16_plans import parse  # noqa: E402 (scripts/ is the script's own directory)
-from timeline_w4a16_skinny import timeline_launch  # noqa: E402
+from timeline_w4a16_skinny import timeline_launch  # noqa: E402 (this script's own directory)
 
 LAUNCHES = 15
 
@@ -47,8 +46,8 @@ def main():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for shape in os.environ.get("SHAPES", "28672x8192").split(","):
         k, n = map(int, shape.split("x"))
-        for label in os.environ.get("CONFIGS", "sk-m8n256w1s3x2").split(","):
-            runs = per_sm_runs(k, n, parse(label)[0], sms)
+        for label in os.environ.get("CONFIGS", "skinny-m8n256w1s3x2").split(","):
+            runs = per_sm_runs(k, n, ops.parse_plan(label)[0], sms)
             late = {}  # SM -> per launch: its latest CTA's loop end minus the launch's median
             for by_sm in runs:
                 med = st.median(v[0] for cs in by_sm.values() for v in cs)

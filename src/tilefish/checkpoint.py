@@ -250,7 +250,7 @@ def _expected_shapes(fmt: QuantFormat, k: int, n: int) -> dict[str, tuple[tuple[
 
 
 def _check_tileable(name: str, linear: nn.Linear, where: str) -> None:
-    """The W4A16 kernel tiles n by 64 and k by 128 (ops/w4a16.py check_shape)."""
+    """The W4A16 kernel tiles n by 64 and k by 128 (ops/w4a16/layout.py check_shape)."""
     from .ops.w4a16 import BK
 
     n, k = linear.out_features, linear.in_features

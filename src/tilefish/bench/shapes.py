@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Today's kernels (ops/w4a16.py): n a multiple of 64 (the packed layout's column tile), k a multiple of 128
+# Today's kernels (ops/w4a16/layout.py): n a multiple of 64 (the packed layout's column tile), k a multiple of 128
 # (the k stage). A shape that misses either is kept in the table, marked, and skipped by the bench.
 N_MULTIPLE = 64
 K_MULTIPLE = 128

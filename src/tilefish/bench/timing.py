@@ -100,7 +100,7 @@ def time_paired(fn, peer, *, rounds: int = 3, reps: int = 50, warmup: int = 5, f
 def time_alternating_us(fns: dict, *, rounds: int = 4, per_round: int = 6, warmup: int = 2, flush: bool = True,
                         max_seconds: float = 10.0) -> dict:
     """Several callables timed in alternating rounds (each round runs every fn in turn, per_round
-    calls each), samples pooled: {name: median us}. The same-process A/B of scripts/ab_*.py, for
+    calls each), samples pooled: {name: median us}. The same-process A/B of scripts/experiments/ab_*.py, for
     choices a one-after-another comparison cannot settle because the clocks drift. Each round
     starts at a different place in the list (offset r x len / rounds): the fn timed right after a
     heavy one runs slower (HGEMM 8192^3 on the H200: the same configuration read 0.531x of cuBLAS

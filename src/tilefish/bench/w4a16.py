@@ -82,20 +82,25 @@ def merge_streamk_resweep(base: list[dict], resweep: list[dict]) -> tuple[list[d
     by those of a later sweep of the stream-K configurations alone (after a change to their code),
     each scaled by the day factor: the median ratio, base over resweep, of the dispatcher's
     tile-mode pick timed in both (same label), so two days' clocks do not bias stream-K against the
-    tile plans. Returns (merged records, day factor)."""
+    tile plans. Returns (merged records, day factor). Labels as the records have them (stream-K:
+    "-streamk", or "-sk" in sweeps recorded before the rename)."""
+    from ..ops.w4a16 import canonical_label
+
+    def streamk(label: str) -> bool:
+        return canonical_label(label).endswith("-streamk")
     later = {(r["k"], r["n"], r["m"]): r for r in resweep}
     same = [r["auto_us"] / later[key]["auto_us"] for r in base if (key := (r["k"], r["n"], r["m"])) in later
-            and later[key]["auto"] == r["auto"] and not r["auto"].endswith("-sk")]
+            and later[key]["auto"] == r["auto"] and not streamk(r["auto"])]
     if not same:
         raise ValueError("the two sweeps share no tile-mode pick to scale by")
     day = statistics.median(same)
     merged = []
     for r in base:
-        rows = [row for row in r["configs"] if not row[1].endswith("-sk")]
+        rows = [row for row in r["configs"] if not streamk(row[1])]
         if (key := (r["k"], r["n"], r["m"])) in later:
-            rows += [[t * day, label, cluster] for t, label, cluster in later[key]["configs"] if label.endswith("-sk")]
+            rows += [[t * day, label, cluster] for t, label, cluster in later[key]["configs"] if streamk(label)]
         else:
-            rows += [row for row in r["configs"] if row[1].endswith("-sk")]
+            rows += [row for row in r["configs"] if streamk(row[1])]
         merged.append(dict(r, configs=sorted(rows)))
     return merged, day
 

@@ -1,6 +1,6 @@
 // W4A16 building blocks shared by the kernels (gemm.cu, wgmma.cu, skinny.cu): lop3 int4 ->
 // fp16/bf16 conversion of one packed word into four half2 fragment registers, small dtype
-// helpers, and the stream-K unit split. The packed word layout is in ops/w4a16.py and docs/w4a16.md.
+// helpers, and the stream-K unit split. The packed word layout is in ops/w4a16/layout.py and docs/w4a16.md.
 #pragma once
 #include "common/ptx.cuh"
 
@@ -53,7 +53,7 @@ template <> struct Dequant<__nv_bfloat16> {
 // it). Codes 0-7 read A with the code itself as selector; codes 8-15 read B with ~code, whose bit 3
 // is then clear (A's lookups of codes 8-15 and B's of 0-7 come out as sign fills and are discarded
 // by a per-byte select on bit 3 of the code). The kernel layout stores the nibbles of a word in the
-// order 0 4 1 5 2 6 3 7 of the int4 layout (ops/w4a16.py, pack with codebook "nf4"), so one prmt
+// order 0 4 1 5 2 6 3 7 of the int4 layout (ops/w4a16/layout.py, pack with codebook "nf4"), so one prmt
 // interleaves the looked-up low and high bytes straight into the fragment's half2 pairs.
 // 22 integer instructions a word (8 weights) against the int4 path's 5 (+ 4 fp16): the NF4 matmul
 // runs 1.1-1.4x the int4 time at m <= 64 (docs/nf4.md has the builds tried). The constants are the

@@ -9,7 +9,7 @@
 // and zero points. x is stored XOR-swizzled (16-byte chunk c of row r lands at c ^ (r & 7)), so
 // the ldmatrix.x4 that reads a 16x16 A fragment touches 8 different bank groups: conflict-free.
 //
-// Weights arrive pre-permuted (ops/w4a16.py, docs/w4a16.md), strip-major: each 64-column strip's
+// Weights arrive pre-permuted (ops/w4a16/layout.py, docs/w4a16.md), strip-major: each 64-column strip's
 // whole k run is contiguous, so a block streams WN sequential runs. For each (strip, k16 row),
 // 512 contiguous bytes, 16 per lane, and the 4-byte word j of lane l holds exactly the B fragments
 // of n8 subtiles 2j and 2j+1 for that lane, nibbles ordered so that lop3 with an fp16/bf16
@@ -316,7 +316,7 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
         // __syncthreads orders every thread's slice stores before thread 0's atomic, whose release
         // publishes them and whose acquire (passed on by the second __syncthreads) makes the other
         // slices' visible: no per-thread fence.sc (MEMBAR.SC.GPU) on the tail's critical path.
-#ifdef TF_W4A16_SC_FENCES  // A/B builds only (scripts/ab_w4a16_builds.py): the fences before
+#ifdef TF_W4A16_SC_FENCES  // A/B builds only (scripts/experiments/ab_w4a16_builds.py): the fences before
         __threadfence();
 #endif
         __syncthreads();

@@ -112,7 +112,7 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
 #else
 #define TF_STAMP(i)
 #endif
-#ifdef TF_W4A16_SC_FENCES  // A/B builds only (scripts/ab_w4a16_builds.py): the hand-offs' fences before
+#ifdef TF_W4A16_SC_FENCES  // A/B builds only (scripts/experiments/ab_w4a16_builds.py): the hand-offs' fences before
 #define SC_FENCE() __threadfence()
 #else
 #define SC_FENCE()
@@ -402,7 +402,7 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
             typename V2::type sc2[8];
             typename DQ::Zero zs[8];
             // This lane's scales / zero points of subtiles 0..7 (columns 8 sub + g of the strip sit
-            // at 8 g + sub, ops/w4a16.py): one 16-byte load per group row.
+            // at 8 g + sub, ops/w4a16/layout.py): one 16-byte load per group row.
             auto load_group = [&](int row) {
                 const int offset = (row * BN + si * 64 + g * 8) * 2;
                 if constexpr (GROUP > 0) {

@@ -113,7 +113,7 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
     // Tile mode with cluster_split: the k slices of a tile are one cluster (consecutive blockIdx.x)
     // and sum their partials through distributed shared memory (below); else blockIdx.z is the slice.
     // tile_base: the first tile of this launch (the host runs a partial last wave as a launch of
-    // its own, so its CTAs spread one an SM; see ops/w4a16.py, _hopper_launches).
+    // its own, so its CTAs spread one an SM; see ops/w4a16/launch.py, _hopper_launches).
     const bool dsmem_fixup = !SK && cluster_split && slices > 1;
     const int m_tiles = (m + MT - 1) / MT;
     const int units = SK ? m_tiles * (n / BN) * KT : 0;
@@ -150,7 +150,7 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
 #else
 #define TF_STAMP(i)
 #endif
-#ifdef TF_W4A16_SC_FENCES  // A/B builds only (scripts/ab_w4a16_builds.py): the split-k hand-off's fences before
+#ifdef TF_W4A16_SC_FENCES  // A/B builds only (scripts/experiments/ab_w4a16_builds.py): the split-k hand-off's fences before
 #define SC_FENCE() __threadfence()
 #else
 #define SC_FENCE()
@@ -221,7 +221,7 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
     typename DQ::Zero zs[NT][2];
     const typename DQ::Zero zsym = DQ::zero(8.f);
 
-    // This lane's scales / zero points: columns 8 s + g of the strip sit at 8 g + s (ops/w4a16.py),
+    // This lane's scales / zero points: columns 8 s + g of the strip sit at 8 g + s (ops/w4a16/layout.py),
     // and the lane needs subtiles s = 2 (word0 + jj) + h: 2 NT contiguous values (one load, and
     // no run-time index into a register array, which would go to local memory).
     auto load_group = [&](int stage, int row) {

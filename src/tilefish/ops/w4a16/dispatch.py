@@ -1,0 +1,316 @@
+"""W4A16 dispatch: which kernel, configuration and k split (or stream-K) a call gets, from (m, n, k,
+SM count, compute capability, weight format, dtype). choose_config is the entry point:
+
+  sm_90  m <= 16: the skinny kernel where choose_skinny_config takes it (m <= 2 on the smallest
+         weights: the mma.sync swap kernel); from HOPPER_MIN_M up to MODEL_MAX_M, the wgmma plan of
+         least predicted time under the fitted time model (time_model.py, choose_hopper_plan); from
+         MODEL_MAX_M up, the older per-range rule (_choose_hopper_config), which the model's sweep
+         does not cover. NF4 at 128 < m < MODEL_MAX_M: the 256-row tile (NF4_TALL_TILE).
+  other  the mma.sync kernel (choose_mma_config, k split by choose_slices).
+
+The rules' thresholds come from H200 sweeps and same-process A/Bs; the comments say which.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import torch
+
+from ...runtime import KernelSpec
+from .configs import (H200_CLUSTERS, HOPPER_BK, HOPPER_CONFIGS, SKINNY_BK, GemmConfig, HopperConfig, SkinnyConfig,
+                      kernel_spec)
+from .layout import DTYPES
+from .time_model import hopper_time_model, predicted_hopper_us
+
+HOPPER_MIN_M = 9     # sm_90: the wgmma kernel from this m up where the skinny kernel declines (below: mma.sync)
+MODEL_MAX_M = 2048   # the time model's plans below this m, the per-range rule from it up
+SMALL_WEIGHT_NK = 100_000_000
+TINY_WEIGHT_NK = 32_000_000
+MAX_HOPPER_SLICES = 8
+STREAMK_MAX_M = 512
+HOPPER_SLICES = (1, 2, 3, 4, 6, 8)
+
+
+def _uses_hopper(m: int, n: int, k: int) -> bool:
+    return m >= HOPPER_MIN_M
+
+
+def _fit_n(cfg: HopperConfig, n: int) -> HopperConfig:
+    """Narrow a configuration until its column tile divides n (one warpgroup, then fewer strips)."""
+    while n % cfg.bn:
+        if cfg.cons == 2 and cfg.mt <= 128:
+            cfg = HopperConfig(cfg.mt, cfg.nt, 1, cfg.stages, cfg.streamk)
+        else:
+            cfg = HopperConfig(cfg.mt, cfg.nt // 2, cfg.cons, cfg.stages, cfg.streamk)
+    return cfg
+
+
+
+def _hopper_candidates(m: int, n: int, k: int, sm_count: int):
+    """(config, slices) plans the dispatcher weighs: m tiles up to twice m (64+ rows from m = 128,
+    128+ from m = 512), k splits of >= 4 stages up to 4 waves, stream-K up to m = STREAMK_MAX_M while
+    the tiles fill fewer than two waves (it never won beyond; its model overrates it at m = 1024)."""
+    for cfg in HOPPER_CONFIGS:
+        if cfg.label() not in hopper_time_model(m) or n % cfg.bn:
+            continue
+        if cfg.mt > max(32, 2 * m) or (m >= 128 and cfg.mt < 64) or (m >= 512 and cfg.mt < 128):
+            continue
+        tiles = (n // cfg.bn) * -(-m // cfg.mt)
+        if cfg.streamk:
+            if m <= STREAMK_MAX_M and tiles < 2 * sm_count * cfg.ctas_per_sm(128, False):
+                yield cfg, None
+            continue
+        for sl in HOPPER_SLICES:
+            if sl == 1 or (tiles * sl <= 4 * sm_count and k // HOPPER_BK // sl >= 4):
+                yield cfg, sl
+
+
+@functools.lru_cache(maxsize=4096)
+def choose_hopper_plan(m: int, n: int, k: int, sm_count: int,
+                       clusters: tuple[tuple[int, int], ...] = H200_CLUSTERS,
+                       grouped: bool = True) -> tuple[HopperConfig, int | None]:
+    """The (config, k slices or None for stream-K) the dispatcher launches on sm_90. clusters: the
+    device's cluster capacity (runtime.cluster_capacity; the H200's by default); grouped: the weight
+    has group scales (the m >= MODEL_MAX_M rule takes other tiles for per-channel weights)."""
+    if m < MODEL_MAX_M:
+        plans = [(predicted_hopper_us(cfg, sl, m, n, k, sm_count, clusters, grouped), cfg.label(), cfg, sl)
+                 for cfg, sl in _hopper_candidates(m, n, k, sm_count)]
+        if plans:
+            _, _, cfg, sl = min(plans, key=lambda p: (p[0], p[1]))
+            return cfg, sl
+    cfg = _fit_n(_choose_hopper_config(m, n, sm_count, k, grouped), n)
+    return cfg, None if cfg.streamk else _rule_slices(cfg, (n // cfg.bn) * -(-m // cfg.mt), k, sm_count)
+
+
+def choose_hopper_config(m: int, n: int, sm_count: int, k: int = 8192,
+                         clusters: tuple[tuple[int, int], ...] = H200_CLUSTERS, grouped: bool = True) -> HopperConfig:
+    return choose_hopper_plan(m, n, k, sm_count, clusters, grouped)[0]
+
+
+def _choose_hopper_config(m: int, n: int, sm_count: int, k: int, grouped: bool = True) -> HopperConfig:
+    """The per-m-range rule (an earlier H200 sweep), kept where the time model was not fitted:
+    16-row tiles for small m or tiny weights; 64-row tiles with two warpgroups of 2 strips;
+    128-row tiles with two warpgroups of one strip while the tiles do not fill the SMs (then split
+    k), else one warpgroup of 2 strips and two CTAs per SM; 128 x 256 tiles with two warpgroups for
+    m >= 1024 with >= 2 tiles per SM. From MODEL_MAX_M up, grouped weights take 256 x 128 tiles
+    (wgmma N = 256: the group scale's multiplies are spread over twice the tensor work), which a
+    same-process A/B (scripts/experiments/ab_w4a16_plans.py, m = 2048 / 4096) had ahead: geomean vs cuBLAS
+    0.918 -> 0.982 bf16, 0.962 -> 0.982 fp16; per-channel weights were even (0.986 / 0.982)."""
+    def tiles(cfg: HopperConfig) -> int:
+        return (n // cfg.bn) * -(-m // cfg.mt) if n % cfg.bn == 0 else 0
+
+    nk = n * k
+    if m <= 16 or (m <= 32 and nk < SMALL_WEIGHT_NK) or (m <= 64 and nk < TINY_WEIGHT_NK):
+        big = HopperConfig(16, 4, 2, 8)
+        return big if m <= 16 and tiles(big) >= 0.75 * sm_count else HopperConfig(16, 4, 1, 8)
+    if m <= 32:
+        big = HopperConfig(32, 4, 2, 6)
+        return big if tiles(big) >= 0.75 * sm_count else HopperConfig(32, 4, 1, 6)
+    if m <= 64:
+        mid = HopperConfig(64, 2, 2, 6)
+        return mid if 0 < tiles(mid) <= 1.5 * sm_count else HopperConfig(64, 4, 1, 6)
+    if m >= MODEL_MAX_M and grouped and tiles(HopperConfig(256, 1, 2, 5)) >= sm_count:
+        return HopperConfig(256, 1, 2, 5)
+    if m >= 1024 and tiles(HopperConfig(128, 2, 2, 6)) >= 2 * sm_count:
+        return HopperConfig(128, 2, 2, 6)
+    narrow = HopperConfig(128, 1, 2, 6)
+    return narrow if tiles(narrow) <= sm_count else HopperConfig(128, 2, 1, 4)
+
+
+def _rule_slices(cfg: HopperConfig, tiles: int, k: int, sm_count: int) -> int:
+    """The rule's k split: toward one CTA per SM, at most 4 ways, >= 4 stages (256 k) a slice."""
+    return max(1, min(4, k // HOPPER_BK // 4, round(sm_count / tiles)))
+
+
+def choose_hopper_slices(cfg: HopperConfig, m: int, n: int, k: int, sm_count: int,
+                         clusters: tuple[tuple[int, int], ...] = H200_CLUSTERS, grouped: bool = True) -> int:
+    """k slices for a tile-mode configuration (the dispatcher's plan when it is that config, else
+    the split of least predicted time for it)."""
+    plan_cfg, plan_sl = choose_hopper_plan(m, n, k, sm_count, clusters, grouped)
+    if plan_cfg == cfg and plan_sl is not None:
+        return plan_sl
+    if m < MODEL_MAX_M and cfg.label() in hopper_time_model(m):
+        options = [sl for c, sl in _hopper_candidates(m, n, k, sm_count) if c == cfg]
+        if options:
+            return min(options, key=lambda sl: predicted_hopper_us(cfg, sl, m, n, k, sm_count, clusters, grouped))
+    return _rule_slices(cfg, (n // cfg.bn) * -(-m // cfg.mt), k, sm_count)
+
+
+
+# The skinny kernel on sm_90 (H200 sweeps, scripts/experiments/sweep_w4a16_skinny.py, docs/w4a16.md). Since the
+# finisher warp (bench/results/h200/ab/w4a16_skinny_sweep_fp16_g128.json) it beats the mma.sync kernel
+# at m <= 8 on every benchmark shape but the smallest weight at m <= 2 (k 4096 x n 4096: 11.0 against
+# 11.7 us; the mma.sync kernel's ramp is shorter), by 4-30% (k 8192 x n 10240, whose mma.sync grid
+# quantizes badly). The old time model (mma.sync wave efficiency) misjudged the small shapes.
+# m = 9-16 (bench/results/h200/ab/w4a16_skinny_sweep_m16_fp16_g128.json, since the group scales of
+# two 8-row blocks also go on the fp32 partial sums): skinny-m16n128w2s6x2 beats the wgmma plan by
+# 2-12% at m = 12 on all 8 shapes and at m = 16 on 6 (k 28672 x n 8192: 44.3 against 50.4 us);
+# at m = 13-16 with n <= 4096 the wgmma kernel stays 0-3% ahead.
+# Per-channel weights have no group scale to move onto the partials, and there the wgmma
+# kernel's stream-K plan keeps n 57344 at m = 13-16 (same-process sweep,
+# w4a16_skinny_sweep_m16_{fp16,bf16}_g-1.json: 73.3 against 77.5 us fp16, 77.2 against 83.2 bf16;
+# elsewhere the two are within 0-5% either way).
+SKINNY_MAX_M = 16
+SKINNY_MMA_MAX_NK = 4096 * 4096  # at most this many weights and m <= 2: the mma.sync kernel
+SKINNY_M16_MIN_N = 4097          # m = 13-16: the skinny kernel from this n up ...
+SKINNY_M16_PER_CHANNEL_MAX_N = 32768  # ... and, per-channel, up to this n
+SKINNY_WIDE_N = 32768            # m = 9-16 above this n: 256-column tiles, one warp a strip
+PER_CHANNEL_WGMMA_MIN_K = 14336  # per-channel weights, m = 9-16: the wgmma kernel from this k ...
+PER_CHANNEL_WGMMA_MIN_N = 16384  # ... or this n (up to SKINNY_WIDE_N)
+SKINNY_STAGED_MIN_TRIPS = 4      # the staged-fixup build where the register fixup takes this many L2 round trips
+
+
+def skinny_fixup_trips(cfg: SkinnyConfig, m: int, n: int, k: int, sm_count: int) -> int:
+    """L2 round trips of the consumers' end-of-launch fixup through registers (skinny.cu's fixup):
+    one per float4 a thread and batch of 8 slots, for the tile split over the most CTAs."""
+    ks, tiles, ctas = k // SKINNY_BK, n // cfg.bn, sm_count * cfg.ctas_per_sm
+    units = tiles * ks
+
+    def cta_of_unit(u):  # skinny.cu's: the CTA whose equal share holds unit u
+        return ((u + 1) * ctas - 1) // units
+    slots = max(cta_of_unit((t + 1) * ks - 1) - cta_of_unit(t * ks) + 1 for t in range(tiles))
+    per_thread = -(-min(cfg.mt, m) * cfg.bn // 4 // (cfg.ns * cfg.wk * 32))
+    return per_thread * -(-slots // 8)
+
+
+def choose_skinny_config(m: int, n: int, k: int, sm_count: int, group: int | None = None,
+                         dtype: torch.dtype | None = None) -> SkinnyConfig | None:
+    """The stream-K kernel's configuration where it is expected to win on sm_90, else None.
+    group: the weight's group size (-1 per channel; None when not known, treated as grouped);
+    dtype: x's (None: fp16's choices). Its staged-fixup build where the register fixup would take
+    SKINNY_STAGED_MIN_TRIPS L2 round trips or more (same-process A/B, m = 1-16, both dtypes and
+    scale formats, bench/results/h200/ab/w4a16_skinny_staged_*.json; staged / register time: 6-8
+    trips 0.94-0.99, 4 trips 0.95-1.01 on every configuration but the 128-column 16-row one
+    (0.98-1.04, kept on registers), 1-3 trips 0.98-1.09)."""
+    cfg = _choose_skinny_config(m, n, k, sm_count, group, dtype)
+    if (cfg is not None and not (cfg.mt == 16 and cfg.ns == 2)
+            and skinny_fixup_trips(cfg, m, n, k, sm_count) >= SKINNY_STAGED_MIN_TRIPS):
+        return replace(cfg, staged=True)
+    return cfg
+
+
+def _choose_skinny_config(m: int, n: int, k: int, sm_count: int, group: int | None,
+                          dtype: torch.dtype | None) -> SkinnyConfig | None:
+    if m > SKINNY_MAX_M or n % 128 or (m <= 2 and n * k <= SKINNY_MMA_MAX_NK):
+        return None
+    grouped = group != -1
+    if m > 8:
+        if m > 12 and (n < SKINNY_M16_MIN_N or (not grouped and n > SKINNY_M16_PER_CHANNEL_MAX_N)):
+            return None
+        # Per-channel weights have no group scale for the skinny kernel to move onto its fp32
+        # partials, and at settled clocks the time model's wgmma plan beat it on the long-k and
+        # wide weights at m = 10-16 (same-process A/B, bench/results/h200/ab/w4a16_skinny_ab_m10-16_*_g-1.json:
+        # k 28672 x n 8192 3-8%, k 4096 x n 28672 -1..+8%, k 14336 x n 4096 0-4%), not on the
+        # others (k 8192 x n 8192 2-5% behind). n 57344 keeps the wide skinny tile at m <= 12
+        # (6% ahead in bf16).
+        if not grouped and n <= SKINNY_WIDE_N and (k >= PER_CHANNEL_WGMMA_MIN_K or n >= PER_CHANNEL_WGMMA_MIN_N):
+            return None
+        # Same-process A/Bs (scripts/experiments/ab_w4a16_plans.py, bench/results/h200/ab/w4a16_skinny_ab_m3-16_rotated_*.json):
+        # on n 57344 the 256-column tile with one warp a strip was 3.5-9% ahead; on n 4096 at m <= 12,
+        # one CTA of 8 stages an SM 12-14% (k 4096) or even (k 14336, -2..+1%).
+        if n > SKINNY_WIDE_N and n % 256 == 0:
+            return SkinnyConfig(16, 4, 1, 4, 2)
+        if n <= 4096:
+            return SkinnyConfig(16, 2, 2, 8, 1)
+        return SkinnyConfig(16, 2, 2, 6, 2)
+    if n % 256:
+        return SkinnyConfig(8, 2, 4, 8, 2)
+    # m <= 2: one warp a strip, two CTAs an SM (128 registers: group scales on the fp32 partial
+    # sums); m = 3-8: two warps a strip with one CTA of 8 stages an SM (the m = 4 / 8 best on 7 of
+    # the 8 shapes of the sweep, 1-9% ahead of the two-CTA configuration), except on large weights
+    # (same-process A/Bs, w4a16_skinny_ab_m3-16_rotated_*.json and w4a16_skinny_ab_stages_*.json):
+    # with group scales, two CTAs of one warp a strip (bf16 2-10% ahead; fp16 0-7% since they run
+    # 3 stages); per-channel in bf16, two CTAs of two warps a strip (0-6%).
+    # The one-warp configuration runs 3 stages: 1-7% ahead of 4 on the mid and large weights at
+    # m = 1-4 (geomean 1.2-2.7% by format; w4a16_skinny_ab_stages_*.json), even on the small ones.
+    if m <= 2:
+        return SkinnyConfig(8, 4, 1, 3, 2)
+    if n * k >= SMALL_WEIGHT_NK and (grouped or dtype == torch.bfloat16):
+        return SkinnyConfig(8, 4, 1, 3, 2) if grouped else SkinnyConfig(8, 4, 2, 4, 2)
+    return SkinnyConfig(8, 4, 2, 8, 1)
+
+
+# NF4 at 128 < m < MODEL_MAX_M: the 256-row tile. The NF4 decode costs ~2.5x the int4 one and a
+# tile decodes its weights once for all its rows, so the tallest tile wins where the int4 time
+# model (fitted without that cost) picks 128-row tiles or stream-K: same-process on the H100 at
+# m = 256 / 512 over the eight benchmark weights, 0.70-0.90x -> 0.77-1.10x of cuBLAS (docs/nf4.md).
+NF4_TALL_TILE = HopperConfig(256, 1, 2, 5)
+
+
+@functools.lru_cache(maxsize=4096)
+def choose_config(m: int, n: int, k: int, sm_count: int, cc: int = 80, group: int | None = None,
+                  clusters: tuple[tuple[int, int], ...] = H200_CLUSTERS,
+                  dtype: torch.dtype | None = None, codebook: str = "int4") -> GemmConfig | HopperConfig | SkinnyConfig:
+    """clusters: the device's cluster capacity on sm_90 (runtime.cluster_capacity), which decides
+    which k splits the wgmma kernel runs as clusters; the H200's by default. dtype: x's (the skinny
+    kernel's best configuration differs between fp16 and bf16 on large weights); None: fp16's."""
+    if cc == 90:
+        skinny = choose_skinny_config(m, n, k, sm_count, group, dtype)
+        if skinny is not None:
+            return skinny
+    if cc == 90 and _uses_hopper(m, n, k):
+        if codebook == "nf4" and 128 < m < MODEL_MAX_M and n % NF4_TALL_TILE.bn == 0:
+            return NF4_TALL_TILE
+        return choose_hopper_config(m, n, sm_count, k, clusters, group != -1)
+    return choose_mma_config(m, n, k, sm_count)
+
+
+@functools.lru_cache(maxsize=4096)
+def choose_mma_config(m: int, n: int, k: int, sm_count: int) -> GemmConfig:
+    """Heuristic fitted to the H200 sweeps (`tilefish bench w4a16 --variants`, docs/w4a16.md).
+
+    m <= 8: swapped operands + weights in a register ring, 256-column tiles with 3 stages (128
+    columns with 6 stages when n needs it); m <= 16: 16-row tiles, register ring, 128 columns;
+    larger m: 32-row tiles through shared memory, 256 columns while they give half a tile per SM.
+    """
+    if m <= 8:
+        if n % 256 == 0:
+            return GemmConfig(1, 4, 2, 3, swap=True, breg=True)
+        if n % 128 == 0:
+            return GemmConfig(1, 2, 4, 6, swap=True, breg=True)
+        return GemmConfig(1, 1, 8, 4, swap=True, breg=True)
+    if m <= 16:
+        if n % 128 == 0:
+            return GemmConfig(1, 2, 4, 4, breg=True)
+        return GemmConfig(1, 1, 8, 4)
+    m_tiles = -(-m // 32)
+    if n % 256 == 0 and (n // 256) * m_tiles * 2 >= sm_count:
+        wn = 4
+    elif n % 128 == 0:
+        wn = 2
+    else:
+        wn = 1
+    return GemmConfig(2, wn, 8 // wn, 4)
+
+
+MIN_K_TILES_PER_SLICE = 4
+
+
+def choose_slices(tiles: int, k_tiles: int, sm_count: int) -> int:
+    """Split k so that tiles x slices is about two blocks per SM (>= 4 k tiles per slice)."""
+    return max(1, min(k_tiles // MIN_K_TILES_PER_SLICE, round(2 * sm_count / tiles)))
+
+
+NF4_GROUPS = (32, 64, 128)  # an NF4 weight's scale groups (tilefish.nf4.prepare: min(blocksize, 128))
+
+
+
+def dispatch_specs() -> list[KernelSpec]:
+    out = []
+    cfgs = {choose_mma_config(m, n, 4096, sms) for m in (1, 8, 9, 16, 17, 32, 33, 64, 128, 4096)
+            for n in (64, 128, 256, 4096, 8192, 14336, 28672, 57344) for sms in (108, 132)}
+    cfgs |= {choose_hopper_config(m, n, 132, k, grouped=g) for m in (9, 16, 17, 32, 33, 64, 65, 128, 256, 512, 1024, 4096)
+             for n in (64, 128, 256, 4096, 6144, 8192, 10240, 14336, 28672, 57344) for k in (4096, 8192, 28672)
+             for g in (True, False)}
+    cfgs |= {c for m in (1, 4, 8, 9, 16) for n in (128, 256, 4096, 6144, 10240, 57344)
+             for k in (4096, 8192, 28672) for g in (-1, 128) for dt in DTYPES
+             if (c := choose_skinny_config(m, n, k, 132, g, dt)) is not None}
+    for dt in DTYPES:
+        for cfg in sorted(cfgs, key=lambda c: c.label()):
+            for g in (-1, 32, 64, 128):
+                for asym in (False, True):
+                    out.append(kernel_spec(dt, cfg, g, asym))
+            for g in NF4_GROUPS:
+                out.append(kernel_spec(dt, cfg, g, False, "nf4"))
+    return out
