@@ -5,7 +5,7 @@ communication; optionally all-gathered back to full width), a row-parallel layer
 features, and all-reduces its partial outputs. In a Llama decoder, q/k/v and gate/up are column-parallel,
 o and down row-parallel, so each block communicates twice (docs/distributed.md).
 
-Sharding a 4-bit weight is exact slicing of the kernel layout (ops.w4a16's module docstring):
+Sharding a 4-bit weight is exact slicing of the kernel layout (ops/w4a16/layout.py):
 - columns: the packed words are strip-major (64 output columns a row of `packed`) and the group scales
   are permuted only inside a strip, so a rank's columns are whole strips: n / world % 64 == 0.
 - rows: each strip row stores its 16-wide k rows in order, so a contiguous k range is a contiguous slice
