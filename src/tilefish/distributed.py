@@ -291,8 +291,7 @@ def _attention_heads(attn: nn.Module) -> tuple[int, int] | None:
     return None
 
 
-def shard_model(model: nn.Module, group=None, *, device=None, gather_output: bool = False,
-                lm_head: bool = True) -> ShardReport:
+def shard_model(model: nn.Module, group=None, *, device=None, lm_head: bool = True) -> ShardReport:
     """Make a Llama-style decoder tensor-parallel over `group`, in place, on every rank (each rank calls it
     with the same whole model: built from the same seed, converted by quantize_model, or loaded by
     load_quantized): q/k/v and gate/up (fused or not) column-parallel, o and down row-parallel, attention
@@ -362,8 +361,10 @@ def shard_model(model: nn.Module, group=None, *, device=None, gather_output: boo
     # Apply.
     for parent, name, full in column:
         layer = getattr(parent, name)
-        shard = ColumnParallelLinear.from_layer(layer, group, gather_output=gather_output or layer is head,
-                                                rank=rank, world=world, name=full)
+        # The decoder's own modules take the local columns (attention runs on this rank's heads, the MLP on its
+        # slice of the intermediate features); only the logits are gathered.
+        shard = ColumnParallelLinear.from_layer(layer, group, gather_output=layer is head, rank=rank, world=world,
+                                                name=full)
         if device is not None:
             shard = shard.to(device)
         setattr(parent, name, shard)
