@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -49,6 +50,65 @@ def test_compile_and_cache_roundtrip(tmp_cache, scratch_kernel):
     for f in tmp_cache.rglob("*.json"):
         f.write_text("{not json")
     assert not compile_kernel(spec, "sm_90").from_cache
+
+
+def test_truncated_entries_are_recompiled(tmp_cache, scratch_kernel):
+    (scratch_kernel / "k.cu").write_text('extern "C" __global__ void k(float* x) { x[0] = 2; }')
+    spec = KernelSpec("k.cu", "k")
+    good = compile_kernel(spec, "sm_80")
+    for pattern in ("*.cubin", "*.json"):
+        for f in tmp_cache.rglob(pattern):
+            f.write_bytes(f.read_bytes()[: len(f.read_bytes()) // 2])  # a write cut short
+        again = compile_kernel(spec, "sm_80")
+        assert not again.from_cache and again.cubin == good.cubin
+        assert compile_kernel(spec, "sm_80").from_cache  # the recompile stored a whole entry again
+
+
+def test_unwritable_cache_directory_still_compiles(tmp_path, scratch_kernel, monkeypatch):
+    """A cache directory that cannot be created or written (here below a regular file, which stops root
+    as well as users) costs a recompile per process, never an error."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("TILEFISH_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setenv("TILEFISH_CACHE", "1")
+    (scratch_kernel / "k.cu").write_text('extern "C" __global__ void k(float* x) { x[0] = 3; }')
+    spec = KernelSpec("k.cu", "k")
+    first, second = compile_kernel(spec, "sm_80"), compile_kernel(spec, "sm_80")
+    assert first.cubin and second.cubin == first.cubin and not second.from_cache
+
+
+def _compile_in_process(root: str, cache: str, start, results) -> None:
+    os.environ["TILEFISH_CACHE_DIR"], os.environ["TILEFISH_CACHE"] = cache, "1"
+    compiler.KERNEL_ROOT = Path(root)
+    start.wait()  # every process compiles at the same moment
+    ck = compile_kernel(KernelSpec("k.cu", "scale<5>"), "sm_90")
+    results.put((ck.cubin, ck.lowered_name))
+
+
+def test_processes_compiling_the_same_kernel_at_once(tmp_cache, scratch_kernel):
+    """Real processes racing to compile and store one kernel: each gets a correct cubin, the entry left
+    behind loads and matches, and no temporary file is left (writes are whole-file renames)."""
+    import multiprocessing as mp
+
+    (scratch_kernel / "k.cu").write_text(textwrap.dedent('''
+        #include "common/h.cuh"
+        template <int N> __global__ void scale(float* x) { x[threadIdx.x] *= SCALE * N; }
+    '''))
+    ctx = mp.get_context("spawn")
+    start, results = ctx.Barrier(4), ctx.Queue()
+    procs = [ctx.Process(target=_compile_in_process, args=(str(scratch_kernel), str(tmp_cache), start, results))
+             for _ in range(4)]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    fresh = compile_kernel(KernelSpec("k.cu", "scale<5>"), "sm_90", use_cache=False)
+    assert all(cubin == fresh.cubin and name == fresh.lowered_name for cubin, name in got)
+    cached = compile_kernel(KernelSpec("k.cu", "scale<5>"), "sm_90")
+    assert cached.from_cache and cached.cubin == fresh.cubin
+    assert not list(tmp_cache.rglob("*.tmp"))
 
 
 def test_cache_can_be_disabled(tmp_cache, scratch_kernel, monkeypatch):
