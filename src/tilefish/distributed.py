@@ -80,18 +80,22 @@ def shard_weight_columns(w: W4A16Weight, rank: int, world: int, parts: list[int]
                    zeros=None if zeros is None else zeros.contiguous(), n=sum(b - a for a, b in ranges))
 
 
+def _check_weight_rows(w: W4A16Weight, world: int, what: str) -> None:
+    if w.k % world:
+        raise ShardError(f"{what}: in_features {w.k} is not divisible by the tensor-parallel size {world}")
+    try:
+        check_shape(w.n, w.k // world, w.group_size)
+    except ValueError as e:
+        raise ShardError(f"{what}: a row-parallel shard of {w.k // world} input features (in_features {w.k} / "
+                         f"{world}) is not tileable: {e}") from None
+
+
 def shard_weight_rows(w: W4A16Weight, rank: int, world: int,
                       what: str = "weight") -> tuple[W4A16Weight, torch.Tensor | None, tuple[int, int]]:
     """`rank`'s contiguous range [k0, k1) of the kernel's k order: (the shard, with no permutation; the
     input columns it reads, for an act-order weight, else None; (k0, k1))."""
-    if w.k % world:
-        raise ShardError(f"{what}: in_features {w.k} is not divisible by the tensor-parallel size {world}")
+    _check_weight_rows(w, world, what)
     ks = w.k // world
-    try:
-        check_shape(w.n, ks, w.group_size)
-    except ValueError as e:
-        raise ShardError(f"{what}: a row-parallel shard of {ks} input features (in_features {w.k} / {world}) "
-                         f"is not tileable: {e}") from None
     k0, k1 = rank * ks, (rank + 1) * ks
     packed = w.packed[:, 8 * k0:8 * k1].contiguous()
     if w.group_size == -1:  # one scale per column over all of k: every shard uses it whole
@@ -233,18 +237,26 @@ def shard_columns(layer: nn.Module, rank: int, world: int, name: str = "layer") 
     return W4A16Linear.from_weight(w, bias)
 
 
-def shard_rows(layer: nn.Module, rank: int, world: int,
-               name: str = "layer") -> tuple[nn.Module, torch.Tensor | None, tuple[int, int]]:
-    """(the plain layer holding `rank`'s input range of `layer`, with the bias on rank 0 only; the input
-    columns it reads for an act-order weight, else None; its range of the kernel's k order)."""
+def check_row_shard(layer: nn.Module, world: int, name: str = "layer") -> None:
+    """ShardError unless `layer` splits into `world` row-parallel shards (whole groups, tileable k)."""
     _check_layer(layer, name)
     if isinstance(layer, FusedW4A16Linear):
         raise ShardError(f"{name}: a fused layer is column-parallel (its parts share an input, not an output)")
-    bias = layer.bias if rank == 0 else None
     if type(layer) is nn.Linear:
         if layer.in_features % world:
             raise ShardError(f"{name}: in_features {layer.in_features} is not divisible by the tensor-parallel "
                              f"size {world}")
+    else:
+        _check_weight_rows(layer.weight4, world, name)
+
+
+def shard_rows(layer: nn.Module, rank: int, world: int,
+               name: str = "layer") -> tuple[nn.Module, torch.Tensor | None, tuple[int, int]]:
+    """(the plain layer holding `rank`'s input range of `layer`, with the bias on rank 0 only; the input
+    columns it reads for an act-order weight, else None; its range of the kernel's k order)."""
+    check_row_shard(layer, world, name)
+    bias = layer.bias if rank == 0 else None
+    if type(layer) is nn.Linear:
         ks = layer.in_features // world
         k0, k1 = rank * ks, (rank + 1) * ks
         local = nn.Linear(ks, layer.out_features, bias=bias is not None, device="meta", dtype=layer.weight.dtype)
@@ -340,23 +352,7 @@ def shard_model(model: nn.Module, group=None, *, device=None, lm_head: bool = Tr
         parts = list(layer.split_sizes) if isinstance(layer, FusedW4A16Linear) else [layer.out_features]
         _part_ranges(parts, rank, world, full, 1 if type(layer) is nn.Linear else 64)
     for parent, name, full in row:
-        layer = getattr(parent, name)
-        _check_layer(layer, full)
-        if type(layer) is nn.Linear:
-            if layer.in_features % world:
-                raise ShardError(f"{full}: in_features {layer.in_features} is not divisible by the tensor-parallel "
-                                 f"size {world}")
-        elif isinstance(layer, FusedW4A16Linear):
-            raise ShardError(f"{full}: a fused layer is column-parallel (its parts share an input, not an output)")
-        else:
-            w = layer.weight4
-            if w.k % world:
-                raise ShardError(f"{full}: in_features {w.k} is not divisible by the tensor-parallel size {world}")
-            try:
-                check_shape(w.n, w.k // world, w.group_size)
-            except ValueError as e:
-                raise ShardError(f"{full}: a row-parallel shard of {w.k // world} input features (in_features "
-                                 f"{w.k} / {world}) is not tileable: {e}") from None
+        check_row_shard(getattr(parent, name), world, full)
 
     # Apply.
     for parent, name, full in column:
