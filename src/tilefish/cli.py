@@ -207,6 +207,24 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("tilefish tune measures kernels on a CUDA GPU; none is visible", file=sys.stderr)
+        return 2
+    from .bench.tune import DEFAULT_TUNE_M, tune
+
+    if args.models == "list":
+        print("--models list: see `tilefish bench w4a16 --list-models`", file=sys.stderr)
+        return 2
+    groups = tuple(int(g) for g in args.groups.split(","))
+    ms = tuple(int(v) for v in args.m.split(",")) if args.m else DEFAULT_TUNE_M
+    tune(shapes=args.shapes, models=args.models, ms=ms, dtypes=tuple(args.dtypes.split(",")), groups=groups,
+         codebook=args.codebook, out=args.out, cublas=args.cublas, progress=lambda s: print(s, flush=True))
+    return 0
+
+
 def cmd_table(args) -> int:
     from .bench.report import Report
 
@@ -306,6 +324,21 @@ def main(argv=None) -> int:
     t.add_argument("--plot", help="also draw the (last) JSON as a PNG here")
     t.set_defaults(fn=cmd_table)
     sub.add_parser("demo", help="a short worked example").set_defaults(fn=cmd_demo)
+    u = sub.add_parser("tune", help="measure the W4A16 plans of your model's weights on this GPU and keep the "
+                                    "fastest (the dispatcher then takes them on this GPU)")
+    u.add_argument("--models", type=_model_names,
+                   help="comma-separated models of `tilefish bench w4a16 --list-models`, or 'all' "
+                        "(default: the Llama-3 set)")
+    u.add_argument("--shapes", help="comma-separated KxN weights (in_features x out_features); overrides --models")
+    u.add_argument("--m", type=_int_list, help="comma-separated row counts to tune (default 1,2,4,...,256,1024,4096; "
+                                               "a tuned m serves calls within 2x of it)")
+    u.add_argument("--dtypes", type=_choice_list(("fp16", "bf16")), default="fp16,bf16")
+    u.add_argument("--groups", default="128,-1", help="comma-separated group sizes (default 128,-1)")
+    u.add_argument("--codebook", default="int4", choices=["int4", "nf4"],
+                   help="nf4: the fused NF4 matmul's plans (--groups are NF4 blocksizes then, e.g. 64)")
+    u.add_argument("--cublas", action="store_true", help="also time cuBLAS on each case (printed ratio)")
+    u.add_argument("--out", help="write the table here instead of the kernel cache's per-GPU table")
+    u.set_defaults(fn=cmd_tune)
     args = p.parse_args(argv)
     args.shapes = _parse_shapes(getattr(args, "shapes", None))
     return args.fn(args)

@@ -195,11 +195,11 @@ def run(shapes=None, ms=None, groups=(128, -1), dtypes=("fp16", "bf16"), reps: i
                     nbytes = wbytes + 2 * m * (k + n)
                     gbps = nbytes / (t_ours * 1e-3) / 1e9
                     tflops = 2 * m * n * k / (t_ours * 1e-3) / 1e12
-                    cfg = ops.choose_config(m, n, k, 132, 90, group, dtype=dtype)
+                    plan = ops.plan_for(p, m)
                     report.add(Row("w4a16", f"{dname} k{k} n{n} g{group} m{m}", "tilefish", t_ours * 1e3, gbps,
                                    "GB/s", 100 * gbps / copy, ratios,
                                    {"tflops": tflops, "cublas_us": t_cublas * 1e3, "m": m, "k": k, "n": n,
-                                    "group": group, "dtype": dname, "config": cfg.label(), **marlin_extra,
+                                    "group": group, "dtype": dname, "config": plan.label(), **marlin_extra,
                                     **({"models": labels[(k, n)]} if (k, n) in labels else {})}))
                 del p, q, marlin_w
             del dense

@@ -22,6 +22,7 @@ from .configs import (H200_CLUSTERS, HOPPER_BK, HOPPER_CONFIGS, SKINNY_BK, GemmC
                       kernel_spec)
 from .layout import DTYPES
 from .time_model import hopper_time_model, predicted_hopper_us
+from .tuned import Plan, TunedTable
 
 HOPPER_MIN_M = 9     # sm_90: the wgmma kernel from this m up where the skinny kernel declines (below: mma.sync)
 MODEL_MAX_M = 2048   # the time model's plans below this m, the per-range rule from it up
@@ -292,8 +293,35 @@ def choose_slices(tiles: int, k_tiles: int, sm_count: int) -> int:
     return max(1, min(k_tiles // MIN_K_TILES_PER_SLICE, round(2 * sm_count / tiles)))
 
 
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@functools.lru_cache(maxsize=8192)
+def choose_plan(m: int, n: int, k: int, sm_count: int, cc: int = 80, group: int | None = None,
+                clusters: tuple[tuple[int, int], ...] = H200_CLUSTERS, dtype: torch.dtype | None = None,
+                codebook: str = "int4", table: TunedTable | None = None) -> Plan:
+    """The launch plan of a call: the tuned table's measured plan where this GPU's table (tuned.py)
+    holds the weight and an m near this one, else choose_config's configuration with the launcher's
+    default k split / grid (slices, ctas None)."""
+    if table is not None:
+        plan = table.lookup(DTYPE_NAMES.get(dtype, "fp16"), group != -1, codebook, k, n, m)
+        if plan is not None and (cc == 90 or isinstance(plan.cfg, GemmConfig)):
+            return plan
+    return Plan(choose_config(m, n, k, sm_count, cc, group, clusters, dtype, codebook))
+
+
 NF4_GROUPS = (32, 64, 128)  # an NF4 weight's scale groups (tilefish.nf4.prepare: min(blocksize, 128))
 
+
+
+def shipped_table_configs() -> set:
+    """Every configuration a tuned table shipped in the package names (they are dispatchable too)."""
+    from .tuned import PACKAGE_TABLES, read_table_doc
+
+    out = set()
+    for path in sorted(PACKAGE_TABLES.glob("*.json")):
+        out |= {Plan.parse(e["plan"]).cfg for e in read_table_doc(path)["entries"]}
+    return out
 
 
 def dispatch_specs() -> list[KernelSpec]:
@@ -306,6 +334,7 @@ def dispatch_specs() -> list[KernelSpec]:
     cfgs |= {c for m in (1, 4, 8, 9, 16) for n in (128, 256, 4096, 6144, 10240, 57344)
              for k in (4096, 8192, 28672) for g in (-1, 128) for dt in DTYPES
              if (c := choose_skinny_config(m, n, k, 132, g, dt)) is not None}
+    cfgs |= shipped_table_configs()
     for dt in DTYPES:
         for cfg in sorted(cfgs, key=lambda c: c.label()):
             for g in (-1, 32, 64, 128):

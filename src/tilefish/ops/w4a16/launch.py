@@ -19,7 +19,8 @@ from ...runtime import (cluster_capacity, current_stream_handle, device_info, ge
 from ...runtime.tma import tensor_map_rows
 from .configs import (HOPPER_BK, MAX_CLUSTER_SLICES, ONE_CTA_PER_SM_SMEM, SKINNY_BK, THREADS, GemmConfig, HopperConfig,
                       SkinnyConfig, kernel_spec)
-from .dispatch import choose_config, choose_hopper_slices, choose_slices
+from .dispatch import choose_hopper_slices, choose_plan, choose_slices
+from .tuned import TunedTable, gpu_key, table_for
 from .layout import BK, CODEBOOKS, DTYPES, W4A16Weight, check_shape, unpack
 
 HOPPER_DSMEM_SPLIT = True  # False: every k split sums through the global workspace (A/B, sweeps)
@@ -150,8 +151,12 @@ class LaunchPlan:
             if t is not None and (t.data_ptr() % 16 or not t.is_contiguous()):
                 raise ValueError(f"{name} must be contiguous and 16-byte aligned for the CUDA kernel")
         info = device_info(device.index)
-        cfg = cfg or choose_config(m, w.n, w.k, info.sm_count, info.cc, w.group_size, _device_clusters(info), w.dtype,
-                                   w.codebook)
+        if cfg is None:
+            plan = choose_plan(m, w.n, w.k, info.sm_count, info.cc, w.group_size, _device_clusters(info), w.dtype,
+                               w.codebook, _device_table(info))
+            cfg = plan.cfg
+            if slices is None and ctas is None:
+                slices, ctas = plan.slices, plan.ctas
         if cfg.streamk and slices is not None:
             raise ValueError(f"config {cfg.label()} is stream-K: it takes ctas (its grid), not slices (a k split)")
         if not cfg.streamk and ctas is not None:
@@ -208,8 +213,24 @@ def _device_clusters(info) -> tuple[tuple[int, int], ...]:
     return caps
 
 
+def plan_for(w: W4A16Weight, m: int, device: torch.device | None = None):
+    """The plan (tuned.Plan) a call with m rows of x on `device` gets from the dispatcher (benchmarks
+    label their rows with it)."""
+    info = device_info(w.packed.device.index if device is None else device.index)
+    return choose_plan(m, w.n, w.k, info.sm_count, info.cc, w.group_size, _device_clusters(info), w.dtype,
+                       w.codebook, _device_table(info))
+
+
+def _device_table(info) -> TunedTable | None:
+    """This GPU's tuned plans (tuned.table_for), looked up once per device."""
+    if info.index not in _tables_by_device:
+        _tables_by_device[info.index] = table_for(gpu_key(info.name, info.sm_count))
+    return _tables_by_device[info.index]
+
+
 # Per-call lookups of the launch path, cached (each saved ~1 us of host time a call).
 _clusters_by_device: dict[int, tuple[tuple[int, int], ...]] = {}
+_tables_by_device: dict[int, TunedTable | None] = {}
 _kernels: dict[tuple, object] = {}
 
 

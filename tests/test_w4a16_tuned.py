@@ -1,0 +1,153 @@
+"""Tuned W4A16 plan tables (ops/w4a16/tuned.py) and `tilefish tune`'s candidate list, on the CPU:
+given a table, the dispatcher's plan is a pure function of it and the call."""
+import json
+import warnings
+
+import pytest
+import torch
+
+from tilefish.bench.tune import tune_candidates
+from tilefish.ops.w4a16 import dispatch, launch, tuned
+from tilefish.ops.w4a16.configs import H200_CLUSTERS, GemmConfig, HopperConfig, SkinnyConfig
+from tilefish.ops.w4a16.tuned import Plan, TunedTable, gpu_key
+
+
+def doc(entries):
+    return {"format": tuned.TABLE_FORMAT, "entries": entries}
+
+
+def entry(m, plan, k=4096, n=4096, dtype="fp16", scales="grouped"):
+    return {"dtype": dtype, "scales": scales, "codebook": "int4", "k": k, "n": n, "m": m, "plan": plan}
+
+
+@pytest.mark.parametrize("label", ["wg-m128n256c2s6/x3", "wg-m128n256c2s5-streamk", "wg-m128n256c2s5-streamk/c200",
+                                   "skinny-m8n256w1s3x2-st", "m16n256w4x2s3-swap-reg/x2", "wg-m64n256c2s6"])
+def test_plan_label_round_trip(label):
+    assert Plan.parse(label).label() == label
+
+
+def test_plan_label_rejects_a_split_of_stream_k():
+    with pytest.raises(ValueError, match="stream-K"):
+        Plan.parse("wg-m128n256c2s5-streamk/x2")
+
+
+def test_gpu_key_names_the_part_and_its_sm_count():
+    assert gpu_key("NVIDIA H100 80GB HBM3", 132) == "nvidia-h100-80gb-hbm3-132sm"
+    assert gpu_key("NVIDIA H100 80GB HBM3", 114) != gpu_key("NVIDIA H100 80GB HBM3", 132)
+
+
+def test_lookup_takes_the_nearest_tuned_m_within_a_factor_of_two():
+    t = TunedTable([doc([entry(16, "wg-m16n256c1s8/x2"), entry(64, "wg-m64n256c2s6/x1"),
+                         entry(256, "wg-m128n128c1s4/x2")])])
+    look = lambda m: t.lookup("fp16", True, "int4", 4096, 4096, m)  # noqa: E731
+    assert look(16).label() == "wg-m16n256c1s8/x2"
+    assert look(20).label() == "wg-m16n256c1s8/x2"       # log2 distance 0.32 against 1.68
+    assert look(32).label() == "wg-m64n256c2s6/x1"       # a tie (16 / 64): the larger m
+    assert look(512).label() == "wg-m128n128c1s4/x2"     # 2x the largest tuned m
+    assert look(513) is None and look(7) is None          # beyond 2x: the model decides
+    assert t.lookup("bf16", True, "int4", 4096, 4096, 16) is None
+    assert t.lookup("fp16", False, "int4", 4096, 4096, 16) is None
+    assert t.lookup("fp16", True, "nf4", 4096, 4096, 16) is None
+    assert t.lookup("fp16", True, "int4", 4096, 8192, 16) is None
+
+
+def test_lookup_skips_a_plan_that_cannot_take_m():
+    t = TunedTable([doc([entry(8, "skinny-m8n256w1s3x2"), entry(32, "wg-m32n256c1s6/x1")])])
+    assert isinstance(t.lookup("fp16", True, "int4", 4096, 4096, 8).cfg, SkinnyConfig)
+    # m = 16: the tuned m tie (8 / 32), the larger wins
+    assert t.lookup("fp16", True, "int4", 4096, 4096, 16).label() == "wg-m32n256c1s6/x1"
+    # m = 9: 8 is nearest but its skinny tile holds 8 rows; the next, 32, is over 2x away: the model decides
+    assert t.lookup("fp16", True, "int4", 4096, 4096, 9) is None
+    t3 = TunedTable([doc([entry(8, "skinny-m8n256w1s3x2"), entry(16, "wg-m16n256c1s8/x2")])])
+    assert t3.lookup("fp16", True, "int4", 4096, 4096, 11).label() == "wg-m16n256c1s8/x2"
+    t2 = TunedTable([doc([entry(4, "m16n256w4x2s3-swap-reg")])])
+    assert t2.lookup("fp16", True, "int4", 4096, 4096, 4) is not None
+    assert t2.lookup("fp16", True, "int4", 4096, 4096, 8) is not None
+    assert Plan.parse("m16n256w4x2s3-swap-reg").runs_at(9) is False
+
+
+def test_later_documents_replace_earlier_entries():
+    t = TunedTable([doc([entry(64, "wg-m64n256c2s6/x1"), entry(256, "wg-m128n128c1s4/x2")]),
+                    doc([entry(64, "wg-m64n256c1s6/x2")])])
+    assert t.lookup("fp16", True, "int4", 4096, 4096, 64).label() == "wg-m64n256c1s6/x2"
+    assert t.lookup("fp16", True, "int4", 4096, 4096, 256).label() == "wg-m128n128c1s4/x2"
+    assert len(t) == 2
+
+
+def test_choose_plan_takes_the_table_and_is_deterministic():
+    t = TunedTable([doc([entry(1024, "wg-m128n256c2s5-streamk", k=5120, n=5120)])])
+    args = (1024, 5120, 5120, 132, 90, 128, H200_CLUSTERS, torch.float16, "int4")
+    first = dispatch.choose_plan(*args, t)
+    assert first.label() == "wg-m128n256c2s5-streamk"
+    assert all(dispatch.choose_plan(*args, t) == first for _ in range(3))
+    # without a table (or for a shape it does not hold): the model's configuration, launcher's split
+    plain = dispatch.choose_plan(*args, None)
+    assert plain == Plan(dispatch.choose_config(*args)) and plain.slices is None
+    assert dispatch.choose_plan(1024, 4096, 4096, 132, 90, 128, H200_CLUSTERS, torch.float16, "int4", t) == \
+        Plan(dispatch.choose_config(1024, 4096, 4096, 132, 90, 128, H200_CLUSTERS, torch.float16, "int4"))
+
+
+def test_choose_plan_ignores_a_hopper_plan_on_another_arch():
+    t = TunedTable([doc([entry(64, "wg-m64n256c2s6/x1")])])
+    plan = dispatch.choose_plan(64, 4096, 4096, 108, 80, 128, (), torch.float16, "int4", t)
+    assert isinstance(plan.cfg, GemmConfig)
+
+
+def test_table_for_reads_package_then_user_tables(tmp_path, monkeypatch):
+    key = "test-gpu-7sm"
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / f"{key}.json").write_text(json.dumps(doc([entry(64, "wg-m64n256c2s6/x1"), entry(256, "wg-m128n128c1s4/x2")])))
+    monkeypatch.setattr(tuned, "PACKAGE_TABLES", pkg)
+    monkeypatch.setenv("TILEFISH_CACHE_DIR", str(tmp_path / "cache"))
+    user = tuned.user_table_path(key)
+    user.parent.mkdir(parents=True)
+    user.write_text(json.dumps(doc([entry(64, "wg-m64n256c1s6/x2")])))
+    tuned.forget_tables()
+    try:
+        t = tuned.table_for(key)
+        assert t.lookup("fp16", True, "int4", 4096, 4096, 64).label() == "wg-m64n256c1s6/x2"
+        assert t.lookup("fp16", True, "int4", 4096, 4096, 256).label() == "wg-m128n128c1s4/x2"
+        assert tuned.table_for(key) is t  # read once
+        monkeypatch.setenv("TILEFISH_TUNED", "0")
+        assert tuned.table_for("another-gpu-1sm") is None
+    finally:
+        tuned.forget_tables()
+
+
+@pytest.mark.parametrize("text", ["{not json", json.dumps({"format": 99, "entries": []}),
+                                  json.dumps(doc([entry(64, "wg-m64n999c2s6")])), json.dumps(doc([{"m": 1}]))])
+def test_an_unusable_table_warns_and_leaves_the_model_in_charge(tmp_path, monkeypatch, text):
+    key = "broken-gpu-1sm"
+    monkeypatch.setattr(tuned, "PACKAGE_TABLES", tmp_path)
+    monkeypatch.setenv("TILEFISH_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / f"{key}.json").write_text(text)
+    tuned.forget_tables()
+    try:
+        with pytest.warns(RuntimeWarning, match="unusable"):
+            assert tuned.table_for(key) is None
+    finally:
+        tuned.forget_tables()
+
+
+def test_shipped_tables_parse_and_their_kernels_are_compiled():
+    configs = dispatch.shipped_table_configs()
+    specs = set(dispatch.dispatch_specs())
+    for cfg in configs:
+        assert launch.kernel_spec(torch.float16, cfg, 128, False) in specs
+
+
+@pytest.mark.parametrize("m", [1, 4, 8, 16, 32, 256, 1024, 4096])
+@pytest.mark.parametrize("group", [128, -1])
+def test_tune_candidates_start_with_the_dispatchers_plan_and_are_legal(m, group):
+    for k, n in [(4096, 4096), (5120, 5120), (8192, 28672), (3584, 18944)]:
+        plans = tune_candidates(m, n, k, 132, 90, group, H200_CLUSTERS, torch.float16)
+        assert plans[0].cfg == dispatch.choose_config(m, n, k, 132, 90, group, H200_CLUSTERS, torch.float16)
+        labels = [p.label() for p in plans]
+        assert len(labels) == len(set(labels))
+        for p in plans:
+            assert n % p.cfg.bn == 0 and p.runs_at(m)
+            if isinstance(p.cfg, HopperConfig) and not p.cfg.streamk:
+                assert 1 <= p.slices <= k // 64
+        if 9 <= m <= 1024 and n == 5120:  # few tiles: stream-K is measured at any m (the dispatcher's list stops at 512)
+            assert any(isinstance(p.cfg, HopperConfig) and p.cfg.streamk for p in plans)
