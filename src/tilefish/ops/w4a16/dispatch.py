@@ -29,7 +29,7 @@ MODEL_MAX_M = 2048   # the time model's plans below this m, the per-range rule f
 SMALL_WEIGHT_NK = 100_000_000
 TINY_WEIGHT_NK = 32_000_000
 MAX_HOPPER_SLICES = 8
-STREAMK_MAX_M = 512
+STREAMK_MAX_M = 1024
 HOPPER_SLICES = (1, 2, 3, 4, 6, 8)
 
 
@@ -51,7 +51,9 @@ def _fit_n(cfg: HopperConfig, n: int) -> HopperConfig:
 def _hopper_candidates(m: int, n: int, k: int, sm_count: int):
     """(config, slices) plans the dispatcher weighs: m tiles up to twice m (64+ rows from m = 128,
     128+ from m = 512), k splits of >= 4 stages up to 4 waves, stream-K up to m = STREAMK_MAX_M while
-    the tiles fill fewer than two waves (it never won beyond; its model overrates it at m = 1024)."""
+    the tiles fill fewer than two waves. Stream-K is what rescues a tile count that quantizes badly
+    on the SMs (k 5120 x n 5120 at m = 1024: 160 tiles of 128 x 256 on 132 SMs); from m = 2048 the
+    tiles fill enough waves that it never won (docs/w4a16.md, "Dispatch per GPU")."""
     for cfg in HOPPER_CONFIGS:
         if cfg.label() not in hopper_time_model(m) or n % cfg.bn:
             continue
