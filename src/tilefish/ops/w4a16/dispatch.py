@@ -303,10 +303,11 @@ def choose_plan(m: int, n: int, k: int, sm_count: int, cc: int = 80, group: int 
                 clusters: tuple[tuple[int, int], ...] = H200_CLUSTERS, dtype: torch.dtype | None = None,
                 codebook: str = "int4", table: TunedTable | None = None) -> Plan:
     """The launch plan of a call: the tuned table's measured plan where this GPU's table (tuned.py)
-    holds the weight and an m near this one, else choose_config's configuration with the launcher's
-    default k split / grid (slices, ctas None)."""
+    holds the weight and an m near this one (at m <= 16 also a nearby weight's configuration), else
+    choose_config's configuration with the launcher's default k split / grid (slices, ctas None)."""
     if table is not None:
-        plan = table.lookup(DTYPE_NAMES.get(dtype, "fp16"), group != -1, codebook, k, n, m)
+        args = (DTYPE_NAMES.get(dtype, "fp16"), group != -1, codebook, k, n, m)
+        plan = table.lookup(*args) or table.lookup_nearby(*args)
         if plan is not None and (cc == 90 or isinstance(plan.cfg, GemmConfig)):
             return plan
     return Plan(choose_config(m, n, k, sm_count, cc, group, clusters, dtype, codebook))

@@ -11,6 +11,8 @@ plan otherwise:
   <kernel cache>/tuned/w4a16-<key>.json) comes first, then the table shipped in the package
   (ops/w4a16/tuned/<key>.json) for the GPUs this project measured. Entries of the user's table
   replace the shipped entries of the same case. TILEFISH_TUNED=0 turns tables off (A/Bs).
+- For a weight the table does not hold, at m <= 16 (decode), the configuration tuned for the
+  nearest weight is taken (lookup_nearby); elsewhere the model decides.
 - A call's m is matched to the tuned m nearest in log2 (ties to the larger m, whose tiles the
   smaller m fills no worse), within a factor of 2; outside it, or where the tuned plan cannot run
   at this m (a skinny or swapped configuration has a row limit), the model decides.
@@ -102,6 +104,30 @@ class TunedTable:
             if by_m[tm].runs_at(m) and _fits(by_m[tm], n):
                 return by_m[tm]
         return None
+
+
+    def lookup_nearby(self, dtype: str, grouped: bool, codebook: str, k: int, n: int, m: int) -> Plan | None:
+        """For a weight the table does not hold, at m <= NEARBY_MAX_M: the configuration tuned for
+        the nearest weight (log2 distance in k plus in n, at most NEARBY_MAX_DISTANCE; ties to the
+        smaller (k, n)) at the tuned m nearest this one, with the launcher's own split / grid.
+        Which kernel wins at small m depends on the GPU's bandwidth and changes slowly with the
+        weight's size, so a neighbour's measured choice beats a rule fitted on another GPU."""
+        if m > NEARBY_MAX_M:
+            return None
+        shapes = sorted((abs(math.log2(k2 / k)) + abs(math.log2(n2 / n)), k2, n2)
+                        for (dt, fmt, cb, k2, n2) in self.cases
+                        if (dt, fmt, cb) == case_key(dtype, grouped, codebook, k, n)[:3])
+        for dist, k2, n2 in shapes:
+            if dist > NEARBY_MAX_DISTANCE:
+                break
+            plan = self.lookup(dtype, grouped, codebook, k2, n2, m)
+            if plan is not None and plan.runs_at(m) and _fits(plan, n):
+                return Plan(plan.cfg)
+        return None
+
+
+NEARBY_MAX_M = 16           # lookup_nearby serves calls up to this m ...
+NEARBY_MAX_DISTANCE = 2.0   # ... from weights at most this far (log2 k + log2 n distance)
 
 
 def _fits(plan: Plan, n: int) -> bool:
