@@ -164,46 +164,62 @@ def _parse_shapes(text: str | None):
     return [tuple(int(x) for x in s.lower().split("x")) for s in text.split(",") if s]
 
 
+# Flags of one family (or of --full, which hands them to every family); the quick run has its own plan.
+_FAMILY_FLAGS = {"shapes": "--shapes", "m": "--m", "groups": "--groups", "models": "--models", "peers": "--peers",
+                 "dtypes": "--dtypes", "only": "--only", "quick": "--quick", "variants": "--variants",
+                 "single_quant": "--single-quant", "batches": "--batches", "modes": "--modes", "tp": "--tp",
+                 "int4_lm_head": "--int4-lm-head"}
+
+
 def cmd_bench(args) -> int:
     import torch
 
     from .bench import suites
-    from .bench.report import Report
 
     if args.list_models or args.models == "list":  # the model shape table: no GPU needed
         from .bench.shapes import table
 
         print(table())
         return 0
+    if args.family and args.full:
+        print(f"tilefish bench: --full is for the all-families run; `tilefish bench {args.family}` already runs "
+              f"its complete set", file=sys.stderr)
+        return 2
+    if not args.family and not args.full:
+        given = [flag for dest, flag in _FAMILY_FLAGS.items() if getattr(args, dest, None)]
+        if given:
+            print(f"tilefish bench: {', '.join(given)} applies to one family (tilefish bench <family> "
+                  f"{given[0]} ...) or to the complete run (--full); the quick run has a fixed plan", file=sys.stderr)
+            return 2
     if not torch.cuda.is_available():
         print("tilefish bench needs an NVIDIA GPU (sm_80 or newer); none is visible to torch.", file=sys.stderr)
         return 2
-    families = [args.family] if args.family else list(suites.FAMILIES)
-    reports = []
-    for fam in families:
-        rep = suites.FAMILIES[fam](args)
-        if int(os.environ.get("RANK", "0")) != 0:  # under torchrun (bench e2e --tp) rank 0 reports
-            return 0
-        reports.append(rep)
-        print(rep.table(), flush=True)
-        if fam in suites.SUMMARIES and (summary := suites.SUMMARIES[fam](rep)):
-            print("\n" + summary, flush=True)
-        print()
-    if args.family:
-        final = reports[0]
-    else:
-        final = Report("tilefish summary (default shapes; ratios are peer time / tilefish time)")
-        for rep in reports:
-            final.ceilings.update(rep.ceilings)
-            final.rows += [r for r in rep.rows if r.impl.startswith("tilefish")]
-            final.notes += rep.notes
-        print(final.table())
-    if args.json:
-        final.to_json(args.json)
-        print(f"wrote {args.json}")
-    if args.plot:
-        final.plot(args.plot)
-        print(f"wrote {args.plot}")
+    if not args.family:  # every family: the quick plan or --full, one progress bar, one summary (bench/quick.py)
+        from .bench import quick
+
+        return quick.run(args, full=args.full, out=args.out)
+    rep = suites.FAMILIES[args.family](args)
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun (bench e2e --tp) rank 0 reports
+        return 0
+    print(rep.table(), flush=True)
+    if args.family in suites.SUMMARIES and (summary := suites.SUMMARIES[args.family](rep)):
+        print("\n" + summary, flush=True)
+    print()
+    json_path, plot_path = args.json, args.plot
+    if args.out:  # --out DIR with one family: DIR/<family>.json and .png unless --json / --plot say otherwise
+        json_path = json_path or str(Path(args.out) / f"{args.family}.json")
+        plot_path = plot_path or str(Path(args.out) / f"{args.family}.png")
+    if json_path:
+        rep.to_json(json_path)
+        print(f"wrote {json_path}")
+    if plot_path:
+        try:
+            rep.plot(plot_path)
+            print(f"wrote {plot_path}")
+        except ImportError as e:
+            if args.plot:  # asked for by name: as before
+                raise
+            print(f"no PNG: {e.name or 'matplotlib'} is not installed (pip install 'tilefish[bench]')")
     return 0
 
 
@@ -268,9 +284,18 @@ def main(argv=None) -> int:
     c.add_argument("--all", action="store_true", help="also the benchmark-only design-space variants")
     c.add_argument("--jobs", "-j", type=int, default=1, help="parallel compile processes")
     c.set_defaults(fn=cmd_compile)
-    b = sub.add_parser("bench", help="benchmark against peers and ceilings (needs a GPU)")
+    b = sub.add_parser("bench", help="benchmark against peers and ceilings (needs a GPU)",
+                       description="Without a family: a quick run of every family (about 2 minutes on an H100, "
+                       "kernel compilation included) with a progress bar, then one summary screen; the JSON and "
+                       "PNG of every family go to --out (default ./tilefish-results/<gpu>-<date>/). Ctrl-C "
+                       "writes what was measured and exits 130. --full runs every family's complete sweep.")
     b.add_argument("family", nargs="?", choices=["nf4", "w4a16", "sgemm", "hgemm", "e2e"],
-                   help="one family; default: all, with a summary")
+                   help="one family (its complete set, its own table); default: every family, quick, one summary")
+    b.add_argument("--full", action="store_true",
+                   help="all families: each one's complete default sweep instead of the quick plan (many minutes)")
+    b.add_argument("--out", metavar="DIR",
+                   help="all families: where the JSON / PNG / summary go (default ./tilefish-results/<gpu>-<date>); "
+                   "with a family: DIR/<family>.json and .png")
     b.add_argument("--shapes", help="comma-separated list: nf4 dequantize RxC (4096x4096,...), w4a16 and nf4 matmul "
                    "KxN (4096x6144,...), sgemm S (S^3) or MxNxK")
     b.add_argument("--m", type=_int_list,
@@ -297,7 +322,7 @@ def main(argv=None) -> int:
                    "--shapes / --m still override")
     b.add_argument("--variants", action="store_true",
                    help="sweep the kernel design space (nf4 variants, w4a16 configs, sgemm autotune)")
-    b.add_argument("--reps", type=int, default=50)
+    b.add_argument("--reps", type=int, default=50, help="timed runs per measurement (default 50)")
     e = b.add_argument_group("e2e (a Llama-3-8B-shaped decoder end to end)")
     e.add_argument("--layers", type=int, default=32, help="decoder layers (default 32; fewer if the GPU cannot hold them)")
     e.add_argument("--batches", type=_int_list, help="decode batch sizes (default 1,4,16,64; with --tp 1,16)")
@@ -316,8 +341,8 @@ def main(argv=None) -> int:
                    "tilefish-nf4 sharded by tilefish.distributed, decode only (default batches 1,16)")
     e.add_argument("--int4-lm-head", action="store_true",
                    help="w4a16 and tilefish-nf4 also quantize lm_head (default: kept fp16)")
-    b.add_argument("--json", help="write the report as JSON here")
-    b.add_argument("--plot", help="write a PNG plot here")
+    b.add_argument("--json", help="write the report as JSON here (all families: the summary report, besides --out)")
+    b.add_argument("--plot", help="write a PNG plot here (all families: the summary report's)")
     b.set_defaults(fn=cmd_bench)
     t = sub.add_parser("table", help="print a benchmark JSON (bench/results/...) as a markdown table")
     t.add_argument("paths", nargs="+")

@@ -1,6 +1,7 @@
 """Benchmark rows -> printed table, JSON record (with commit, date, GPU, versions), PNG plot."""
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -68,6 +69,22 @@ def environment() -> dict:
     return env
 
 
+# Called as fn(report, row) by every Report.add while registered (on_row): how `tilefish bench` follows a
+# family's progress case by case, and keeps the rows measured so far when the run is interrupted, without
+# the family's code knowing about either.
+_row_listeners: list = []
+
+
+@contextlib.contextmanager
+def on_row(fn):
+    """Call fn(report, row) after each Report.add inside the block (any Report, any family)."""
+    _row_listeners.append(fn)
+    try:
+        yield fn
+    finally:
+        _row_listeners.remove(fn)
+
+
 class Report:
     def __init__(self, title: str, ceilings: dict[str, float] | None = None):
         self.title = title
@@ -77,6 +94,8 @@ class Report:
 
     def add(self, row: Row) -> Row:
         self.rows.append(row)
+        for fn in list(_row_listeners):
+            fn(self, row)
         return row
 
     def table(self) -> str:
@@ -117,9 +136,11 @@ class Report:
         rep.environment = rec.get("environment", {})
         return rep
 
-    def to_json(self, path: str | os.PathLike) -> None:
-        rec = {"title": self.title, "environment": environment(), "ceilings": self.ceilings,
-               "notes": self.notes, "rows": [asdict(r) for r in self.rows]}
+    def to_json(self, path: str | os.PathLike, env: dict | None = None, **extra) -> None:
+        """env: the environment record (default: environment(), asked now); extra: more top-level keys
+        (from_json ignores them)."""
+        rec = {"title": self.title, "environment": environment() if env is None else env, "ceilings": self.ceilings,
+               "notes": self.notes, "rows": [asdict(r) for r in self.rows], **extra}
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(rec, indent=1) + "\n")
 

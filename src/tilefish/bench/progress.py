@@ -1,0 +1,339 @@
+"""`tilefish bench`'s progress across families: what is done, what runs now, and an ETA from the first second.
+
+The run is a list of steps (one call of a family's bench function each), each a list of cases (the rows it
+will report) with a weight: the case's estimated seconds. The Tracker turns reported events (a case done, a
+step's own inner progress, the time spent in the current case) into a completed weight and an ETA; a display
+draws it: a rich progress bar on a terminal where rich is importable (the `bench` extra), else one plain line
+per case on stderr. warm_kernels compiles the run's kernels in parallel processes first, reporting each one.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+# The ETA scales what is left by (seconds spent) / (weight done), with this much weight of prior belief
+# that the estimates are right (scale 1): the first cases alone do not swing it.
+PRIOR_WEIGHT_S = 15.0
+# Inside a case, time moves the bar toward the case's estimated end, but never past this fraction of it
+# until the case is done.
+MAX_INTERPOLATION = 0.95
+
+
+@dataclass
+class Case:
+    label: str
+    weight: float = 1.0      # estimated seconds
+    counted: bool = True     # a case of the run (the compile phase is weighted but not counted)
+
+
+@dataclass
+class Phase:
+    """One step as the tracker sees it: a title and its cases, in the order they finish."""
+    title: str
+    cases: list[Case] = field(default_factory=list)
+
+    @property
+    def weight(self) -> float:
+        return sum(c.weight for c in self.cases)
+
+
+class Tracker:
+    """Where the run stands. Not thread-aware by itself: the displays call it under their own lock."""
+
+    def __init__(self, phases: list[Phase], clock=time.perf_counter):
+        self.phases = phases
+        self.clock = clock
+        self.total_weight = sum(p.weight for p in phases) or 1.0
+        self.total_cases = sum(c.counted for p in phases for c in p.cases)
+        self.cases_done = 0
+        self.t0 = clock()
+        self.phase_index = -1
+        self.case_index = 0                 # next case of the current phase to finish
+        self.done_weight = 0.0              # weight of finished cases (all phases)
+        self.done_elapsed = 0.0             # seconds at the last finished case
+        self.phase_start_weight = 0.0
+        self.case_start = self.t0
+        self.inner = 0.0                    # the current phase's own progress report (0..1)
+        self.detail = ""
+
+    @property
+    def phase(self) -> Phase | None:
+        return self.phases[self.phase_index] if 0 <= self.phase_index < len(self.phases) else None
+
+    @property
+    def current(self) -> Case | None:
+        p = self.phase
+        return p.cases[self.case_index] if p is not None and self.case_index < len(p.cases) else None
+
+    def begin_phase(self, index: int) -> None:
+        self.end_phase()
+        self.phase_index = index
+        self.case_index = 0
+        self.phase_start_weight = self.done_weight
+        self.case_start = self.clock()
+        self.inner = 0.0
+        self.detail = ""
+
+    def case_done(self) -> Case | None:
+        """The current case finished (a row came in); None when the phase had no case left to finish."""
+        case = self.current
+        if case is None:
+            return None
+        self.case_index += 1
+        self.done_weight += case.weight
+        self.cases_done += case.counted
+        now = self.clock()
+        self.done_elapsed = now - self.t0
+        self.case_start = now
+        self.detail = ""
+        return case
+
+    def end_phase(self) -> None:
+        """The phase is over: cases it did not report (a skipped peer, a family that adds its rows at the
+        end) finish now."""
+        while self.current is not None:
+            self.case_done()
+
+    def set_inner(self, fraction: float, detail: str = "") -> None:
+        self.inner = min(1.0, max(self.inner, fraction))
+        if detail:
+            self.detail = detail
+
+    def completed_weight(self, now: float | None = None) -> float:
+        """The finished weight, plus the current case's share of its estimate that the time spent in it (or
+        the phase's own report) covers, short of its end."""
+        now = self.clock() if now is None else now
+        p, case = self.phase, self.current
+        if p is None or case is None:
+            return self.done_weight
+        in_case = min(MAX_INTERPOLATION, (now - self.case_start) / max(case.weight, 1e-6)) * case.weight
+        by_cases = self.done_weight + in_case
+        by_inner = self.phase_start_weight + min(MAX_INTERPOLATION, self.inner) * p.weight
+        return max(by_cases, by_inner)
+
+    def eta(self, now: float | None = None) -> float:
+        """Seconds left: the weight left, scaled by how the finished cases' times compared to their estimates."""
+        now = self.clock() if now is None else now
+        scale = (self.done_elapsed + PRIOR_WEIGHT_S) / (self.done_weight + PRIOR_WEIGHT_S)
+        return max(0.0, (self.total_weight - self.completed_weight(now)) * scale)
+
+    def elapsed(self, now: float | None = None) -> float:
+        return (self.clock() if now is None else now) - self.t0
+
+    def label(self) -> str:
+        p, case = self.phase, self.current
+        if p is None:
+            return "starting"
+        what = case.label if case is not None else "finishing"
+        return f"{p.title}: {what}" + (f" ({self.detail})" if self.detail and self.detail != what else "")
+
+
+def _clock(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 60}:{s % 60:02d}"
+
+
+class PlainDisplay:
+    """One line per finished case (and per phase) on `stream`: for logs, pipes, and machines without rich."""
+
+    def __init__(self, tracker: Tracker, stream=None):
+        self.tracker = tracker
+        self.stream = stream or sys.stderr
+        self.lock = threading.RLock()
+
+    def __enter__(self):
+        t = self.tracker
+        self._print(f"{t.total_cases} cases, estimated {_clock(t.total_weight)} (m:ss)")
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def _print(self, text: str) -> None:
+        print(f"[tilefish bench] {text}", file=self.stream, flush=True)
+
+    def _status(self) -> str:
+        t = self.tracker
+        pct = 100 * t.completed_weight() / t.total_weight
+        return (f"{t.cases_done}/{t.total_cases} cases, {pct:3.0f}%, elapsed {_clock(t.elapsed())}, "
+                f"ETA {_clock(t.eta())}")
+
+    def begin_phase(self, index: int) -> None:
+        with self.lock:
+            self.tracker.begin_phase(index)
+            self._print(f"{self.tracker.phase.title} ... ({self._status()})")
+
+    def end_phase(self) -> None:
+        with self.lock:
+            self.tracker.end_phase()
+
+    def case_done(self) -> None:
+        with self.lock:
+            case = self.tracker.case_done()
+            if case is not None and case.counted:
+                self._print(f"{case.label} done ({self._status()})")
+
+    def set_inner(self, fraction: float, detail: str = "") -> None:
+        with self.lock:
+            self.tracker.set_inner(fraction, detail)
+
+    def message(self, text: str) -> None:
+        with self.lock:
+            self._print(text)
+
+
+class RichDisplay(PlainDisplay):
+    """A rich progress bar on stderr, redrawn a few times a second so the time inside a case moves it too."""
+
+    def __init__(self, tracker: Tracker, stream=None):
+        super().__init__(tracker, stream)
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn
+
+        self.progress = Progress(TextColumn("{task.fields[cases]}"), BarColumn(bar_width=30),
+                                 TextColumn("{task.percentage:>3.0f}%"),
+                                 TextColumn("elapsed {task.fields[elapsed]}  ETA {task.fields[eta]}"),
+                                 TextColumn("{task.description}"),
+                                 console=Console(file=self.stream), redirect_stdout=False, redirect_stderr=True,
+                                 refresh_per_second=4)
+        self.task = None
+        self._stop = threading.Event()
+        self._thread = None
+
+    def __enter__(self):
+        self.progress.start()
+        self.task = self.progress.add_task("starting", total=self.tracker.total_weight, **self._fields())
+        self._thread = threading.Thread(target=self._tick, name="tilefish-bench-progress", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        self._update()
+        self.progress.stop()
+        return False
+
+    def _fields(self) -> dict:
+        t = self.tracker
+        return {"cases": f"{t.cases_done}/{t.total_cases} cases", "elapsed": _clock(t.elapsed()),
+                "eta": _clock(t.eta())}
+
+    def _update(self) -> None:
+        with self.lock:
+            if self.task is not None:
+                self.progress.update(self.task, completed=self.tracker.completed_weight(),
+                                     description=self.tracker.label(), **self._fields())
+
+    def _tick(self) -> None:
+        while not self._stop.wait(0.25):
+            self._update()
+
+    def begin_phase(self, index: int) -> None:
+        with self.lock:
+            self.tracker.begin_phase(index)
+        self._update()
+
+    def case_done(self) -> None:
+        with self.lock:
+            self.tracker.case_done()
+        self._update()
+
+    def set_inner(self, fraction: float, detail: str = "") -> None:
+        with self.lock:
+            self.tracker.set_inner(fraction, detail)
+        self._update()
+
+    def message(self, text: str) -> None:
+        self.progress.console.print(text)
+
+
+def make_display(tracker: Tracker, stream=None, rich: bool | None = None):
+    """RichDisplay where rich is importable and `stream` is a terminal (rich=None), else PlainDisplay."""
+    stream = stream or sys.stderr
+    if rich is None:
+        try:
+            import rich as _rich  # noqa: F401
+            rich = bool(getattr(stream, "isatty", lambda: False)())
+        except ImportError:
+            rich = False
+    return RichDisplay(tracker, stream) if rich else PlainDisplay(tracker, stream)
+
+
+# ---- the kernel cache, warmed in parallel before anything is timed ---------------------------------------------
+
+# Run in a fresh interpreter (as bench/nf4.py's warm_kernel_cache does: its workers neither inherit the
+# caller's CUDA context nor re-run its main script): (jobs, processes) pickled on stdin; one line a finished
+# compile on stdout ("ok" or "failed"), so the caller can count them as they come.
+_WARM_CODE = """
+import pickle, sys
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from tilefish.cli import _compile_one
+jobs, processes = pickle.loads(sys.stdin.buffer.read())
+with ProcessPoolExecutor(processes) as pool:
+    for f in as_completed([pool.submit(_compile_one, j) for j in jobs]):
+        print("ok" if f.result()[0] is not None else "failed", flush=True)
+"""
+
+
+def uncached(specs, arch: str) -> list:
+    """The specs (deduplicated, in order) whose kernel for `arch` is not in the disk cache yet."""
+    from ..runtime.compiler import _load_cached, cache_key
+
+    seen, todo = set(), []
+    for s in specs:
+        if s in seen or not s.supports(arch):
+            continue
+        seen.add(s)
+        if _load_cached(s, arch, cache_key(s, arch)) is None:
+            todo.append(s)
+    return todo
+
+
+def warm_kernels(specs, arch: str, on_done=None, processes: int | None = None, timeout_s: float = 900) -> str:
+    """Compile the kernels of `specs` that the disk cache lacks, in parallel processes, calling on_done(done,
+    total) as each one finishes. Returns a line for the report. A failed compile is only counted: the kernel
+    compiles again (and raises with its log) where the run first launches it."""
+    import os
+    import pickle
+    import subprocess
+    import tempfile
+
+    from ..runtime.compiler import _cache_enabled
+
+    if not _cache_enabled():
+        return "kernel cache disabled (TILEFISH_CACHE=0): kernels compile on first use, inside the run"
+    specs = list(dict.fromkeys(specs))
+    todo = uncached(specs, arch)
+    if not todo:
+        return f"kernel cache: all {len(specs)} kernels of the run were cached"
+    t0 = time.perf_counter()
+    processes = processes or max(1, min(16, os.cpu_count() or 1, len(todo)))
+    errors = tempfile.TemporaryFile()  # not a pipe: nothing reads it while the compiles run
+    proc = subprocess.Popen([sys.executable, "-c", _WARM_CODE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=errors)
+    done = failed = 0
+    try:
+        proc.stdin.write(pickle.dumps(([(s, arch) for s in todo], processes)))
+        proc.stdin.close()
+        for line in proc.stdout:
+            done += 1
+            failed += line.strip() != b"ok"
+            if on_done is not None:
+                on_done(done, len(todo))
+        proc.wait(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:  # interrupted: the compiles are only a head start
+            proc.kill()
+            proc.wait()
+    errors.seek(0)
+    err = errors.read().decode(errors="replace").strip().splitlines()
+    errors.close()
+    if proc.returncode != 0 and done < len(todo):
+        raise RuntimeError(f"kernel compile processes failed: {err[-1] if err else proc.returncode}")
+    note = (f"kernel cache warmed before timing: {len(todo)} of the run's {len(specs)} kernels compiled in "
+            f"{time.perf_counter() - t0:.0f} s ({processes} processes)")
+    return note + (f", {failed} failed to compile (they raise where the run launches them)" if failed else "")
