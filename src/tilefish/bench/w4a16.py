@@ -157,11 +157,14 @@ def run(shapes=None, ms=None, groups=(128, -1), dtypes=("fp16", "bf16"), reps: i
 
         marlin = MarlinPeer()
     kn, labels, skipped = select_shapes(shapes, models)
+    warm_note = warm_run_kernels(kn, ms or DEFAULT_M, dtypes, groups)
+    print(warm_note, flush=True)
     copy = copy_bandwidth_gbps()
     report = Report("W4A16 GEMM vs cuBLAS (ratio = cuBLAS time / tilefish time)", {"copy GB/s": copy})
     report.notes.append(f"tilefish and cuBLAS timed in alternating rounds (time_paired); {COOLDOWN_S} s idle "
                         f"after each case whose cuBLAS time passes {HEAVY_MS} ms")
     _skip_notes(report, skipped)
+    report.notes.append(warm_note)
     for dname in dtypes:
         dtype = DTYPES[dname]
         for k, n in kn:
@@ -208,6 +211,21 @@ def run(shapes=None, ms=None, groups=(128, -1), dtypes=("fp16", "bf16"), reps: i
                             "(createpolicy cache hint patched out), timed paired with tilefish like cuBLAS")
     report.notes.append(host_cost_note())
     return report
+
+
+def warm_run_kernels(kn, ms, dtypes, groups, codebook: str = "int4") -> str:
+    """Compile the kernels of every plan the run will launch (the dispatcher's, this GPU's tuned
+    table included) in parallel processes first, so the timed loop never compiles one at a time."""
+    from ..ops.w4a16 import dispatch, kernel_spec, launch
+    from ..runtime import device_info
+    from .progress import warm_kernels
+
+    info = device_info()
+    clusters, table = launch._device_clusters(info), launch._device_table(info)
+    specs = [kernel_spec(DTYPES[d], dispatch.choose_plan(m, n, k, info.sm_count, info.cc, g, clusters, DTYPES[d],
+                                                         codebook, table).cfg, g, False, codebook)
+             for d in dtypes for k, n in kn for g in groups for m in ms]
+    return warm_kernels(specs, info.arch)
 
 
 def _marlin_weight(marlin, q, p, dtype, group: int, k: int, n: int, report):
