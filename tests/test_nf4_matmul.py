@@ -122,8 +122,11 @@ def test_bad_inputs_are_clear_errors():
     q = _weight(64, 128, 64)
     with pytest.raises(ValueError, match="tile n .* by 64"):
         nf4.prepare(_weight(96, 128, 64))
-    with pytest.raises(ValueError, match="k \\(in_features\\) by 128"):
-        nf4.prepare(_weight(64, 192, 64))
+    with pytest.raises(ValueError, match="k \\(in_features\\) by 64"):
+        nf4.prepare(_weight(64, 96, 32))
+    with pytest.raises(ValueError, match="k % 128 == 0 .*blocksize 256"):
+        nf4.prepare(_weight(64, 192, 256))  # scale group min(256, 128) = 128 does not divide k
+    assert nf4.prepare(_weight(64, 192, 64)).kernel.k == 192  # k % 64 with a 64-wide group: tileable
     with pytest.raises(ValueError, match="2-D weight"):
         nf4.prepare(nf4.quantize(torch.randn(2, 64, 128), blocksize=64))
     with pytest.raises(TypeError, match="float16 or bfloat16"):
@@ -220,6 +223,34 @@ def test_every_kernel_configuration():
         for cfg in w4ops.SKINNY_CONFIGS + [dataclasses.replace(c, staged=True) for c in w4ops.SKINNY_CONFIGS]:
             if m <= cfg.mt and 512 % cfg.bn == 0:
                 _check(x, q, p, cfg=cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [64, 192, 832, 2880])
+def test_k_multiple_of_64_every_family(k):
+    """k % 128 == 64 (an odd number of 64-wide k steps): the mma.sync kernel's half last tile and the
+    skinny kernel's half last stage with NF4 codes, split / stream-K grids, blocksize 64 (group 64)."""
+    dtype, n = torch.bfloat16, 256
+    seed = 1000 + k
+    q = _weight(n, k, 64, True, dtype, "cuda", seed)
+    p = nf4.prepare(q, dtype)
+    torch.manual_seed(seed)
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    for m in (1, 5, 33):
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        _check(x, q, p, seed=seed)
+        for cfg in (w4ops.GemmConfig(1, 2, 4, 4), w4ops.GemmConfig(1, 2, 4, 4, True, True)):
+            if not (cfg.swap and m > 8):
+                for slices in (1, 2, 3):
+                    _check(x, q, p, seed=seed, cfg=cfg, slices=slices)
+        if not hopper:
+            continue
+        for cfg in (w4ops.HopperConfig(64, 2, 1, 8), w4ops.HopperConfig(64, 2, 2, 6, True)):
+            _check(x, q, p, seed=seed, cfg=cfg, **({"ctas": 7} if cfg.streamk else {"slices": 2}))
+        for cfg in (w4ops.SkinnyConfig(8, 4, 1, 3, 2), w4ops.SkinnyConfig(16, 2, 2, 6, 2, staged=True)):
+            if m <= cfg.mt:
+                for ctas in (None, 3, 7):
+                    _check(x, q, p, seed=seed, cfg=cfg, ctas=ctas)
 
 
 @pytest.mark.gpu

@@ -203,31 +203,21 @@ def test_hopper_stream_k_any_grid_deterministic_counters_reset():
 
 
 @hopper
-def test_hopper_stream_k_peek_is_bitwise_the_slot_path(monkeypatch):
+def test_hopper_stream_k_peek_or_slot_bitwise_repeatable():
     """Stream-K: a CTA's last segment that starts its tile first reads the tile counter; if every
-    other contributor is in, it adds their slots to its partial in registers instead of storing the
-    partial and taking the counter. A test build (TF_W4A16_TEST_NO_PEEK) always takes the slot path:
-    the same sums in the same k order, so the outputs must be bitwise equal; counters reset."""
+    other contributor is in, it adds their slots to its partial in registers, else it stores its
+    slot and takes the counter. Which one runs depends on the arrival order (no build forces the
+    slot path), so grids where a tile's contributors end together are launched many times: both
+    paths add the same terms in the same k order, so every launch must give the same bits."""
     q, p = _case(2048, 512, 64, False, torch.float16)
-    cases = []
     for cfg in [c for c in ops.HOPPER_CONFIGS if c.streamk and 512 % c.bn == 0]:
         for m in (cfg.mt - 3, 2 * cfg.mt + 5):
             for ctas in (None, 7, 13, 131):
                 x = torch.randn(m, 2048, device="cuda", dtype=torch.float16)
                 bias = torch.randn(512, device="cuda", dtype=torch.float16)
-                cases.append((cfg, ctas, x, bias, _check(x, q, p, bias, cfg=cfg, ctas=ctas)))
-    # The launch path builds its kernels through launch.kernel_spec, cached in launch._kernels.
-    spec_of, built = launch.kernel_spec, []
-
-    def no_peek(*a):
-        built.append(a[1])
-        return dataclasses.replace(spec_of(*a), defines=spec_of(*a).defines + (("TF_W4A16_TEST_NO_PEEK", "1"),))
-    monkeypatch.setattr(launch, "kernel_spec", no_peek)
-    monkeypatch.setattr(launch, "_kernels", {})
-    for cfg, ctas, x, bias, shipped in cases:
-        out = _check(x, q, p, bias, cfg=cfg, ctas=ctas)
-        assert torch.equal(out, shipped), (cfg.label(), x.shape[0], ctas)
-    assert set(built) == {cfg for cfg, *_ in cases}, "every case must have run the test build"
+                first = _check(x, q, p, bias, cfg=cfg, ctas=ctas)
+                for _ in range(10):
+                    assert torch.equal(ops.matmul_impl(x, p, bias, cfg=cfg, ctas=ctas), first), (cfg.label(), m, ctas)
     torch.cuda.synchronize()
     for (dev, _), (_, counters) in launch._workspaces.items():
         assert int(counters.abs().sum()) == 0, "stream-K tile counters must be reset by every launch"
@@ -426,8 +416,12 @@ def test_bad_inputs():
         w4a16.matmul(x, p, torch.zeros(127, device="cuda", dtype=torch.float16))
     with pytest.raises(ValueError, match="multiple of 64"):
         w4a16.quantize(torch.randn(100, 256, device="cuda"), 128)
-    with pytest.raises(ValueError, match="multiple of 128"):
+    with pytest.raises(ValueError, match="multiple of 64"):
         w4a16.quantize(torch.randn(128, 200, device="cuda"), -1)
+    q192, p192 = _case(192, 128, 64, True, torch.float16)
+    p192 = dataclasses.replace(p192, group_size=128, scales=p192.scales[:1].contiguous())
+    with pytest.raises(ValueError, match="group_size=128 needs k"):  # before any launch
+        ops.matmul_impl(torch.randn(4, 192, device="cuda", dtype=torch.float16), p192)
     with pytest.raises(TypeError):
         w4a16.matmul(x, q)
 
@@ -449,3 +443,104 @@ def test_cluster_capacity_is_what_the_kernels_get():
     if torch.cuda.get_device_properties(0).multi_processor_count == 132 and "H200" in torch.cuda.get_device_name():
         assert caps == dict(ops.H200_CLUSTERS)
 
+
+
+# ---- k % 64 == 0: an odd number of 64-wide k steps (the mma.sync kernel's half last k tile, the
+# skinny kernel's half last stage; the wgmma kernel's 64-wide stages cover it exactly) ----------------------------
+
+ODD_K = [64, 192, 832, 2880, 4544]
+ODD_K_MS = [1, 5, 16, 33, 130]
+
+
+def _odd_k_case(k, n, group, sym, dtype, seed, perm=False):
+    torch.manual_seed(seed)
+    w = torch.randn(n, k, device="cuda", dtype=torch.float32) * (0.5 + torch.rand(()).item())
+    q = quantize_rtn(w, group, sym, scale_dtype=dtype, clip_search=False)
+    order = torch.randperm(k, device="cuda") if perm else None
+    return q, ops.pack(q, order)
+
+
+def _odd_k_check(x, q, p, bias, seed, **kw):
+    """Against the float64 reference (act order: x's columns gathered), output poisoned, the seed in the message."""
+    xr = x if p.perm is None else x[:, p.perm]
+    ref = ref_matmul(xr, q, bias)
+    _poison_allocator(x.shape[0], q.n, x.dtype)
+    out = ops.matmul_impl(x, p, bias, **kw)
+    err = rel_err(out, ref)
+    assert err < TOLERANCE[x.dtype], f"rel err {err}: k={q.k} n={q.n} m={x.shape[0]} group={q.group_size} " \
+                                     f"asym={q.zeros is not None} {x.dtype} seed={seed} {kw}"
+    return out
+
+
+def _odd_k_cases():
+    """(k, group, sym, dtype, perm) combinations: every k with both dtypes, per-channel and group 64,
+    symmetric and asymmetric, act order on some."""
+    for i, k in enumerate(ODD_K):
+        for j, (group, sym, dtype) in enumerate(((-1, True, torch.float16), (64, False, torch.bfloat16),
+                                                 (64, True, torch.float16), (-1, False, torch.bfloat16))):
+            yield k, group, sym, dtype, (i + j) % 3 == 0
+
+
+@pytest.mark.parametrize("k,group,sym,dtype,perm", list(_odd_k_cases()))
+def test_odd_k_dispatcher_and_mma_sync(k, group, sym, dtype, perm):
+    """The dispatcher's plan and the mma.sync kernel's families (tiles, register ring, swapped
+    operands, 16/32-row tiles) with k splits that put the half tile in a slice of its own or inside
+    one, bias on odd m."""
+    n, seed = 256, k * 10 + group
+    q, p = _odd_k_case(k, n, group, sym, dtype, seed, perm)
+    for m in ODD_K_MS:
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        bias = torch.randn(n, device="cuda", dtype=dtype) if m % 2 else None
+        _odd_k_check(x, q, p, bias, seed)
+        for cfg in (ops.GemmConfig(1, 2, 4, 4), ops.GemmConfig(2, 1, 8, 6), ops.GemmConfig(1, 4, 2, 8),
+                    ops.GemmConfig(1, 2, 4, 4, True, True), ops.GemmConfig(1, 1, 8, 4, True),
+                    ops.GemmConfig(1, 2, 4, 4, False, True)):
+            if cfg.swap and m > 8:
+                continue
+            for slices in (1, 2, 3, 8):
+                _odd_k_check(x, q, p, bias, seed, cfg=cfg, slices=slices)
+
+
+@hopper
+@pytest.mark.parametrize("k,group,sym,dtype,perm", list(_odd_k_cases()))
+def test_odd_k_hopper_tiles_split_clusters_and_stream_k(k, group, sym, dtype, perm, monkeypatch):
+    """The wgmma kernel at k % 128 == 64: whole tiles, k slices through DSMEM clusters and through the
+    workspace (HOPPER_DSMEM_SPLIT off), stream-K grids that cut tiles anywhere; counters reset."""
+    n, seed = 512, k * 10 + group + 1
+    q, p = _odd_k_case(k, n, group, sym, dtype, seed, perm)
+    for m in ODD_K_MS:
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        bias = torch.randn(n, device="cuda", dtype=dtype) if m % 2 else None
+        for cfg in (ops.HopperConfig(64, 2, 1, 8), ops.HopperConfig(128, 2, 2, 6), ops.HopperConfig(16, 4, 1, 8)):
+            for slices in (1, 2, 3, 5):
+                for dsmem in (True, False):
+                    monkeypatch.setattr(launch, "HOPPER_DSMEM_SPLIT", dsmem)
+                    _odd_k_check(x, q, p, bias, seed, cfg=cfg, slices=slices)
+        monkeypatch.setattr(launch, "HOPPER_DSMEM_SPLIT", True)
+        for cfg in (ops.HopperConfig(64, 2, 2, 6, True), ops.HopperConfig(128, 1, 2, 6, True),
+                    ops.HopperConfig(16, 4, 1, 8, True)):
+            for ctas in (None, 1, 7, 13, 100000):
+                _odd_k_check(x, q, p, bias, seed, cfg=cfg, ctas=ctas)
+    torch.cuda.synchronize()
+    for (dev, _), (_, counters) in launch._workspaces.items():
+        assert int(counters.abs().sum()) == 0, "tile counters must be reset by every launch"
+
+
+@hopper
+@pytest.mark.parametrize("k,group,sym,dtype,perm", list(_odd_k_cases()))
+def test_odd_k_skinny_register_and_staged_fixups(k, group, sym, dtype, perm):
+    """The skinny kernel's half last stage: one warp a strip and several, 8/16/32-row tiles, register
+    and staged (shared-memory) fixups, grids from 1 CTA to more CTAs than units."""
+    n, seed = 512, k * 10 + group + 2
+    q, p = _odd_k_case(k, n, group, sym, dtype, seed, perm)
+    cfgs = (ops.SkinnyConfig(8, 4, 1, 3, 2), ops.SkinnyConfig(8, 4, 2, 4, 2), ops.SkinnyConfig(16, 2, 2, 6, 2),
+            ops.SkinnyConfig(32, 2, 4, 8, 1), ops.SkinnyConfig(8, 4, 1, 3, 2, staged=True),
+            ops.SkinnyConfig(16, 4, 1, 4, 2, staged=True), ops.SkinnyConfig(8, 2, 4, 8, 2, staged=True))
+    for m in ODD_K_MS:
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        bias = torch.randn(n, device="cuda", dtype=dtype) if m % 2 else None
+        for cfg in cfgs:
+            if m > cfg.mt:
+                continue
+            for ctas in (None, 1, 3, 7, 31, 1000):
+                _odd_k_check(x, q, p, bias, seed, cfg=cfg, ctas=ctas)

@@ -54,8 +54,40 @@ def test_cpu_matmul_runs_reference_and_shapes():
 def test_bad_shapes_rejected():
     with pytest.raises(ValueError, match="multiple of 64"):
         w4a16.quantize(torch.randn(96, 128), 128)
-    with pytest.raises(ValueError, match="multiple of 128"):
-        w4a16.quantize(torch.randn(64, 192), 64)
+    for k in (96, 130):  # k must be a multiple of 64, whatever the group
+        with pytest.raises(ValueError, match=f"k \\(in_features\\) to be a multiple of 64; got k={k}"):
+            ops.check_shape(64, k, -1)
+    with pytest.raises(ValueError, match="group_size=128 needs k .* multiple of it; got k=192"):
+        ops.check_shape(64, 192, 128)
+    with pytest.raises(ValueError):  # quantize itself needs whole groups
+        w4a16.quantize(torch.randn(64, 192), 128)
+
+
+@pytest.mark.parametrize("k", [64, 192, 832, 2880, 4544])
+@pytest.mark.parametrize("group", [-1, 32, 64])
+def test_k_multiple_of_64_accepted(k, group):
+    """k % 64 == 0 (Falcon-7B's 4544, gpt-oss's 2880): packs, round-trips, validates and runs (CPU: the
+    reference); the kernels take the odd last 64-wide k step as a half tile / stage."""
+    ops.check_shape(128, k, group)
+    torch.manual_seed(k + group)
+    q = quantize_rtn(torch.randn(128, k), group, False, scale_dtype=torch.float16)
+    p = ops.pack(q)
+    u = ops.unpack(p)
+    assert torch.equal(u.q, q.q) and torch.equal(u.scales, q.scales) and torch.equal(u.zeros, q.zeros)
+    x = torch.randn(3, k, dtype=torch.float16)
+    y = w4a16.matmul(x, p)
+    assert y.shape == (3, 128)
+    from tilefish.reference import w4a16_matmul as ref_matmul
+    assert torch.equal(y, ref_matmul(x, q))
+
+
+def test_half_k_tile_counts():
+    """The launchers count the mma.sync kernel's k tiles and the skinny kernel's stages with a half
+    last one: ceil(k / 128)."""
+    from tilefish.ops.w4a16.layout import K_MULTIPLE
+
+    assert K_MULTIPLE == 64 and ops.BK == 128
+    assert -(-192 // ops.BK) == 2 and -(-64 // ops.BK) == 1 and -(-4544 // ops.BK) == 36
 
 
 def test_layer_state_dict_round_trip():

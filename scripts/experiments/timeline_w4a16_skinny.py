@@ -6,9 +6,10 @@ the final fixup), 8 its final segment's main loop end, 9 the tile counter's repl
 record, 10 the consumers past fix_ready; plus its SM id. The last CTA's chain is printed.
 
 Usage: [CTA_FACTORS=1,2,4] [SHAPES=KxN,...] [M=1,8] [CONFIGS=skinny-m8n256w1s3x2,...]
-       [VARIANTS=,TF_W4A16_SC_FENCES] python scripts/experiments/timeline_w4a16_skinny.py
+       [VARIANTS=,TF_W4A16_NF4] python scripts/experiments/timeline_w4a16_skinny.py
 (one line per shape x m x config x grid x variant; a variant is a define added to the build, or
-none: the shipped kernel)
+none: the shipped kernel. The stamps are kernels/w4a16/timeline.cuh's macros. TF_W4A16_SC_FENCES, the
+fence A/B build, is gone from the kernels: check out an older commit to rerun it)
 """
 import dataclasses
 import os

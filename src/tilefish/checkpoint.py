@@ -250,13 +250,14 @@ def _expected_shapes(fmt: QuantFormat, k: int, n: int) -> dict[str, tuple[tuple[
 
 
 def _check_tileable(name: str, linear: nn.Linear, where: str) -> None:
-    """The W4A16 kernel tiles n by 64 and k by 128 (ops/w4a16/layout.py check_shape)."""
-    from .ops.w4a16 import BK
+    """The W4A16 kernels tile n by 64 and k by 64 (ops/w4a16/layout.py check_shape; the group size is
+    checked against k where the scales are read)."""
+    from .ops.w4a16.layout import K_MULTIPLE
 
     n, k = linear.out_features, linear.in_features
-    if n % 64 or k % BK:
+    if n % 64 or k % K_MULTIPLE:
         raise CheckpointError(f"{where}: the W4A16 kernel cannot tile nn.Linear {name!r} (in_features k = {k}, "
-                              f"out_features n = {n}): it needs n % 64 == 0 and k % {BK} == 0")
+                              f"out_features n = {n}): it needs n % 64 == 0 and k % {K_MULTIPLE} == 0")
 
 
 def _plan_layer(name: str, linear: nn.Linear, ckpt: _Checkpoint, fmt: QuantFormat) -> dict[str, str]:

@@ -10,7 +10,7 @@ Sharding a 4-bit weight is exact slicing of the kernel layout (ops/w4a16/layout.
   are permuted only inside a strip, so a rank's columns are whole strips: n / world % 64 == 0.
 - rows: each strip row stores its 16-wide k rows in order, so a contiguous k range is a contiguous slice
   of `packed`'s second dimension; it must hold whole groups and be tileable by the kernel
-  (ops.w4a16.check_shape on the shard: k / world % 128, and % group_size).
+  (ops.w4a16.check_shape on the shard: k / world % 64, and % group_size).
 - act-order (a permutation of the input): a row-parallel shard is a contiguous range of the kernel's
   (permuted) k order, so groups stay whole; the inputs it needs are scattered, so that layer gathers its
   full input from all ranks (an all-gather of m x k activations, small at decode) and picks its columns.

@@ -280,7 +280,8 @@ class NF4Linear(W4A16Linear):
     - `.weight.dequantize()` is bitsandbytes' exact dequantization. `.to(torch.float16 / bfloat16)`
       rebuilds the kernel scales from the exact block scales; other dtypes are refused (the kernels
       take 16-bit activations; fp32 inputs are cast in and out, as in W4A16Linear).
-    - The kernels tile out_features by 64 and in_features by 128: other shapes are a ValueError.
+    - The kernels tile out_features by 64 and in_features by 64 (and by the scale group, min(blocksize,
+      128)): other shapes are a ValueError.
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True, blocksize: int = 64,
@@ -300,7 +301,7 @@ class NF4Linear(W4A16Linear):
         # Placeholders until a weight is set or loaded, consistent with each other: every code 7 (0.0),
         # every block absmax 1.0 (double quant: code2[127] = 0 times absmax2 = 1, plus offset 1).
         self.packed.fill_(_NF4_ZERO_WORD)
-        nblocks = in_features * out_features // blocksize  # exact: n % 64 and k % 128 make n k a multiple of 8192
+        nblocks = in_features * out_features // blocksize  # exact: k is a multiple of the scale group min(blocksize, 128), and n of 64
         f32 = dict(dtype=torch.float32, device=device)
         state = dict.fromkeys(_NF4_STATE)
         if double_quant:

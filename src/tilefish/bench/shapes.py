@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Today's kernels (ops/w4a16/layout.py): n a multiple of 64 (the packed layout's column tile), k a multiple of 128
-# (the k stage). A shape that misses either is kept in the table, marked, and skipped by the bench.
+# Today's kernels (ops/w4a16/layout.py): n a multiple of 64 (the packed layout's column tile), k a multiple of 64
+# (the k stage; group 128 also needs k % 128, checked where the group is known). A shape that misses either is
+# kept in the table, marked, and skipped by the bench.
 N_MULTIPLE = 64
-K_MULTIPLE = 128
+K_MULTIPLE = 64
 
 
 @dataclass(frozen=True)
@@ -77,10 +78,14 @@ def marks(k: int, n: int) -> list[str]:
     return [name for name, bad in (("k%128", k % 128), ("k%64", k % 64), ("n%64", n % 64)) if bad]
 
 
-def untileable_reason(k: int, n: int) -> str | None:
-    """Why today's W4A16 kernels cannot run a k x n weight, or None when they can."""
+def untileable_reason(k: int, n: int, group_size: int = 128) -> str | None:
+    """Why today's W4A16 kernels cannot run a k x n weight quantized with `group_size` (default 128, the
+    bench's grouped format; -1 per channel), or None when they can: n % 64, k % 64, and k % group_size."""
     why = [f"n={n} is not a multiple of {N_MULTIPLE}"] if n % N_MULTIPLE else []
-    why += [f"k={k} is not a multiple of {K_MULTIPLE}"] if k % K_MULTIPLE else []
+    if k % K_MULTIPLE:
+        why.append(f"k={k} is not a multiple of {K_MULTIPLE}")
+    elif group_size > 0 and k % group_size:
+        why.append(f"k={k} is not a multiple of {group_size} (group_size {group_size})")
     return "; ".join(why) or None
 
 
@@ -121,5 +126,5 @@ def table(models=None) -> str:
             lines.append(f"{head if i == 0 else ' ' * len(head)}  {proj:14s} {k:6d} {n:6d}  {flag}".rstrip())
         lines.append(f"{'':16s} {c.source}")
     lines.append("marks: k%128 / k%64 / n%64 = the dimension is not a multiple of that; today's kernels need "
-                 f"n % {N_MULTIPLE} == 0 and k % {K_MULTIPLE} == 0")
+                 f"n % {N_MULTIPLE} == 0 and k % {K_MULTIPLE} == 0, and k % 128 == 0 for group size 128 (flagged here)")
     return "\n".join(lines)

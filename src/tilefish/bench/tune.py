@@ -95,7 +95,7 @@ def _resolved(plan, m, n, k, sm_count, clusters, group):
         return replace(plan, slices=d.choose_hopper_slices(plan.cfg, m, n, k, sm_count, clusters, group != -1))
     if isinstance(plan.cfg, GemmConfig):
         tiles = (n // plan.cfg.bn) * -(-m // plan.cfg.bm)
-        return replace(plan, slices=max(1, min(d.choose_slices(tiles, k // BK, sm_count), k // BK)))
+        return replace(plan, slices=max(1, min(d.choose_slices(tiles, -(-k // BK), sm_count), -(-k // BK))))
     return plan
 
 
@@ -129,7 +129,7 @@ def tune(shapes=None, models=None, ms=DEFAULT_TUNE_M, dtypes=("fp16", "bf16"), g
         progress(line)
     clusters = _device_clusters(info)
     progress(_warm(kn, ms, dtypes, groups, codebook, info, clusters))
-    cases = [(dn, g, k, n, m) for dn in dtypes for (k, n) in kn for g in groups for m in ms]
+    cases = [(dn, g, k, n, m) for dn in dtypes for (k, n) in kn for g in groups for m in ms if g < 0 or k % g == 0]
     total, done, t0 = len(cases), 0, time.perf_counter()
     entries = []
     saved_warm, timing.WARM_MS = timing.WARM_MS, TUNE_WARM_MS
@@ -139,6 +139,8 @@ def tune(shapes=None, models=None, ms=DEFAULT_TUNE_M, dtypes=("fp16", "bf16"), g
             for k, n in kn:
                 dense = torch.randn(n, k, device="cuda", dtype=dt)
                 for g in groups:
+                    if g > 0 and k % g:  # e.g. k 2880 with group 128: that format cannot exist
+                        continue
                     if codebook == "nf4":
                         from ..ops.nf4 import prepare
                         from ..quant.nf4 import quantize as quantize_nf4
@@ -208,6 +210,8 @@ def _warm(kn, ms, dtypes, groups, codebook, info, clusters) -> str:
     for dname in dtypes:
         for k, n in kn:
             for g in groups:
+                if g > 0 and k % g:
+                    continue
                 for m in ms:
                     for p in tune_candidates(m, n, k, info.sm_count, info.cc, g, clusters, DTYPES[dname], codebook):
                         specs[kernel_spec(DTYPES[dname], p.cfg, g, False, codebook)] = None

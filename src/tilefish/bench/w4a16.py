@@ -61,7 +61,7 @@ def select_shapes(shapes=None, models=None) -> tuple[list[tuple[int, int]], dict
         entries = model_shapes.union(names)
     kn, labels, skipped = [], {}, []
     for e in entries:
-        reason = model_shapes.untileable_reason(e.k, e.n)
+        reason = model_shapes.untileable_reason(e.k, e.n, group_size=-1)  # group sizes: per case (run)
         if reason:
             skipped.append(f"skipped k{e.k} n{e.n}{f' ({e.models})' if e.labels else ''}: untileable, {reason}")
             continue
@@ -170,6 +170,9 @@ def run(shapes=None, ms=None, groups=(128, -1), dtypes=("fp16", "bf16"), reps: i
         for k, n in kn:
             dense = torch.randn(n, k, device="cuda", dtype=dtype)
             for group in groups:
+                if group > 0 and k % group:
+                    _skip_notes(report, [f"skipped k{k} n{n} g{group}: k is not a multiple of the group size"])
+                    continue
                 q = __import__("tilefish.quant.int4", fromlist=["x"]).quantize_rtn(
                     dense, group, True, scale_dtype=dtype, clip_search=False)
                 p = ops.pack(q)
@@ -224,7 +227,7 @@ def warm_run_kernels(kn, ms, dtypes, groups, codebook: str = "int4") -> str:
     clusters, table = launch._device_clusters(info), launch._device_table(info)
     specs = [kernel_spec(DTYPES[d], dispatch.choose_plan(m, n, k, info.sm_count, info.cc, g, clusters, DTYPES[d],
                                                          codebook, table).cfg, g, False, codebook)
-             for d in dtypes for k, n in kn for g in groups for m in ms]
+             for d in dtypes for k, n in kn for g in groups for m in ms if g < 0 or k % g == 0]
     return warm_kernels(specs, info.arch)
 
 

@@ -222,15 +222,18 @@ def _matmul_group(blocksize: int) -> int:
 
 
 def check_matmul_shape(shape, blocksize: int) -> None:
-    """What the fused kernels can tile: a 2-D weight [n, k], n % 64 == 0, k % 128 == 0 (any blocksize)."""
-    from .w4a16 import BK
+    """What the fused kernels can tile: a 2-D weight [n, k], n % 64 == 0, k % 64 == 0, and k a multiple
+    of the matmul's scale group min(blocksize, 128) (so blocksize >= 128 needs k % 128 == 0)."""
+    from .w4a16.layout import K_MULTIPLE
 
     if len(shape) != 2:
         raise ValueError(f"the NF4 matmul needs a 2-D weight [out_features, in_features], got shape {tuple(shape)}")
     n, k = shape
-    if n % 64 or k % BK:
-        raise ValueError(f"the NF4 matmul kernels tile n (out_features) by 64 and k (in_features) by {BK}; got "
-                         f"n={n}, k={k}. tilefish.nf4.dequantize + F.linear handles any shape")
+    group = _matmul_group(blocksize)
+    if n % 64 or k % K_MULTIPLE or k % group:
+        raise ValueError(f"the NF4 matmul kernels tile n (out_features) by 64 and k (in_features) by {K_MULTIPLE}, "
+                         f"and need k % {group} == 0 (the scale group of blocksize {blocksize}); got n={n}, k={k}. "
+                         "tilefish.nf4.dequantize + F.linear handles any shape")
 
 
 def _group_scales(w: NF4Weight, n: int, k: int, group: int, dtype: torch.dtype) -> torch.Tensor:

@@ -1,7 +1,7 @@
 // W4A16 GEMM: y[m, n] = x[m, k] @ dequant(W)[n, k]^T (+ bias), x fp16/bf16, W 4-bit, fp32 accumulate.
 //
 // Tiling: a block of 256 threads (8 warps) owns a BM x BN output tile (BM = 16*MB rows, BN = 64*WN
-// columns) and walks k in tiles of 128. Its warps form a WN x WK grid: warp (wn, wk) owns the
+// columns) and walks k in tiles of 128 (the last one half a tile when k % 128 == 64). Its warps form a WN x WK grid: warp (wn, wk) owns the
 // 64-column strip wn and the k16 steps wk*KW .. wk*KW+KW-1 of every k tile (KW = 8 / WK), so
 // several warps split k and are summed in shared memory at the end (block-level reduction).
 //
@@ -22,17 +22,23 @@
 // 2 exchanged, so the layout is unchanged, while each 32-bit word feeds one MMA instead of two and
 // each warp holds half the accumulators.
 //
+// Half tile (k % 128 == 64): the last k tile has 64 valid k. Its loads stay inside x and W and the
+// mma loop runs unchanged: the x chunks of k 64..127 are zero-filled (cp.async with src-size 0, the
+// source pointed at valid bytes), and the weight rows and scale / zero-point rows of that half are
+// copies of the first half's (finite values), so those products are exactly zero. The only cost is a
+// few selects in the loads of each tile, none in the mma loop.
+//
 // Split-k: when there are too few output tiles to fill the GPU, `slices` blocks share a tile's k
-// range. Each writes its fp32 partial tile to a workspace, then bumps the tile's counter with an
-// acq_rel atomic; the last one to arrive sums the partials in slice order (so the result is
-// bitwise deterministic whatever the arrival order) and resets the counter to zero, leaving the
-// workspace clean for the next launch. No block ever waits on another, so no launch can hang.
+// range. Each writes its fp32 partial tile to a workspace slot; the last one to arrive sums them in
+// slice order and resets the tile's counter (the protocol of w4a16/fixup.cuh: bitwise
+// deterministic, the workspace clean for the next launch, no block ever waits on another).
 #include "w4a16/dequant.cuh"
+#include "w4a16/fixup.cuh"
 
 using namespace tf;
 
 constexpr int kThreads = 256;
-constexpr int kBK = 128;  // k per pipeline tile
+constexpr int kBK = 128;  // k per pipeline tile (k % 128 == 64: the last tile is half of one)
 
 // Shared-memory bytes of one pipeline stage (the host computes the same numbers).
 template <int MB, int WN, int GROUP, bool ASYM, bool BREG>
@@ -77,7 +83,8 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
     const int m_tiles = gridDim.x;
     const int tile = blockIdx.y * m_tiles + blockIdx.x;
     const int n0 = blockIdx.y * BN, m0 = blockIdx.x * BM;
-    const int k_tiles = k / kBK;
+    const int k_tiles = (k + kBK - 1) / kBK;
+    const int half_kt = k % kBK ? k_tiles - 1 : -1;  // the half tile (host-checked: k % 64 == 0), or none
     const int slice = blockIdx.z;
     const int kt_begin = (int)((long long)slice * k_tiles / slices);
     const int kt_end = (int)((long long)(slice + 1) * k_tiles / slices);
@@ -93,6 +100,8 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
     const T* a_src[kACopies];
     int a_dst[kACopies];
     unsigned a_valid = 0;
+    const bool a_hi = (tid & 8) != 0;  // this thread copies x chunks 8..15 (k 64..127 of a tile)
+    static_assert(kThreads % 16 == 0, "a thread's x chunk column is the same in every copy");
 #pragma unroll
     for (int i = 0; i < kACopies; ++i) {
         const int c = tid + i * kThreads, row = c >> 4, col = c & 15;
@@ -107,24 +116,34 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
         T* a_s = reinterpret_cast<T*>(base);
         uint4* b_s = reinterpret_cast<uint4*>(base + L::kA);
         const int k0 = kt * kBK;
-        // x tile: BM rows x 16 chunks of 16 B, swizzled; rows past m are zero-filled.
+        const bool half = kt == half_kt;
+        // x tile: BM rows x 16 chunks of 16 B, swizzled; rows past m are zero-filled, and so are
+        // chunks 8..15 of the half tile (their source moved 64 k back, inside the row; nothing is read).
+        const bool a_zero = half && a_hi;
+        const int a_k0 = a_zero ? k0 - kBK / 2 : k0;
 #pragma unroll
         for (int i = 0; i < kACopies; ++i)
             if (BM * 16 % kThreads == 0 || tid + i * kThreads < BM * 16)
-                cp_async16(a_s + a_dst[i], a_src[i] + k0, (a_valid >> i) & 1);
+                cp_async16(a_s + a_dst[i], a_src[i] + a_k0, ((a_valid >> i) & 1) && !a_zero);
         // weight tile: strip i of the block's WN strips is 8 k16 rows x 512 B = 4 KB contiguous in
-        // global memory (strip-major layout); warp `warp` copies row `warp` of every strip.
+        // global memory (strip-major layout); warp `warp` copies row `warp` of every strip (half tile:
+        // rows 4..7 copy rows 0..3).
         if constexpr (!BREG) {
+            const size_t w_off = (size_t)kt * 256 - (half && warp >= 4 ? 4 * 32 : 0);
 #pragma unroll
             for (int i = 0; i < WN; ++i)
-                cp_async16(b_s + (warp * WN + i) * 32 + lane, w_strip + (size_t)i * strip_stride + (size_t)kt * 256);
+                cp_async16(b_s + (warp * WN + i) * 32 + lane, w_strip + (size_t)i * strip_stride + w_off);
         }
+        // Scale / zero-point rows: the half tile's second half repeats the first half's rows (group
+        // 128 never has a half tile: the host checks k % group).
+        constexpr int kHalfRows = L::kScaleRows / 2;
         if constexpr (GROUP > 0) {
             T* s_s = reinterpret_cast<T*>(base + L::kA + L::kB);
             constexpr int chunks = L::kScaleRows * BN / 8;
             if (tid < chunks) {
                 int row = tid / (BN / 8), col = tid % (BN / 8);
-                cp_async16(s_s + row * BN + col * 8, scales + (size_t)(k0 / GROUP + row) * n + n0 + col * 8);
+                const int srow = kHalfRows > 0 && half && row >= kHalfRows ? row - kHalfRows : row;
+                cp_async16(s_s + row * BN + col * 8, scales + (size_t)(k0 / GROUP + srow) * n + n0 + col * 8);
             }
         }
         if constexpr (ASYM) {
@@ -132,7 +151,8 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
             constexpr int chunks = L::kZeroRows * BN / 8;
             if (tid < chunks) {
                 int row = tid / (BN / 8), col = tid % (BN / 8);
-                int zrow = GROUP ? k0 / GROUP + row : 0;
+                const int srow = GROUP && kHalfRows > 0 && half && row >= kHalfRows ? row - kHalfRows : row;
+                int zrow = GROUP ? k0 / GROUP + srow : 0;
                 cp_async16(z_s + row * BN + col * 8, zeros + (size_t)zrow * n + n0 + col * 8);
             }
         }
@@ -150,11 +170,16 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
     typename DQ::Zero zsym = DQ::zero(8.f);
 
     // BREG: each warp loads its own weight words (its strip, its k16 steps) straight into a
-    // register ring of STAGES slots, issued at the same distance ahead as the cp.async stages.
+    // register ring of STAGES slots, issued at the same distance ahead as the cp.async stages. In the
+    // half tile, k16 rows 4..7 load rows 0..3 (their x is zero).
     uint4 breg[BREG ? STAGES : 1][KW];
     const uint4* w_warp = w + ((size_t)(n0 / 64 + wn) * (k / 16) + wk * KW) * 32 + lane;
+    auto breg_off = [&](int kt, int kk) {
+        return (size_t)kt * 256 + kk * 32 - (kt == half_kt && wk * KW + kk >= 4 ? 4 * 32 : 0);
+    };
     (void)w_warp;
     (void)breg;
+    (void)breg_off;
 
     // Prologue: fill STAGES-1 stages.
 #pragma unroll
@@ -163,7 +188,7 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
             load_stage(s, kt_begin + s);
             if constexpr (BREG) {
 #pragma unroll
-                for (int kk = 0; kk < KW; ++kk) breg[s][kk] = ld_nc_v4(w_warp + (size_t)(kt_begin + s) * 256 + kk * 32);
+                for (int kk = 0; kk < KW; ++kk) breg[s][kk] = ld_nc_v4(w_warp + breg_off(kt_begin + s, kk));
             }
         }
         cp_async_commit();
@@ -185,7 +210,7 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
                 load_stage(nslot, nxt);
                 if constexpr (BREG) {
 #pragma unroll
-                    for (int kk = 0; kk < KW; ++kk) breg[nslot][kk] = ld_nc_v4(w_warp + (size_t)nxt * 256 + kk * 32);
+                    for (int kk = 0; kk < KW; ++kk) breg[nslot][kk] = ld_nc_v4(w_warp + breg_off(nxt, kk));
                 }
             }
             cp_async_commit();
@@ -296,8 +321,8 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
         }
     }
 
-    // Split-k fixup across blocks (see the header comment). The workspace holds, per tile, one
-    // row-major BM x BN fp32 partial per slice (rows past m are never written nor read).
+    // Split-k fixup across blocks (w4a16/fixup.cuh). The workspace holds, per tile, one row-major
+    // BM x BN fp32 partial per slice (rows past m are never written nor read).
     if (slices > 1) {
         __shared__ int s_is_last;
         float* tile_ws = workspace + (size_t)tile * slices * (BM * BN);
@@ -313,19 +338,7 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
                         if (m0 + row < m) __stcg(dst + row * BN + wn * 64 + acc_col(j, c), acc[a][j][c]);
                     }
         }
-        // __syncthreads orders every thread's slice stores before thread 0's atomic, whose release
-        // publishes them and whose acquire (passed on by the second __syncthreads) makes the other
-        // slices' visible: no per-thread fence.sc (MEMBAR.SC.GPU) on the tail's critical path.
-#ifdef TF_W4A16_SC_FENCES  // A/B builds only (scripts/experiments/ab_w4a16_builds.py): the fences before
-        __threadfence();
-#endif
-        __syncthreads();
-        if (tid == 0) s_is_last = atomic_add_acq_rel(counters + tile, 1) == slices - 1;
-        __syncthreads();
-        if (!s_is_last) return;
-#ifdef TF_W4A16_SC_FENCES
-        __threadfence();
-#endif
+        if (!fixup_arrive_cta(counters + tile, slices, tid == 0, s_is_last, [] { __syncthreads(); })) return;
         // The last block reduces with all 256 threads: each owns column pairs of valid rows and
         // sums the slices in slice order (deterministic); the loads of different slices are
         // independent, so they are in flight together.
@@ -347,7 +360,7 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
             *reinterpret_cast<typename V2::type*>(out + (size_t)(m0 + row) * n + gcol) =
                 V2::make(sum.x * sc.x + bi.x, sum.y * sc.y + bi.y);
         }
-        if (tid == 0) store_relaxed(counters + tile, 0);  // every slice has arrived: reset for the next launch
+        if (tid == 0) fixup_reset(counters + tile);
         return;
     }
 

@@ -10,7 +10,12 @@
 // flattened tile-major into U units, and CTA b of G takes units [b U / G, (b+1) U / G). Every SM
 // streams the same number of bytes whatever the shape. A tile whose k range is split between
 // CTAs is finished by whichever of them arrives last (fp32 partials, summed in CTA order, so the
-// result is bitwise deterministic); no CTA ever waits for another.
+// result is bitwise deterministic; the protocol of w4a16/fixup.cuh); no CTA ever waits for another.
+//
+// Half stage (k % 128 == 64): the last stage of a tile has 64 valid k. Only the producer knows: its
+// second x box lies wholly past k, so TMA fills it with zeros (and counts its bytes as usual), and
+// the weight rows 4..7 and the second half's scale / zero-point rows are copies of the first half's
+// (in bounds, finite), so the consumers' unchanged loop adds exact zeros for k 64..127.
 //
 // Roles: the NS x WK consumer warps, then the producer warp, then the finisher warp. The
 // producer's one thread issues, per stage, two TMA boxes of x (MT x 64, 128-byte swizzle, rows
@@ -26,11 +31,12 @@
 // segment is either the whole tile (epilogue straight to y) or a partial: the consumers store it
 // to a workspace slot (b, first or last segment of b) and hand it to the finisher warp, which
 // does the fence and the tile counter (the last arriver sums the slots and stores) while the
-// consumers go on streaming. Done by the consumers themselves, those round trips stalled them
-// mid-stream with the ring full: the per-CTA timeline's "stragglers" (k 28672 x n 8192, m = 1:
-// main loops ending up to 7 us after the median; 43 -> 36.5 us with the finisher).
+// consumers go on streaming. Done by the consumers themselves, those round trips stall them
+// mid-stream with the ring full, and CTAs whose main loop ends late hold up the whole launch.
 #include "common/hopper.cuh"
 #include "w4a16/dequant.cuh"
+#include "w4a16/fixup.cuh"
+#include "w4a16/timeline.cuh"
 
 namespace w4s {
 using namespace tf;
@@ -90,33 +96,19 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
     __shared__ int s_fix_tile;    // finisher -> consumers: the tile whose fixup they run at the end, or -1
     __shared__ int s_defer_tile;  // ... and a tile the finisher left to them (see the finisher), or -1
 
-    const int KS = k / kBK;
+    const int KS = (k + kBK - 1) / kBK;  // k % 128 == 64: the last stage of a tile is a half stage
     const int tiles = n / BN;
     const int units = tiles * KS, ctas = gridDim.x, b = blockIdx.x;
     const int u0 = unit_begin(b, units, ctas), u1 = unit_begin(b + 1, units, ctas);
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-#ifdef TF_TIMELINE
-    // Debug builds only: per-CTA %globaltimer stamps after the workspace slots (16 a CTA): 0 entry,
-    // 1 barriers ready, 2 first stage landed, 3 the consumers' final hand-off done, 4 the finisher's
-    // exit, 5 the consumers' end; 7 SM id; 8 the final segment's main loop end, 9 the finisher's tile
-    // counter returned for the final record, 10 the consumers past fix_ready.
-    long long* tl = reinterpret_cast<long long*>(workspace + (size_t)ctas * 2 * MT * L::BN) + blockIdx.x * 16;
-    auto stamp = [&](int i) {
-        long long t;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        tl[i] = t;
-    };
-    if (threadIdx.x == 0) stamp(0);
-    if (threadIdx.x == 0) { int sm; asm volatile("mov.u32 %0, %%smid;" : "=r"(sm)); tl[7] = sm; }
-#define TF_STAMP(i) if (threadIdx.x == 0) stamp(i)
-#else
-#define TF_STAMP(i)
-#endif
-#ifdef TF_W4A16_SC_FENCES  // A/B builds only (scripts/experiments/ab_w4a16_builds.py): the hand-offs' fences before
-#define SC_FENCE() __threadfence()
-#else
-#define SC_FENCE()
-#endif
+    // Timeline builds (w4a16/timeline.cuh): per-CTA stamps after the workspace slots (16 a CTA): 0
+    // entry, 1 barriers ready, 2 first stage landed, 3 the consumers' final hand-off done, 4 the
+    // finisher's exit, 5 the consumers' end; 7 SM id; 8 the final segment's main loop end, 9 the
+    // finisher's tile counter returned for the final record, 10 the consumers past fix_ready.
+    TF_TIMELINE_AT(reinterpret_cast<long long*>(workspace + (size_t)ctas * 2 * MT * L::BN) + blockIdx.x * 16);
+    TF_STAMP_IF(threadIdx.x == 0, 0);
+    TF_SMID_IF(threadIdx.x == 0, 7);
+#define TF_STAMP(i) TF_STAMP_IF(threadIdx.x == 0, i)
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
@@ -263,15 +255,11 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
                 const int tile = rec.x;
                 int is_last = 0;
                 if (lane == 0) {
-                    // The atomic's release publishes the consumers' slot stores (they reached this
-                    // lane through seg_full's release / acquire), its acquire the other CTAs': no
-                    // fence.sc needed around it (a MEMBAR.SC.GPU, on the kernel's critical tail).
-                    SC_FENCE();
+                    // The consumers' slot stores reached this lane through seg_full's release /
+                    // acquire: the atomic's release publishes them (w4a16/fixup.cuh).
                     const int span = cta_of_unit((tile + 1) * KS - 1, units, ctas) - cta_of_unit(tile * KS, units, ctas);
-                    is_last = atomic_add_acq_rel(counters + tile, 1) == span;
-#ifdef TF_TIMELINE
-                    if (rec.y) stamp(9);
-#endif
+                    is_last = fixup_arrive(counters + tile, span + 1);
+                    TF_STAMP_IF(rec.y, 9);
                 }
                 last = __shfl_sync(0xffffffffu, is_last, 0) != 0;
                 // A first segment that covers most of the CTA's range ends about when the other CTAs
@@ -287,10 +275,9 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
                         deferred = tile;
                     } else {
                         __syncwarp();  // orders the lanes' slot loads after lane 0's acquire
-                        SC_FENCE();
                         fixup(tile, lane, 32);
                         __syncwarp();
-                        if (lane == 0) store_relaxed(counters + tile, 0);  // all segments are in: reset for the next launch
+                        if (lane == 0) fixup_reset(counters + tile);
                     }
                 }
             }
@@ -303,9 +290,7 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
                 break;
             }
         }
-#ifdef TF_TIMELINE
-        if (lane == 0) stamp(4);
-#endif
+        TF_STAMP_IF(lane == 0, 4);
         return;
     }
     if (warp == CW) {  // producer
@@ -314,26 +299,41 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
             int s = 0;
             u32 phase = 0;
             int tile = u0 / KS, ks = u0 - tile * KS;
+            const int half_ks = k % kBK ? KS - 1 : -1;  // the half stage of every tile, or none
+            constexpr int HALF_ROWS = L::S_ROWS / 2;    // scale rows of a half stage (group 128: none)
             for (int u = u0; u < u1; ++u) {
                 mbar_wait(&empty[s], phase ^ 1);  // round 0: the phase before the first counts as done
-                mbar_arrive_expect_tx(&full[s], L::TX);
+                mbar_arrive_expect_tx(&full[s], L::TX);  // a half stage lands as many bytes (see the header)
                 unsigned char* st = smem + s * L::STAGE;
+                const bool half = ks == half_ks;
                 tma_load_2d(st, &tma_x, ks * kBK, 0, &full[s]);
-                tma_load_2d(st + L::X_HALF, &tma_x, ks * kBK + 64, 0, &full[s]);
+                tma_load_2d(st + L::X_HALF, &tma_x, ks * kBK + 64, 0, &full[s]);  // half stage: all zeros
                 const uint4* src = w + (size_t)tile * NS * strip_uint4 + (size_t)ks * 8 * 32;
+                if (!half) {
 #pragma unroll
-                for (int i = 0; i < NS; ++i)
-                    bulk_load(st + L::X_BYTES + i * L::W_STRIP, src + i * strip_uint4, L::W_STRIP, &full[s]);
+                    for (int i = 0; i < NS; ++i)
+                        bulk_load(st + L::X_BYTES + i * L::W_STRIP, src + i * strip_uint4, L::W_STRIP, &full[s]);
+                } else {
+#pragma unroll
+                    for (int i = 0; i < NS; ++i)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h)
+                            bulk_load(st + L::X_BYTES + i * L::W_STRIP + h * (L::W_STRIP / 2), src + i * strip_uint4,
+                                      L::W_STRIP / 2, &full[s]);
+                }
                 if constexpr (GROUP > 0) {
 #pragma unroll
-                    for (int r = 0; r < L::S_ROWS; ++r)
+                    for (int r = 0; r < L::S_ROWS; ++r) {
+                        const int sr = HALF_ROWS > 0 && half && r >= HALF_ROWS ? r - HALF_ROWS : r;
                         bulk_load(st + L::X_BYTES + L::W_BYTES + r * BN * 2,
-                                  scales + (size_t)(ks * kBK / GROUP + r) * n + tile * BN, BN * 2, &full[s]);
+                                  scales + (size_t)(ks * kBK / GROUP + sr) * n + tile * BN, BN * 2, &full[s]);
+                    }
                 }
                 if constexpr (ASYM) {
 #pragma unroll
                     for (int r = 0; r < L::Z_ROWS; ++r) {
-                        const int zrow = GROUP > 0 ? ks * kBK / GROUP + r : 0;
+                        const int sr = GROUP > 0 && HALF_ROWS > 0 && half && r >= HALF_ROWS ? r - HALF_ROWS : r;
+                        const int zrow = GROUP > 0 ? ks * kBK / GROUP + sr : 0;
                         bulk_load(st + L::X_BYTES + L::W_BYTES + L::S_BYTES + r * BN * 2,
                                   zeros + (size_t)zrow * n + tile * BN, BN * 2, &full[s]);
                     }
@@ -372,9 +372,6 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
         if (++hs == 2) { hs = 0; hph ^= 1; }
         handed_final = final != 0;
     };
-#ifdef TF_TIMELINE
-    bool first_stage = true;
-#endif
     // One segment (this CTA's units within one tile) per round.
     int u = u0;
     while (u < u1) {
@@ -390,10 +387,7 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
 
         for (; u < seg_end; ++u) {
             mbar_wait(&full[s], phase);
-#ifdef TF_TIMELINE
-            if (first_stage) TF_STAMP(2);
-            first_stage = false;
-#endif
+            TF_STAMP_IF(threadIdx.x == 0 && u == u0, 2);
             const unsigned char* st = smem + s * L::STAGE;
             const uint4* wv = reinterpret_cast<const uint4*>(st + L::X_BYTES + si * L::W_STRIP) + lane;
             uint4 words[RPW];
@@ -592,18 +586,15 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
     const int fix_tile = s_fix_tile, defer_tile = s_defer_tile;
     // fix_ready's acquire follows the finisher's acquire of the tile counter: the slots are visible.
     if (defer_tile >= 0) {
-        SC_FENCE();
         if constexpr (STAGED) fixup_staged(defer_tile);
         else fixup(defer_tile, threadIdx.x, CT);
-        if (threadIdx.x == 0) store_relaxed(counters + defer_tile, 0);
+        if (threadIdx.x == 0) fixup_reset(counters + defer_tile);
     }
     if (fix_tile >= 0) {
-        SC_FENCE();
         if constexpr (STAGED) fixup_staged(fix_tile);
         else fixup(fix_tile, threadIdx.x, CT);
-        if (threadIdx.x == 0) store_relaxed(counters + fix_tile, 0);  // all segments are in: reset for the next launch
+        if (threadIdx.x == 0) fixup_reset(counters + fix_tile);
     }
     TF_STAMP(5);
 #undef TF_STAMP
-#undef SC_FENCE
 }

@@ -42,10 +42,14 @@
 // slices (cluster_split): they add their partials through distributed shared memory (the fixup
 // below). Otherwise, a tile cut between CTAs is finished the same way in both: each contributor writes its fp32
 // accumulators to a workspace slot in fragment order (each thread 16-byte chunks, coalesced),
-// bumps the tile's counter (acq_rel); the last to arrive adds the slots in k order (bitwise
-// deterministic), runs the epilogue and resets the counter. No CTA waits for another.
+// bumps the tile's counter; the last to arrive adds the slots in k order, runs the epilogue and
+// resets the counter (the protocol of w4a16/fixup.cuh: bitwise deterministic, no CTA waits for another).
+//
+// Any k % 64 == 0 works as it is: a stage is 64 wide, so k / 64 stages cover k exactly.
 #include "common/wgmma.cuh"
 #include "w4a16/dequant.cuh"
+#include "w4a16/fixup.cuh"
+#include "w4a16/timeline.cuh"
 
 namespace w4h {
 using namespace tf;
@@ -118,6 +122,7 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
     const int m_tiles = (m + MT - 1) / MT;
     const int units = SK ? m_tiles * (n / BN) * KT : 0;
     int cta_index = blockIdx.x;  // this CTA's number among the whole problem's (timeline stamps)
+    (void)cta_index;
     int u0, u1;
     if constexpr (SK) {
         u0 = unit_begin(blockIdx.x, units, gridDim.x);
@@ -131,30 +136,16 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
         u1 = tile * KT + (int)((long long)(slice + 1) * KT / slices);
     }
     const int wg = threadIdx.x / 128;
-#ifdef TF_TIMELINE
-    // Debug builds only: per-CTA %globaltimer stamps after the workspace slots (8 a CTA): 0 entry,
-    // 1 first stage landed, 2 main loop done, 5 partial staged / written (split k), 3 fixup done
-    // (or handed on), 4 exit. Stream-K: 2, 5 and 4 are the last segment's, 6 / 7 the loop end /
+    // Timeline builds (w4a16/timeline.cuh): per-CTA stamps after the workspace slots (8 a CTA): 0
+    // entry, 1 first stage landed, 2 main loop done, 5 partial staged / written (split k), 3 fixup
+    // done (or handed on), 4 exit. Stream-K: 2, 5 and 4 are the last segment's, 6 / 7 the loop end /
     // partial written of a first segment that is not the last; no 3 (with it, ptxas 13.0 built a
-    // stream-K kernel that hung on the H200).
-    long long* tl = reinterpret_cast<long long*>(
+    // stream-K kernel that hung).
+    TF_TIMELINE_AT(reinterpret_cast<long long*>(
         workspace + (size_t)(SK ? 2 * (int)gridDim.x : m_tiles * (n / BN) * slices) * MT * BN) +
-        (size_t)cta_index * 8;
-    auto stamp = [&](int i) {
-        long long t;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        tl[i] = t;
-    };
-    if (threadIdx.x == 0) stamp(0);
-#define TF_STAMP(i) if (threadIdx.x == 128 && !(SK && (i) == 3)) stamp(i)
-#else
-#define TF_STAMP(i)
-#endif
-#ifdef TF_W4A16_SC_FENCES  // A/B builds only (scripts/experiments/ab_w4a16_builds.py): the split-k hand-off's fences before
-#define SC_FENCE() __threadfence()
-#else
-#define SC_FENCE()
-#endif
+        (size_t)cta_index * 8);
+    TF_STAMP_IF(threadIdx.x == 0, 0);
+#define TF_STAMP(i) TF_STAMP_IF(threadIdx.x == 128 && !(SK && (i) == 3), i)
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
@@ -318,10 +309,7 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
             if (++s == STAGES) { s = 0; phase ^= 1; }
         }
         wgmma_wait<0>();
-#ifdef TF_TIMELINE
-        const bool early_segment = SK && seg_begin == u0 && seg_end != u1;
-#endif
-        TF_STAMP(early_segment ? 6 : 2);
+        TF_STAMP(SK && seg_begin == u0 && seg_end != u1 ? 6 : 2);  // 6: an early segment's
         if constexpr (SK) {  // the producer may be waiting for it to start the next segment
             release(prev);
             prev = -1;
@@ -429,15 +417,10 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
             // already shows them all in, this CTA is the last without storing its own partial and
             // waiting for the atomic (~2.1 us a CTA on the launch's tail); its partial, still in
             // registers, is the sum's first term, so the k order (and every bit) is the same.
-#ifdef TF_W4A16_TEST_NO_PEEK  // tests only: every contributor 0 through its slot and the counter
-            constexpr bool PEEK = false;
-#else
-            constexpr bool PEEK = SK;
-#endif
             bool own_in_registers = false;
-            if constexpr (PEEK) {
+            if constexpr (SK) {
                 if (seg_end == u1 && seg_begin == tile * KT) {
-                    if (ctid == 0) s_peek = load_acquire(counters + tile) == count - 1;  // written once a launch
+                    if (ctid == 0) s_peek = fixup_others_in(counters + tile, count);  // written once a launch
                     named_barrier_sync(1, CT);
                     own_in_registers = s_peek;
                 }
@@ -450,22 +433,16 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
                     for (int q = 0; q < ACC / 4; ++q)
                         __stcg(dst + (jj * (ACC / 4) + q) * CT,
                                make_float4(acc[jj][4 * q], acc[jj][4 * q + 1], acc[jj][4 * q + 2], acc[jj][4 * q + 3]));
-                // The barrier orders every consumer's slot stores before thread 0's atomic, whose release
-                // publishes them and whose acquire (passed on by the second barrier) makes the other
-                // slices' visible: no per-thread fence.sc (MEMBAR.SC.GPU) on the tail's critical path.
-                SC_FENCE();
-                named_barrier_sync(1, CT);
-                if (ctid == 0) s_is_last = atomic_add_acq_rel(counters + tile, 1) == count - 1;
-                named_barrier_sync(1, CT);
-                TF_STAMP(early_segment ? 7 : 5);
-                if (!s_is_last) {
+                const bool last = fixup_arrive_cta(counters + tile, count, ctid == 0, s_is_last,
+                                                   [] { named_barrier_sync(1, CT); });
+                TF_STAMP(SK && seg_begin == u0 && seg_end != u1 ? 7 : 5);  // 7: an early segment's
+                if (!last) {
                     if constexpr (SK) continue;
                     TF_STAMP(3);
                     TF_STAMP(4);
                     return;
                 }
             }
-            SC_FENCE();
             // Loads in batches of BATCH independent float4 per contributor: one L2 round trip per
             // (batch, contributor). One chunk at a time (each waiting on its own loads) made a 4-way
             // split of a k 4096 tile cost ~14 us; batches of 16 beat 8 by 2-7% on split plans, and
@@ -501,7 +478,7 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
                     }
                 }
             }
-            if (ctid == 0) store_relaxed(counters + tile, 0);  // all contributors are in: ready for the next launch
+            if (ctid == 0) fixup_reset(counters + tile);
         }
         TF_STAMP(3);
 
@@ -558,4 +535,3 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
     }
 }
 #undef TF_STAMP
-#undef SC_FENCE

@@ -167,7 +167,7 @@ SKINNY_STAGED_MIN_TRIPS = 4      # the staged-fixup build where the register fix
 def skinny_fixup_trips(cfg: SkinnyConfig, m: int, n: int, k: int, sm_count: int) -> int:
     """L2 round trips of the consumers' end-of-launch fixup through registers (skinny.cu's fixup):
     one per float4 a thread and batch of 8 slots, for the tile split over the most CTAs."""
-    ks, tiles, ctas = k // SKINNY_BK, n // cfg.bn, sm_count * cfg.ctas_per_sm
+    ks, tiles, ctas = -(-k // SKINNY_BK), n // cfg.bn, sm_count * cfg.ctas_per_sm
     units = tiles * ks
 
     def cta_of_unit(u):  # skinny.cu's: the CTA whose equal share holds unit u

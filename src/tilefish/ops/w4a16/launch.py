@@ -188,7 +188,7 @@ def _mma_launches(cfg: GemmConfig, m: int, w: W4A16Weight, bias, slices: int | N
     if cfg.swap and m > 8:
         raise ValueError(f"config {cfg.label()} (swapped operands) handles m <= 8, got m={m}")
     asym = w.zeros is not None
-    n_tiles, m_tiles, k_tiles = w.n // cfg.bn, -(-m // cfg.bm), w.k // BK
+    n_tiles, m_tiles, k_tiles = w.n // cfg.bn, -(-m // cfg.bm), -(-w.k // BK)  # k % 128 == 64: a half last tile
     tiles = n_tiles * m_tiles
     slices = slices or choose_slices(tiles, k_tiles, info.sm_count)
     slices = max(1, min(slices, k_tiles))
@@ -278,8 +278,8 @@ def _hopper_launches(cfg: HopperConfig, m: int, w: W4A16Weight, bias, slices: in
         grid, ws_floats = (m_tiles, n_tiles, slices), tiles * slices * cfg.mt * cfg.bn if slices > 1 else 0
     # A k split of a tile runs as one thread-block cluster of its slices, which add their partials
     # through distributed shared memory, when all the clusters fit at once (a cluster must sit
-    # inside one GPC; else the rest ran as a second wave) and with one CTA an SM (a cluster whose
-    # CTAs doubled up on SMs left others idle: 0.6x in an A/B on the H200). Otherwise, for stream-K
+    # inside one GPC; else the rest run as a second wave) and with one CTA an SM (a cluster whose
+    # CTAs double up on SMs leaves others idle, much slower). Otherwise, for stream-K
     # and for splits wider than a portable cluster, the slices sum through the global workspace.
     device = w.packed.device
     kern = _kernel(w.dtype, cfg, w.group_size, asym, device.index, w.codebook)
@@ -306,13 +306,12 @@ def _separate_tail(cfg: HopperConfig, tiles: int, slices: int, cluster: int, gro
     SM and that wave fits one CTA an SM but fills more than half the SMs.
 
     Why: in one launch the hardware hands each pair of slots freed together to two tail CTAs. The
-    per-channel kernel's CTAs finish a wave nearly together, so a tail of 120 CTAs ran two an SM on
-    60 SMs at ~1.6x the time of a CTA alone while the other SMs idled (per-CTA timeline, k 4096 x
-    n 6144, m = 1024: 90 us). A launch of its own starts on an idle GPU, which places CTAs one an SM
-    first: 76 us. With group scales the first wave's CTAs finish apart and the tail spreads by itself
-    (75 us in one launch); there the second launch only adds its start and the wait for the first
-    wave's last CTA (~5 us), as it did for a per-channel tail of 48 CTAs. Same-process A/B on the
-    H200, scripts/experiments/ab_w4a16_tail.py; docs/w4a16.md."""
+    per-channel kernel's CTAs finish a wave nearly together, so a large tail runs two an SM on half
+    the SMs (each at ~1.6x the time of a CTA alone) while the other SMs idle; a launch of its own
+    starts on an idle GPU, which places CTAs one an SM first. With group scales the first wave's
+    CTAs finish apart and the tail spreads by itself, and a small tail gains little: there the
+    second launch only adds its start and the wait for the first wave's last CTA (~5 us). The
+    measurements are in docs/w4a16.md."""
     if HOPPER_SEPARATE_TAIL not in ("rule", "never", "always"):
         raise ValueError("ops.w4a16.launch.HOPPER_SEPARATE_TAIL must be 'rule', 'never' or 'always', got "
                          f"{HOPPER_SEPARATE_TAIL!r}")
@@ -344,7 +343,8 @@ def hopper_split_uses_clusters(cfg: HopperConfig, m: int, n: int, k: int, slices
 
 def _skinny_launches(cfg: SkinnyConfig, m: int, w: W4A16Weight, bias, ctas: int | None, info):
     """The sm_90a stream-K kernel: a TMA map for x (mt x 64 boxes, 128-byte swizzle), a 1-D grid of
-    `ctas` CTAs (default SMs x cfg.ctas_per_sm, at most one unit of (tile, 128-k stage) each)."""
+    `ctas` CTAs (default SMs x cfg.ctas_per_sm, at most one unit of (tile, 128-k stage) each; with
+    k % 128 == 64 a tile's last stage is half of one)."""
     if info.cc != 90:
         raise ValueError(f"config {cfg.label()} uses TMA / bulk copies (sm_90a) and runs on Hopper (sm_90) only; "
                          f"this GPU is sm_{info.cc}")
@@ -354,7 +354,7 @@ def _skinny_launches(cfg: SkinnyConfig, m: int, w: W4A16Weight, bias, ctas: int 
         raise ValueError(f"config {cfg.label()} needs n % {cfg.bn} == 0 (n={w.n})")
     asym = w.zeros is not None
     tiles = w.n // cfg.bn
-    units = tiles * (w.k // SKINNY_BK)
+    units = tiles * -(-w.k // SKINNY_BK)  # k % 128 == 64: each tile's last stage is a half one
     ctas = max(1, min(ctas or info.sm_count * cfg.ctas_per_sm, units, 2**31 - 1))
     device = w.packed.device
     ws, counters = _workspace(device, ctas * 2 * cfg.mt * cfg.bn, tiles)

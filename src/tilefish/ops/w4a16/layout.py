@@ -21,7 +21,8 @@ import torch
 
 from ...quant.int4 import Int4Weight
 
-BK = 128  # k must be a multiple of this: the mma.sync kernel's k tile (and the skinny kernel's stage)
+K_MULTIPLE = 64  # k must be a multiple of this: the packed layout's k16 rows come in 64-wide stages
+BK = 128  # the mma.sync kernel's k tile and the skinny kernel's stage; with k % 128 == 64 their last is half of one
 DTYPES = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 CODEBOOKS = ("int4", "nf4")
 NF4_NIBBLE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # nibble i of an nf4 word holds int4-layout nibble NF4_NIBBLE_ORDER[i]
@@ -99,10 +100,12 @@ def _strip_unpermute(t: torch.Tensor) -> torch.Tensor:
 def check_shape(n: int, k: int, group_size: int) -> None:
     if n % 64:
         raise ValueError(f"W4A16 needs n (out_features) to be a multiple of 64; got n={n}")
-    if k % BK:
-        raise ValueError(f"W4A16 needs k (in_features) to be a multiple of {BK}; got k={k}")
+    if k % K_MULTIPLE:
+        raise ValueError(f"W4A16 needs k (in_features) to be a multiple of {K_MULTIPLE}; got k={k}")
     if group_size not in (-1, 32, 64, 128):
         raise ValueError(f"W4A16 group_size must be -1, 32, 64 or 128; got {group_size}")
+    if group_size != -1 and k % group_size:
+        raise ValueError(f"W4A16 group_size={group_size} needs k (in_features) to be a multiple of it; got k={k}")
 
 
 def pack(w: Int4Weight, perm: torch.Tensor | None = None, codebook: str = "int4") -> W4A16Weight:
