@@ -20,6 +20,8 @@ MS = [1, 2, 8, 9, 16, 17, 31, 32, 33, 64, 65, 100, 128, 129, 256, 1024, 4096, 50
 
 
 def test_hopper_dispatch_is_consistent():
+    from tilefish.ops.w4a16.configs import ragged_waste_ok
+
     for k, n in SHAPES:
         for m in MS:
             assert not isinstance(ops.choose_config(m, n, k, 108, 80), ops.HopperConfig), "sm_80 never gets wgmma"
@@ -38,7 +40,7 @@ def test_hopper_dispatch_is_consistent():
                 assert isinstance(cfg, ops.HopperConfig), (m, n, k)
             if not isinstance(cfg, ops.HopperConfig):
                 continue
-            assert n % cfg.bn == 0, (m, n, k, cfg)
+            assert ragged_waste_ok(cfg, n), (m, n, k, cfg)  # any n % 64: a ragged last column tile pads little
             assert cfg.mt in (16, 32, 64, 128, 256) and cfg.nt in (1, 2, 4) and cfg.cons in (1, 2)
             assert cfg.cons == 2 or cfg.mt <= 128
             assert cfg.smem_bytes(128, True) <= 227 * 1024
@@ -62,13 +64,15 @@ def test_small_m_rules_held_out_on_the_h100_tune():
     entries = json.loads((RESULTS.parent / "h100" / "tune_w4a16.json").read_text())["entries"]
     for m, bound in ((1, 1.04), (4, 1.04), (8, 1.05), (16, 1.12)):
         losses = []
-        for e in (e for e in entries if e["m"] == m):
+        cases = [e for e in entries if e["m"] == m]
+        for e in cases:
             g = 128 if e["scales"] == "grouped" else -1
             dt = torch.float16 if e["dtype"] == "fp16" else torch.bfloat16
             plan = _resolved(ops.choose_plan(m, e["n"], e["k"], 132, 90, g, ops.H200_CLUSTERS, dt), m, e["n"],
                              e["k"], 132, ops.H200_CLUSTERS, g)
-            assert plan.label() in e["candidates"], (m, e["k"], e["n"], plan.label())
-            losses.append(e["candidates"][plan.label()] / min(e["candidates"].values()))
+            if plan.label() in e["candidates"]:  # not: plans the tune could not weigh (ragged tiles came later)
+                losses.append(e["candidates"][plan.label()] / min(e["candidates"].values()))
+        assert len(losses) >= 0.9 * len(cases), m
         geo = math.exp(sum(map(math.log, losses)) / len(losses))
         assert geo < bound and max(losses) < 1.6, (m, geo, max(losses))
 
@@ -191,12 +195,17 @@ def test_skinny_config_rejects_impossible_shapes():
         ops.SkinnyConfig(cfg.mt, cfg.ns, cfg.wk, cfg.stages, cfg.ctas_per_sm)
 
 
-def test_fit_n_narrows_to_a_divisor():
+def test_fit_n_narrows_until_a_ragged_tile_pads_little():
+    from tilefish.ops.w4a16.configs import column_tiles, ragged_waste_ok
+
     for n in range(64, 4096 + 1, 64):
         for cfg in ops.HOPPER_CONFIGS:
             if cfg.mt == 256:
                 continue
-            assert n % ops._fit_n(cfg, n).bn == 0
+            fit = ops._fit_n(cfg, n)
+            assert ragged_waste_ok(fit, n) and 8 * (column_tiles(fit, n) * fit.bn - n) <= n
+            if n % cfg.bn == 0:
+                assert fit == cfg  # whole tiles: nothing to narrow
 
 
 def test_hopper_config_rejects_impossible_shapes():

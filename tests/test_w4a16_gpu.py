@@ -544,3 +544,54 @@ def test_odd_k_skinny_register_and_staged_fixups(k, group, sym, dtype, perm):
                 continue
             for ctas in (None, 1, 3, 7, 31, 1000):
                 _odd_k_check(x, q, p, bias, seed, cfg=cfg, ctas=ctas)
+
+
+# ---- a ragged last column tile: n % 64 == 0 but not a multiple of the wgmma tile's width (gpt-oss's
+# n 2880 in 128-column tiles); the missing strips load copies of the last valid one and are never stored --------
+
+RAGGED_N = [192, 320, 2880, 4544]
+RAGGED_MS = [1, 17, 130, 300]
+
+
+@hopper
+@pytest.mark.parametrize("n", RAGGED_N)
+@pytest.mark.parametrize("group,sym,dtype", [(-1, True, torch.float16), (128, False, torch.bfloat16),
+                                             (32, True, torch.bfloat16), (-1, False, torch.float16)])
+def test_ragged_last_column_tile(n, group, sym, dtype, monkeypatch):
+    """Every wgmma path with n % BN != 0: whole-k tiles, k splits through DSMEM clusters and the
+    workspace, stream-K, 128-, 256- and 512-column tiles; per-channel scales and bias read only valid
+    columns; the columns past n are never written (the output's neighbours are checked)."""
+    k, seed = 1024, n + group
+    q, p = _odd_k_case(k, n, group, sym, dtype, seed, perm=(n == 320))
+    cfgs = [c for c in (ops.HopperConfig(128, 2, 2, 6), ops.HopperConfig(64, 4, 1, 6), ops.HopperConfig(16, 4, 2, 8),
+                        ops.HopperConfig(256, 1, 2, 5), ops.HopperConfig(64, 2, 2, 6, True),
+                        ops.HopperConfig(128, 2, 2, 5, True)) if n % c.bn]
+    assert cfgs
+    for m in RAGGED_MS:
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        bias = torch.randn(n, device="cuda", dtype=dtype) if m % 2 else None
+        _odd_k_check(x, q, p, bias, seed)  # the dispatcher's plan
+        for cfg in cfgs:
+            if cfg.streamk:
+                for ctas in (None, 1, 7, 100000):
+                    _odd_k_check(x, q, p, bias, seed, cfg=cfg, ctas=ctas)
+                continue
+            for slices in (1, 3):
+                for dsmem in (True, False):
+                    monkeypatch.setattr(launch, "HOPPER_DSMEM_SPLIT", dsmem)
+                    _odd_k_check(x, q, p, bias, seed, cfg=cfg, slices=slices)
+            monkeypatch.setattr(launch, "HOPPER_DSMEM_SPLIT", True)
+    # nothing past the output is written: a store past column n of the last row would land in a
+    # guard row after it (the launch writes into a buffer one row longer than m)
+    for cfg in cfgs:
+        m = 130
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        x = x if p.perm is None else x.index_select(1, p.perm).contiguous()  # the op's act-order gather
+        buf = torch.full((m + 1, n), 7.0, device="cuda", dtype=dtype)
+        plan = ops.LaunchPlan.build(p, None, m, x.device, cfg, None if cfg.streamk else 1, None)
+        plan.launch(x.data_ptr(), buf.data_ptr())
+        assert torch.all(buf[m] == 7.0), cfg.label()
+        assert rel_err(buf[:m], ref_matmul(x, q, None)) < TOLERANCE[dtype], f"{cfg.label()} seed={seed}"
+    torch.cuda.synchronize()
+    for (dev, _), (_, counters) in launch._workspaces.items():
+        assert int(counters.abs().sum()) == 0, "tile counters must be reset by every launch"

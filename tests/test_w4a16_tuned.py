@@ -161,7 +161,10 @@ def test_lookup_nearby_takes_the_nearest_tuned_weights_configuration_at_small_m(
     near = lambda k, n, m: t.lookup_nearby("fp16", True, "int4", k, n, m)  # noqa: E731
     assert near(4096, 5120, 16) == Plan(HopperConfig(16, 4, 1, 8))        # the configuration, the launcher's split
     assert near(8192, 9216, 16) == Plan(SkinnyConfig(16, 2, 2, 8, 1))
-    assert near(4096, 4160, 16) is None or near(4096, 4160, 16).cfg.bn <= 64  # n % 256 != 0: a fitting one or none
+    ragged = near(4096, 4160, 16)  # n % 256 == 64: the wgmma plan with a ragged last tile (4.6% padding)
+    assert ragged == Plan(HopperConfig(16, 4, 1, 8))
+    skinny_nearest = near(8192, 8256, 16)  # the nearest weight's skinny tile needs n % 128: not taken
+    assert skinny_nearest is None or not isinstance(skinny_nearest.cfg, SkinnyConfig)
     assert near(4096, 5120, 64) is None                                     # above m = 16: the model
     assert near(65536, 65536, 16) is None                                   # too far from every tuned weight
     assert near(4096, 5120, 16) == near(4096, 5120, 16)

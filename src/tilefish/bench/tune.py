@@ -37,7 +37,7 @@ def tune_candidates(m: int, n: int, k: int, sm_count: int, cc: int, group: int, 
     m = 512), every skinny configuration that takes m at m <= 16, and the mma.sync rule's plan at
     m <= 16. Each at most once."""
     from ..ops.w4a16 import dispatch as d
-    from ..ops.w4a16.configs import HOPPER_BK, HOPPER_CONFIGS, SKINNY_CONFIGS
+    from ..ops.w4a16.configs import HOPPER_BK, HOPPER_CONFIGS, SKINNY_CONFIGS, column_tiles, ragged_waste_ok
     from ..ops.w4a16.time_model import predicted_hopper_us
     from ..ops.w4a16.tuned import Plan
 
@@ -47,9 +47,9 @@ def tune_candidates(m: int, n: int, k: int, sm_count: int, cc: int, group: int, 
         grouped = group != -1
         tile, streamk = [], []
         for cfg in HOPPER_CONFIGS:
-            if n % cfg.bn or cfg.mt > max(32, 2 * m) or (m >= 128 and cfg.mt < 64) or (m >= 512 and cfg.mt < 128):
+            if not ragged_waste_ok(cfg, n) or cfg.mt > max(32, 2 * m) or (m >= 128 and cfg.mt < 64) or (m >= 512 and cfg.mt < 128):
                 continue
-            tiles = (n // cfg.bn) * -(-m // cfg.mt)
+            tiles = column_tiles(cfg, n) * -(-m // cfg.mt)
             if cfg.streamk:
                 t = predicted_hopper_us(cfg, None, m, n, k, sm_count, clusters, grouped)
                 if t is not None and tiles < 4 * sm_count * cfg.ctas_per_sm(128, False):

@@ -120,7 +120,9 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
     // its own, so its CTAs spread one an SM; see ops/w4a16/launch.py, _hopper_launches).
     const bool dsmem_fixup = !SK && cluster_split && slices > 1;
     const int m_tiles = (m + MT - 1) / MT;
-    const int units = SK ? m_tiles * (n / BN) * KT : 0;
+    // n % BN may be 64 * j (n % 64 == 0 always): the last column tile is ragged (ragged_strips below).
+    const int n_tiles = (n + BN - 1) / BN;
+    const int units = SK ? m_tiles * n_tiles * KT : 0;
     int cta_index = blockIdx.x;  // this CTA's number among the whole problem's (timeline stamps)
     (void)cta_index;
     int u0, u1;
@@ -142,7 +144,7 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
     // partial written of a first segment that is not the last; no 3 (with it, ptxas 13.0 built a
     // stream-K kernel that hung).
     TF_TIMELINE_AT(reinterpret_cast<long long*>(
-        workspace + (size_t)(SK ? 2 * (int)gridDim.x : m_tiles * (n / BN) * slices) * MT * BN) +
+        workspace + (size_t)(SK ? 2 * (int)gridDim.x : m_tiles * n_tiles * slices) * MT * BN) +
         (size_t)cta_index * 8);
     TF_STAMP_IF(threadIdx.x == 0, 0);
 #define TF_STAMP(i) TF_STAMP_IF(threadIdx.x == 128 && !(SK && (i) == 3), i)
@@ -165,6 +167,11 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
             u32 phase = 0;
             int tile = u0 / KT, kt = u0 - tile * KT;
             int m0 = (tile % m_tiles) * MT, n0 = (tile / m_tiles) * BN;
+            // A ragged last column tile (n - n0 < BN) holds `valid` strips. Its missing strips load
+            // copies of its last valid one (weights, scales, zero points): every copy stays in bounds,
+            // the stage's byte count and the consumers stay as they are, and the columns the copies
+            // feed are never stored (epilogue). Other tiles take the one-copy-per-row path.
+            int valid = min(L::STRIPS, (n - n0) / 64);
             const uint4* w_cta = w + (size_t)(n0 / 64) * strip_uint4;
             for (int u = u0; u < u1; ++u) {
                 mbar_wait(&empty[s], phase ^ 1);  // round 0: the phase before the first counts as done
@@ -173,18 +180,33 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
 #pragma unroll
                 for (int i = 0; i < L::STRIPS; ++i)
                     bulk_load(sW + s * L::W_BYTES + i * L::W_STRIP_BYTES,
-                              w_cta + i * strip_uint4 + (size_t)kt * (kBK / 16) * 32, L::W_STRIP_BYTES, &full[s]);
+                              w_cta + min(i, valid - 1) * strip_uint4 + (size_t)kt * (kBK / 16) * 32,
+                              L::W_STRIP_BYTES, &full[s]);
                 if constexpr (GROUP > 0) {
 #pragma unroll
-                    for (int r = 0; r < L::S_ROWS; ++r)
-                        bulk_load(sS + s * L::S_BYTES + r * BN * 2, scales + (size_t)(kt * kBK / GROUP + r) * n + n0,
-                                  BN * 2, &full[s]);
+                    for (int r = 0; r < L::S_ROWS; ++r) {
+                        const T* row = scales + (size_t)(kt * kBK / GROUP + r) * n + n0;
+                        if (valid == L::STRIPS) {
+                            bulk_load(sS + s * L::S_BYTES + r * BN * 2, row, BN * 2, &full[s]);
+                        } else {
+                            for (int i = 0; i < L::STRIPS; ++i)
+                                bulk_load(sS + s * L::S_BYTES + r * BN * 2 + i * 128, row + min(i, valid - 1) * 64,
+                                          128, &full[s]);
+                        }
+                    }
                 }
                 if constexpr (ASYM) {
 #pragma unroll
                     for (int r = 0; r < L::Z_ROWS; ++r) {
                         const int zrow = GROUP > 0 ? kt * kBK / GROUP + r : 0;
-                        bulk_load(sZ + s * L::Z_BYTES + r * BN * 2, zeros + (size_t)zrow * n + n0, BN * 2, &full[s]);
+                        const T* row = zeros + (size_t)zrow * n + n0;
+                        if (valid == L::STRIPS) {
+                            bulk_load(sZ + s * L::Z_BYTES + r * BN * 2, row, BN * 2, &full[s]);
+                        } else {
+                            for (int i = 0; i < L::STRIPS; ++i)
+                                bulk_load(sZ + s * L::Z_BYTES + r * BN * 2 + i * 128, row + min(i, valid - 1) * 64,
+                                          128, &full[s]);
+                        }
                     }
                 }
                 if (++s == STAGES) { s = 0; phase ^= 1; }
@@ -193,6 +215,7 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
                     ++tile;
                     m0 = (tile % m_tiles) * MT;
                     n0 = (tile / m_tiles) * BN;
+                    valid = min(L::STRIPS, (n - n0) / 64);
                     w_cta = w + (size_t)(n0 / 64) * strip_uint4;
                 }
             }
@@ -339,7 +362,7 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
             cluster_sync();
             TF_STAMP(5);
             const u32 local = smem_addr(part);
-            const int rows = min(MT, m - m0), per_row = BN / 4, total = rows * per_row;
+            const int rows = min(MT, m - m0), per_row = min(BN, n - n0) / 4, total = rows * per_row;  // ragged: valid strips
             const int rank = (int)cluster_ctarank();  // = the slice (recomputed: nothing extra lives through the loop)
             const int begin = (int)((long long)rank * total / slices), end = (int)((long long)(rank + 1) * total / slices);
             // RB float4 a thread in flight per rank: one DSMEM round trip per (batch, rank), not one
@@ -495,7 +518,7 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
             for (int jj = 0; jj < NT; ++jj)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const int col = n0 + strip * 64 + 16 * (word0 + jj) + 8 * h + g;
+                    const int col = min(n0 + strip * 64 + 16 * (word0 + jj) + 8 * h + g, n - 1);  // ragged tile
                     sc[jj][h] = 1.f;
                     bi[jj][h] = 0.f;
                     if constexpr (GROUP == 0) sc[jj][h] = to_float(scales[col]);
@@ -524,9 +547,10 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
         }
         named_barrier_sync(1, CT);
         constexpr int CHUNKS_PER_ROW = BN / 8;
-        const int rows = min(MT, m - m0);
+        const int rows = min(MT, m - m0), cols8 = min(BN, n - n0) / 8;  // a ragged tile stores its valid strips
         for (int c16 = ctid; c16 < rows * CHUNKS_PER_ROW; c16 += CT) {
             const int row = c16 / CHUNKS_PER_ROW, col8 = c16 % CHUNKS_PER_ROW;
+            if (col8 >= cols8) continue;
             const uint4 v = *reinterpret_cast<const uint4*>(staging + row * ROW + col8 * 16);
             *reinterpret_cast<uint4*>(out + (size_t)(m0 + row) * n + n0 + col8 * 8) = v;
         }

@@ -198,6 +198,23 @@ class SkinnyConfig:
         return 1024 + self.stages * stage + 16 * self.stages + red  # + alignment slack, barriers
 
 
+def column_tiles(cfg, n: int) -> int:
+    """Column tiles of a launch over n columns. The wgmma kernel takes any n % 64 == 0: its last
+    column tile may be ragged (fewer strips than the tile; wgmma.cu); the other kernels need whole tiles."""
+    return -(-n // cfg.bn) if isinstance(cfg, HopperConfig) else n // cfg.bn
+
+
+def fits_n(cfg, n: int) -> bool:
+    """Whether the configuration's kernel can run n columns (the wgmma kernel: n % 64; others: n % its tile)."""
+    return n % 64 == 0 if isinstance(cfg, HopperConfig) else n % cfg.bn == 0
+
+
+def ragged_waste_ok(cfg, n: int) -> bool:
+    """A plan the dispatcher weighs: a ragged last column tile that pads n by at most an eighth
+    (n 2880 in 128-column tiles: 64 columns, 2%; n 192 in 256-column tiles: 33%, not weighed)."""
+    return fits_n(cfg, n) and 8 * (column_tiles(cfg, n) * cfg.bn - n) <= n
+
+
 @functools.lru_cache(maxsize=None)
 def kernel_spec(dtype: torch.dtype, cfg: GemmConfig | HopperConfig | SkinnyConfig, group_size: int,
                 asym: bool, codebook: str = "int4") -> KernelSpec:

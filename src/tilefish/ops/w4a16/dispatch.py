@@ -19,7 +19,7 @@ import torch
 
 from ...runtime import KernelSpec
 from .configs import (H200_CLUSTERS, HOPPER_BK, HOPPER_CONFIGS, SKINNY_BK, GemmConfig, HopperConfig, SkinnyConfig,
-                      kernel_spec)
+                      column_tiles, kernel_spec, ragged_waste_ok)
 from .layout import DTYPES
 from .time_model import hopper_time_model, predicted_hopper_us
 from .tuned import Plan, TunedTable
@@ -38,8 +38,9 @@ def _uses_hopper(m: int, n: int, k: int) -> bool:
 
 
 def _fit_n(cfg: HopperConfig, n: int) -> HopperConfig:
-    """Narrow a configuration until its column tile divides n (one warpgroup, then fewer strips)."""
-    while n % cfg.bn:
+    """Narrow a configuration (one warpgroup, then fewer strips) until its ragged last column tile
+    pads n by at most an eighth (ragged_waste_ok)."""
+    while not ragged_waste_ok(cfg, n):
         if cfg.cons == 2 and cfg.mt <= 128:
             cfg = HopperConfig(cfg.mt, cfg.nt, 1, cfg.stages, cfg.streamk)
         else:
@@ -55,11 +56,11 @@ def _hopper_candidates(m: int, n: int, k: int, sm_count: int):
     on the SMs (k 5120 x n 5120 at m = 1024: 160 tiles of 128 x 256 on 132 SMs); from m = 2048 the
     tiles fill enough waves that it never won (docs/w4a16.md, "Dispatch per GPU")."""
     for cfg in HOPPER_CONFIGS:
-        if cfg.label() not in hopper_time_model(m) or n % cfg.bn:
+        if cfg.label() not in hopper_time_model(m) or not ragged_waste_ok(cfg, n):
             continue
         if cfg.mt > max(32, 2 * m) or (m >= 128 and cfg.mt < 64) or (m >= 512 and cfg.mt < 128):
             continue
-        tiles = (n // cfg.bn) * -(-m // cfg.mt)
+        tiles = column_tiles(cfg, n) * -(-m // cfg.mt)
         if cfg.streamk:
             if m <= STREAMK_MAX_M and tiles < 2 * sm_count * cfg.ctas_per_sm(128, False):
                 yield cfg, None
@@ -83,7 +84,7 @@ def choose_hopper_plan(m: int, n: int, k: int, sm_count: int,
             _, _, cfg, sl = min(plans, key=lambda p: (p[0], p[1]))
             return cfg, sl
     cfg = _fit_n(_choose_hopper_config(m, n, sm_count, k, grouped), n)
-    return cfg, None if cfg.streamk else _rule_slices(cfg, (n // cfg.bn) * -(-m // cfg.mt), k, sm_count)
+    return cfg, None if cfg.streamk else _rule_slices(cfg, column_tiles(cfg, n) * -(-m // cfg.mt), k, sm_count)
 
 
 def choose_hopper_config(m: int, n: int, sm_count: int, k: int = 8192,
@@ -101,7 +102,7 @@ def _choose_hopper_config(m: int, n: int, sm_count: int, k: int, grouped: bool =
     same-process A/B (scripts/experiments/ab_w4a16_plans.py, m = 2048 / 4096) had ahead: geomean vs cuBLAS
     0.918 -> 0.982 bf16, 0.962 -> 0.982 fp16; per-channel weights were even (0.986 / 0.982)."""
     def tiles(cfg: HopperConfig) -> int:
-        return (n // cfg.bn) * -(-m // cfg.mt) if n % cfg.bn == 0 else 0
+        return column_tiles(cfg, n) * -(-m // cfg.mt) if ragged_waste_ok(cfg, n) else 0
 
     nk = n * k
     if m <= 16 or (m <= 32 and nk < SMALL_WEIGHT_NK) or (m <= 64 and nk < TINY_WEIGHT_NK):
@@ -137,7 +138,7 @@ def choose_hopper_slices(cfg: HopperConfig, m: int, n: int, k: int, sm_count: in
         options = [sl for c, sl in _hopper_candidates(m, n, k, sm_count) if c == cfg]
         if options:
             return min(options, key=lambda sl: predicted_hopper_us(cfg, sl, m, n, k, sm_count, clusters, grouped))
-    return _rule_slices(cfg, (n // cfg.bn) * -(-m // cfg.mt), k, sm_count)
+    return _rule_slices(cfg, column_tiles(cfg, n) * -(-m // cfg.mt), k, sm_count)
 
 
 
@@ -253,7 +254,7 @@ def choose_config(m: int, n: int, k: int, sm_count: int, cc: int = 80, group: in
         if skinny is not None:
             return skinny
     if cc == 90 and _uses_hopper(m, n, k):
-        if codebook == "nf4" and 128 < m < MODEL_MAX_M and n % NF4_TALL_TILE.bn == 0:
+        if codebook == "nf4" and 128 < m < MODEL_MAX_M and ragged_waste_ok(NF4_TALL_TILE, n):
             return NF4_TALL_TILE
         return choose_hopper_config(m, n, sm_count, k, clusters, group != -1)
     return choose_mma_config(m, n, k, sm_count)

@@ -18,7 +18,7 @@ from ...runtime import (cluster_capacity, current_stream_handle, device_info, ge
                         prepare_launch)
 from ...runtime.tma import tensor_map_rows
 from .configs import (HOPPER_BK, MAX_CLUSTER_SLICES, ONE_CTA_PER_SM_SMEM, SKINNY_BK, THREADS, GemmConfig, HopperConfig,
-                      SkinnyConfig, kernel_spec)
+                      SkinnyConfig, column_tiles, kernel_spec)
 from .dispatch import choose_hopper_slices, choose_plan, choose_slices
 from .tuned import TunedTable, gpu_key, table_for
 from .layout import BK, CODEBOOKS, DTYPES, W4A16Weight, check_shape, unpack
@@ -256,10 +256,9 @@ def _hopper_launches(cfg: HopperConfig, m: int, w: W4A16Weight, bias, slices: in
     if info.cc != 90:
         raise ValueError(f"config {cfg.label()} uses wgmma / TMA (sm_90a) and runs on Hopper (sm_90) only; "
                          f"this GPU is sm_{info.cc}")
-    if w.n % cfg.bn:
-        raise ValueError(f"config {cfg.label()} needs n % {cfg.bn} == 0 (n={w.n})")
     asym = w.zeros is not None
-    n_tiles, m_tiles, k_stages = w.n // cfg.bn, -(-m // cfg.mt), w.k // HOPPER_BK
+    # n % 64 == 0 (check_shape); a last column tile narrower than cfg.bn runs ragged (wgmma.cu)
+    n_tiles, m_tiles, k_stages = column_tiles(cfg, w.n), -(-m // cfg.mt), w.k // HOPPER_BK
     tiles = n_tiles * m_tiles
     units = tiles * k_stages
     if units >= 2**31:
@@ -337,7 +336,7 @@ def hopper_split_uses_clusters(cfg: HopperConfig, m: int, n: int, k: int, slices
                                asym: bool, dtype: torch.dtype, device: torch.device) -> bool:
     """What _hopper_launches decides for this plan (sweeps record it next to the time)."""
     kern = get_kernel(kernel_spec(dtype, cfg, group_size, asym), device)
-    tiles = (n // cfg.bn) * -(-m // cfg.mt)
+    tiles = column_tiles(cfg, n) * -(-m // cfg.mt)
     return _split_runs_as_clusters(cfg, kern, tiles, slices, cfg.smem_bytes(group_size, asym))
 
 

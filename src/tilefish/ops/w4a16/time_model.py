@@ -32,7 +32,7 @@ import json
 import math
 from pathlib import Path
 
-from .configs import H200_CLUSTERS, HOPPER_BK, MAX_CLUSTER_SLICES, HopperConfig
+from .configs import H200_CLUSTERS, HOPPER_BK, MAX_CLUSTER_SLICES, HopperConfig, column_tiles, fits_n
 
 MODEL_LARGE_M = 256  # the time model's second regime (tensor-bound launches) from this m up
 
@@ -74,7 +74,7 @@ def hopper_plan_features(cfg: HopperConfig, slices: int | None, m: int, n: int, 
     - fixup: log2(slices), times the waves where FIXUP_PER_WAVE says so for m's regime, through the
       workspace or (cluster: the split runs as clusters, one CTA an SM) through DSMEM; stream-K:
       log2 of the CTAs that share a tile (stages a tile over units a CTA)."""
-    tiles, stages = (n // cfg.bn) * -(-m // cfg.mt), k // HOPPER_BK
+    tiles, stages = column_tiles(cfg, n) * -(-m // cfg.mt), k // HOPPER_BK
     resident = 1 if cluster else cfg.ctas_per_sm(128, False)
     if cfg.streamk:
         units = tiles * stages
@@ -96,7 +96,7 @@ def split_fits_clusters(cfg: HopperConfig, slices: int | None, m: int, n: int,
     device's cluster capacity ((size, clusters resident at once), ...) instead of the kernel."""
     if cfg.streamk or slices is None or not 1 < slices <= MAX_CLUSTER_SLICES:
         return False
-    return (n // cfg.bn) * -(-m // cfg.mt) <= dict(clusters).get(slices, 0)
+    return column_tiles(cfg, n) * -(-m // cfg.mt) <= dict(clusters).get(slices, 0)
 
 
 def hopper_time_model(m: int, grouped: bool = True) -> dict[str, tuple[float, ...]]:
@@ -109,7 +109,7 @@ def predicted_hopper_us(cfg: HopperConfig, slices: int | None, m: int, n: int, k
     """HOPPER_TIME_MODEL's time for cfg (k split `slices` ways; stream-K: its default grid) on a
     weight with group scales or per-channel ones, or None for a configuration the model does not cover."""
     coef = hopper_time_model(m, grouped).get(cfg.label())
-    if coef is None or n % cfg.bn:
+    if coef is None or not fits_n(cfg, n):
         return None
     features = hopper_plan_features(cfg, slices, m, n, k, sm_count, split_fits_clusters(cfg, slices, m, n, clusters))
     return sum(c * f for c, f in zip(coef, features))

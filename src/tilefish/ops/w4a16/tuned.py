@@ -30,7 +30,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from .configs import GemmConfig, HopperConfig, SkinnyConfig, parse_plan
+from .configs import GemmConfig, HopperConfig, SkinnyConfig, parse_plan, ragged_waste_ok
 
 TABLE_FORMAT = 1
 PACKAGE_TABLES = Path(__file__).with_name("tuned")
@@ -131,7 +131,7 @@ NEARBY_MAX_DISTANCE = 2.0   # ... from weights at most this far (log2 k + log2 n
 
 
 def _fits(plan: Plan, n: int) -> bool:
-    return n % plan.cfg.bn == 0
+    return ragged_waste_ok(plan.cfg, n)
 
 
 def user_table_path(key: str) -> Path:
