@@ -1,10 +1,88 @@
-"""Shared test helpers: the gpu marker, per-dtype tolerances, relative error, NaN poisoning, ulps."""
+"""Shared test helpers: the gpu marker, per-dtype tolerances, relative error, NaN poisoning, ulps; the
+per-test seed (every failure names the seed that reproduces it); compile-all once per session.
+
+Seeds: each test starts with torch, random and numpy seeded from a session base seed and the test's id
+(`seed_for`), so a test's random data do not depend on which other tests ran before it. The base comes
+from the environment variable TILEFISH_TEST_SEED, else it is drawn at random and printed in the session
+header; a failing test's report carries a "tilefish seed" section with the command that reproduces it.
+"""
 from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+
+SEED_ENV = "TILEFISH_TEST_SEED"
+
+
+def _base_seed() -> int:
+    text = os.environ.get(SEED_ENV, "").strip()
+    if text:
+        try:
+            return int(text, 0)
+        except ValueError:
+            raise pytest.UsageError(f"{SEED_ENV} must be an integer, got {text!r}") from None
+    return random.SystemRandom().randrange(2**31)
+
+
+BASE_SEED = _base_seed()
+
+
+def seed_for(nodeid: str, base: int = BASE_SEED) -> int:
+    """The seed of one test: a function of the base seed and the test's id only (not of the test order)."""
+    return zlib.crc32(f"{base}:{nodeid}".encode()) & 0x7FFFFFFF
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # every device's generator
+    try:
+        import numpy
+
+        numpy.random.seed(seed)
+    except ImportError:
+        pass
+
+
+_SEED_KEY = pytest.StashKey[int]()
+
+
+def pytest_report_header(config):
+    return f"tilefish: {SEED_ENV}={BASE_SEED} (set it to rerun with the same random data)"
+
+
+@pytest.fixture(autouse=True)
+def _seed_rngs(request) -> int:
+    """Every test starts with torch / random / numpy seeded by its own seed."""
+    s = seed_for(request.node.nodeid)
+    request.node.stash[_SEED_KEY] = s
+    seed_everything(s)
+    return s
+
+
+@pytest.fixture
+def seed(_seed_rngs) -> int:
+    """This test's seed, for tests that build their own generators from it."""
+    return _seed_rngs
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.failed:
+        s = item.stash.get(_SEED_KEY, None)
+        rep.sections.append(("tilefish seed", f"this test's seed {s}; to rerun it with the same random data:\n"
+                                              f"  {SEED_ENV}={BASE_SEED} pytest '{item.nodeid}'"))
 
 # Relative-error tolerances ||out - ref|| / ||ref|| for matmul-like ops, by output dtype.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -53,3 +131,55 @@ def cuda():
     if not HAS_CUDA:
         pytest.skip("needs an NVIDIA GPU")
     return torch.device("cuda")
+
+
+# ---- compile-all, once per session ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CompileAll:
+    """One `tilefish compile --arch <arch>` run into a fresh kernel cache (`cache`, shared by the tests)."""
+    arch: str
+    cache: Path
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+@pytest.fixture(scope="session")
+def compile_all(tmp_path_factory):
+    """compile_all(arch) -> CompileAll: `tilefish compile --arch <arch> -j <cpus>` (every dispatchable kernel),
+    run once per arch and session from an empty cache directory; tests that need every kernel compiled
+    (the CLI's table, no spills, SASS) read that cache instead of compiling again."""
+    cache = tmp_path_factory.mktemp("compile-all-cache")
+    runs: dict[str, CompileAll] = {}
+
+    def run(arch: str) -> CompileAll:
+        if arch not in runs:
+            env = {**os.environ, "TILEFISH_CACHE_DIR": str(cache), "TILEFISH_CACHE": "1"}
+            r = subprocess.run([sys.executable, "-m", "tilefish.cli", "compile", "--arch", arch, "-j", str(_cpus())],
+                               capture_output=True, text=True, timeout=3600, env=env)
+            runs[arch] = CompileAll(arch, cache, r.returncode, r.stdout, r.stderr)
+        return runs[arch]
+
+    return run
+
+
+@pytest.fixture
+def compiled_cache(compile_all, monkeypatch):
+    """use(arch) -> Path: compile-all for arch (once per session), then this process's kernel cache is its
+    cache directory, so compile_kernel of a dispatchable kernel is a cache hit."""
+    def use(arch: str) -> Path:
+        run = compile_all(arch)
+        monkeypatch.setenv("TILEFISH_CACHE_DIR", str(run.cache))
+        monkeypatch.setenv("TILEFISH_CACHE", "1")
+        return run.cache
+
+    return use

@@ -1,7 +1,8 @@
 """NF4 format, CPU only: packing bit for bit, the dynamic map, quantize/dequantize accuracy, reference
 arithmetic, state-dict and bitsandbytes interop, validation errors.
 
-Inputs are fresh random tensors on every run; bitsandbytes tests skip themselves when it is not importable.
+Inputs are random tensors from the test's seed (conftest: a failure prints it); the bitsandbytes tests skip
+themselves when it is not importable (CI installs it: the peers extra).
 """
 from __future__ import annotations
 

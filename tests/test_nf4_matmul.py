@@ -98,7 +98,7 @@ def test_to_dtype_rebuilds_scales_from_the_block_scales():
     assert torch.equal(pb.kernel.packed, p16.kernel.packed)
 
 
-def test_library_op_schema_with_the_nf4_codebook():
+def test_opcheck_w4a16_op_nf4_codebook_on_the_cpu_reference():
     from tilefish.ops import library
 
     p = nf4.prepare(_weight(64, 128, 64, False, torch.float16), torch.float16).kernel

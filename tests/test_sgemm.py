@@ -269,33 +269,85 @@ def test_ladder_tables_are_consistent():
     assert SgemmConfig.of(cfg.step, **cfg.params) == cfg and cfg.BM == cfg.params["BM"]
 
 
-def test_select_rules():
-    big, small = ops.TUNED["09_pipelined"], ops.TUNED_SMALL["09_pipelined"]
-    assert ops.select(4096, 4096, True, "auto", 132) == big
-    assert ops.select(128, 128, True, "auto", 132) == small
-    assert ops.select(4096, 4096, False, "auto", 132) == ops.TUNED[ops.FALLBACK]
-    assert ops.select(4096, 4096, False, "07_bank_conflict_free", 132).step == ops.FALLBACK
-    assert ops.select(4096, 4096, False, "03_smem_blocking", 132).step == "03_smem_blocking"
+def _shapes(seed: int, count: int = 200) -> list[tuple[int, int]]:
+    """Edge sizes and random ones (from the test's seed) up to 64k, for the dispatch properties."""
+    import random
+
+    rng = random.Random(seed)
+    edges = [1, 2, 7, 31, 64, 127, 128, 129, 1000, 4096, 65537]
+    return [(m, n) for m in edges for n in edges] + [(rng.randint(1, 1 << 16), rng.randint(1, 1 << 16))
+                                                    for _ in range(count)]
+
+
+SM_COUNTS = (1, 46, 84, 108, 132, 170)
+
+
+def test_select_plans_are_legal_and_deterministic(seed):
+    """Every plan `sgemm` can pick is one of the dispatchable, valid configurations of the step asked for
+    (or of the fallback when the operands are not vectorizable), needs no vector access it was not allowed,
+    and the same question gets the same answer."""
+    specs = set(ops.dispatch_specs())
+    for m, n in _shapes(seed):
+        for sm in SM_COUNTS:
+            for vec in (True, False):
+                for kernel in ("auto", *KERNELS):
+                    cfg = ops.select(m, n, vec, kernel, sm)
+                    assert cfg.spec in specs and cfg.problem() is None, (m, n, sm, vec, kernel)
+                    assert vec or not cfg.info.vectorized, (m, n, sm, kernel)
+                    asked = ops.AUTO_STEP if kernel == "auto" else kernel
+                    want = asked if vec or not ops.STEPS[asked].vectorized else ops.FALLBACK
+                    assert cfg.step == want, (m, n, sm, vec, kernel)
+                    assert ops.select(m, n, vec, kernel, sm) == cfg
+                    assert cfg.grid(m, n) >= 1
+    # an explicit configuration is taken as given, and refused only for operands it cannot read
+    big = ops.TUNED[ops.AUTO_STEP]
+    assert ops.select(64, 64, True, big, 132) is big
     with pytest.raises(ValueError, match="aligned"):
         ops.select(64, 64, False, big, 132)
-    # grid geometry
-    assert big.grid(4096, 4096) == math.ceil(4096 / big.BM) * math.ceil(4096 / big.BN)
+
+
+def test_select_small_grid_choice_is_monotonic(seed):
+    """The small-grid tile is taken exactly when the tuned tile would leave SMs idle (fewer blocks than
+    SMs), so along growing m, growing n or shrinking SM count the plan switches from the small tile to the
+    tuned one at most once and never back."""
+    import random
+
+    rng = random.Random(seed)
+    for step, small in ops.TUNED_SMALL.items():
+        big = ops.TUNED[step]
+        assert small.grid(1024, 1024) > big.grid(1024, 1024), "the small-grid tile is the smaller tile"
+        for _ in range(20):
+            n, sm = rng.randint(1, 1 << 14), rng.choice(SM_COUNTS)
+            picks = [ops.select(m, n, True, step, sm) for m in range(1, 1 << 14, 97)]
+            assert set(picks) <= {small, big}
+            switches = [i for i in range(1, len(picks)) if picks[i] != picks[i - 1]]
+            assert len(switches) <= 1 and (not switches or picks[-1] == big), (step, n, sm)
+            for m, cfg in zip(range(1, 1 << 14, 97), picks):
+                assert (cfg == small) == (big.grid(m, n) < sm), (step, m, n, sm)
+            m = rng.randint(1, 1 << 14)
+            by_sm = [ops.select(m, n, True, step, s) for s in sorted(SM_COUNTS)]
+            assert by_sm == sorted(by_sm, key=lambda c: c == small), (step, m, n)  # big first, then small
+    # held out: a large square output fills any GPU; a 128 x 128 one does not
+    assert ops.select(4096, 4096, True, "auto", 132) == ops.TUNED[ops.AUTO_STEP]
+    assert ops.select(128, 128, True, "auto", 132) == ops.TUNED_SMALL[ops.AUTO_STEP]
+
+
+def test_config_geometry():
+    big = ops.TUNED["09_pipelined"]
+    for m, n in ((1, 1), (4096, 4096), (1000, 77)):
+        assert big.grid(m, n) == math.ceil(m / big.BM) * math.ceil(n / big.BN)
     assert ops.TUNED["01_naive"].threads == 1024 and ops.TUNED["09_pipelined"].threads == 256
 
 
-@pytest.fixture
-def tmp_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TILEFISH_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("TILEFISH_CACHE", "1")
-    return tmp_path / "cache"
-
-
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_dispatch_specs_compile_without_spills(arch, tmp_cache):
+def test_dispatch_specs_compile_without_spills(arch, compiled_cache):
+    """Every sgemm kernel compiles (in the session's compile-all: conftest), none spills."""
     from tilefish.runtime import compile_kernel
 
+    compiled_cache(arch)
     for spec in ops.dispatch_specs():
         ck = compile_kernel(spec, arch)
+        assert ck.from_cache, f"{spec.name}: not compiled by compile-all for {arch}"
         r = ck.resources
         assert r.registers > 0, spec.name
         assert not r.spills and r.stack_bytes == 0, f"{spec.name} on {arch}: {r}"
