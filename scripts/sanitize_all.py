@@ -1,0 +1,1847 @@
+"""compute-sanitizer (memcheck, racecheck, synccheck, initcheck) over every plan the dispatchers can choose.
+
+One script for every kernel family (issue 30 item 3; it replaces sanitize_w4a16_hopper.py and sanitize_nf4.py):
+
+  w4a16        the W4A16 kernels, int4 codebook: every mma.sync / wgmma / skinny configuration in
+               ops.w4a16.dispatch_specs() (choose_mma_config, the wgmma time model and rule, the skinny
+               choices, the shipped tuned tables), each on small shapes that still exercise its modes:
+               m below and across tiles, whole k, k split through the global workspace and through
+               DSMEM clusters, the separate tail launch, stream-K grids that cut tiles (several CTAs
+               a tile, the counter peek / slot fixups, launched twice and compared bitwise), the
+               skinny kernel's register and staged fixups (mid-stream and final, > 8 slots), k % 128
+               == 64 (the half last tile / stage), groups -1/32/64/128, zero points, bias, act order;
+               the tuned tables' (config, k split) pairs; the dispatcher's own picks (cfg=auto)
+  nf4-matmul   the same kernels built with codebook "nf4" (-D TF_W4A16_NF4): groups 32/64/128, both
+               dtypes, forced configurations and the dispatcher's picks (NF4_TALL_TILE included)
+  nf4-dequant  kernels/nf4/dequantize.cu: every dispatched build (bf16/fp16/fp32, single/double quant)
+  sgemm        every ladder step's TUNED and TUNED_SMALL configuration (what kernel="auto" / a step
+               name can launch), edge tiles, alpha / beta with c
+  hgemm        every dispatched configuration (TUNED, TUNED_SMALL, TUNED_LOW_SMEM, step 07's MID /
+               NARROW / SHORT tiles and their direct-store twins) x both B layouts x both dtypes;
+               step 07 on a persistent grid forced down to 3 CTAs, so every CTA loops over tiles
+
+The plans are enumerated from the dispatch code: kernel_specs() (every dispatchable KernelSpec) is
+read back into configurations, so a plan the dispatchers gain is picked up (or shows as uncovered in
+--list and fails tests/test_sanitize_script.py). A spec no plan runs is listed with the reason.
+
+Modes
+  --list              print the plans, counts per family and tool, the time estimate and the coverage
+                      of kernel_specs() (CPU only; --sm-count / --cc describe the GPU, default an H100)
+  (default: driver)   1. compile every kernel the plans need in parallel processes (NVRTC, no sanitizer;
+                         with -lineinfo, so reports carry file:line: line tables only, the optimization
+                         is unchanged; under cache keys of their own), so the workers only load cubins,
+                      2. a dry run of every plan without a sanitizer (a plain correctness baseline; it
+                         also compiles what the dispatcher picks at run time),
+                      3. per tool, batches of plans, each one process `compute-sanitizer --tool T
+                         --error-exitcode 1 ... python scripts/sanitize_all.py --worker --plans @file`,
+                         --jobs of them at once, tier 0 first (one plan per configuration), until
+                         --budget seconds are used (what is left is reported as not run),
+                      4. parse the logs, dump the SASS of every kernel racecheck flags (cuobjdump /
+                         nvdisasm of the cached cubin) and classify each hazard, write the summary.
+  --worker --plans P  run plans once each (P: comma-separated plan ids, or @file with one a line),
+                      checked against tilefish.reference on the CPU; one JSON line a plan to --result
+  --parse DIR         re-read a finished run's logs (DIR/run.json) and rewrite the summary
+
+Sanitizer options and why
+  memcheck   --report-api-errors no (cuGetProcAddress probes of the host libraries return
+             INVALID_VALUE: host API calls, not kernel accesses), --destroy-on-device-error kernel
+             (one bad kernel does not end the batch), PYTORCH_NO_CUDA_MEMORY_CACHING=1 (every tensor
+             its own cudaMalloc, so an access past a tensor is out of bounds, not inside a cached block)
+  initcheck  PYTORCH_NO_CUDA_MEMORY_CACHING=1 as well: with the caching allocator a tensor reuses
+             memory an earlier one wrote, which hides uninitialized reads. Inputs are made on the CPU
+             and copied (memcpy counts as initialization); outputs are torch.empty that only the kernel
+             writes, and copying them back is checked too (--check-api-memory-access, the default), so
+             an output element the kernel never writes is reported. Unused-memory tracking stays off
+             (its default: the W4A16 workspace is sized for the largest split and mostly unused by
+             small plans, which is by design; in CUDA 13 --track-unused-memory is a switch without a
+             value, so no "no" is passed). No kernel-name filter: writes by torch's kernels (the
+             workspace counters' zero fill, act order's index_select) must be seen as initializing.
+  racecheck  --racecheck-report analysis; known hazard class: racecheck does not model the async
+             proxy, so a TMA / bulk-copy write (UBLKCP, UTMALDG) into a pipeline stage that mbarriers
+             order after the consumers' reads is reported (docs/w4a16.md, "Sanitizers"). Every hazard
+             is recorded with its kernel, instruction offsets and file:line, the SASS instruction at
+             each offset is looked up in the cached cubin, and a hazard whose every access pair has an
+             async-proxy side is classed "async-proxy" (listed, to check against the SASS; not counted
+             as an error unless --strict-racecheck). Any other hazard is an error.
+  all        --kernel-name kns=... filters restrict memcheck / racecheck / synccheck to tilefish's
+             kernels (torch's own are not ours to check), --demangle no (reports name kernels by their
+             mangled names, matched exactly to the cached cubins), --show-backtrace device.
+
+Output: bench/results/<gpu>/sanitizer.md (per tool x family: plans run, errors, hazards, time; the
+commit (TILEFISH_COMMIT or git), compute-sanitizer's version, every finding in detail), a copy at
+$OUT/sanitizer.md when $OUT is set, and the raw logs with run.json under $OUT/sanitizer_logs (or --logs;
+--parse rewrites the summary from them).
+Exit status: 1 on any error (a sanitizer error, a non-async-proxy hazard, a wrong result or a crash),
+0 otherwise (plans cut by --budget are reported, and fail the run only with --require-complete).
+
+Device command (repository root, about 5 minutes on an H100):
+  pip install -q --no-deps --no-build-isolation -e . && TILEFISH_COMMIT=<hash> python scripts/sanitize_all.py
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+try:
+    import tilefish  # noqa: F401
+except ImportError:  # run from a checkout that is not installed
+    sys.path.insert(0, str(REPO / "src"))
+
+TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
+FAMILIES = ("w4a16", "nf4-matmul", "nf4-dequant", "sgemm", "hgemm")
+ALL = frozenset(TOOLS)
+NO_RACE = frozenset(("memcheck", "synccheck", "initcheck"))
+KERNEL_FILTERS = ("w4a16_", "nf4_dequantize", "sgemm_", "hgemm_")  # substrings of our kernels' mangled names
+TOLERANCE = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 1.6e-2}  # tests/conftest.py's, by output dtype
+LINEINFO_ENV = "TILEFISH_SANITIZE_LINEINFO"
+FAKE_DEVICE_ENV = "TILEFISH_SANITIZE_FAKE_DEVICE"  # tests: a device description; workers run the CPU path
+
+# Rough per-plan costs under each tool (seconds, first load of a kernel included) and a process's start
+# (torch import + CUDA init under the sanitizer): used to size batches and for --list's estimate; the
+# summary reports the measured times next to them.
+PLAN_COST = {"memcheck": 0.8, "racecheck": 3.0, "synccheck": 0.8, "initcheck": 0.8}
+PROCESS_COST = 15.0
+
+
+# ---- plans ---------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Plan:
+    """One launch (or a few) of one kernel plan. The id holds everything the worker needs:
+    "<family>:key=value:key=value..." (no commas, so ids can be listed comma-separated)."""
+    family: str
+    kw: tuple[tuple[str, str], ...]
+    tools: frozenset = ALL
+    tier: int = 0            # 0: one plan a configuration; 1: its other modes; 2: extras; 3: --exhaustive
+    why: str = ""
+
+    @property
+    def id(self) -> str:
+        return self.family + "".join(f":{k}={v}" for k, v in self.kw)
+
+    @property
+    def args(self) -> dict[str, str]:
+        return dict(self.kw)
+
+
+def make_plan(family: str, tools=ALL, tier: int = 0, why: str = "", **kw) -> Plan:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}")
+    items = tuple((k, str(v)) for k, v in kw.items() if v is not None)
+    for k, v in items:
+        if re.search(r"[:,=\s@]", v) or not re.fullmatch(r"[a-z0-9_]+", k):
+            raise ValueError(f"plan value {k}={v!r} cannot go into a plan id")
+    return Plan(family, items, frozenset(tools), tier, why)
+
+
+def parse_plan_id(pid: str) -> tuple[str, dict[str, str]]:
+    family, *parts = pid.strip().split(":")
+    if family not in FAMILIES:
+        raise ValueError(f"plan id {pid!r}: unknown family {family!r} (one of {FAMILIES})")
+    kw = {}
+    for part in parts:
+        k, sep, v = part.partition("=")
+        if not sep or not k:
+            raise ValueError(f"plan id {pid!r}: {part!r} is not key=value")
+        kw[k] = v
+    return family, kw
+
+
+def read_plan_list(text: str) -> list[str]:
+    """--plans: comma-separated ids, or @file with one id a line (# comments)."""
+    if text.startswith("@"):
+        lines = Path(text[1:]).read_text().splitlines()
+        return [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+DT_NAMES = ("fp16", "bf16", "fp32")
+
+
+def _dtype(name: str):
+    import torch
+
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[name]
+
+
+def _dtname(dtype) -> str:
+    import torch
+
+    return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+
+
+# ---- kernel_specs() read back into configurations -------------------------------------------------------------------
+
+def _targs(name: str) -> tuple[str, list[str]]:
+    head, _, rest = name.partition("<")
+    return head, [a.strip() for a in rest.rstrip(">").split(",")] if rest else []
+
+
+def spec_config(family: str, spec):
+    """A dispatch KernelSpec -> (family, config, format) with format a dict; verified by rebuilding the spec
+    (a spec this cannot read back raises ValueError, which --list and the tests report)."""
+    import torch
+    from tilefish.ops import hgemm, nf4, sgemm
+    from tilefish.ops import w4a16 as w4
+
+    head, a = _targs(spec.name)
+    if family == "w4a16":
+        dts = {v: k for k, v in w4.DTYPES.items()}
+        dt = dts[a[0]]
+        b = lambda s: s == "true"  # noqa: E731
+        if head == "w4a16_gemm":
+            cfg = w4.GemmConfig(int(a[1]), int(a[2]), int(a[3]), int(a[4]), b(a[7]), b(a[8]))
+            group, asym = int(a[5]), b(a[6])
+        elif head == "w4a16_wgmma":
+            cfg = w4.HopperConfig(int(a[1]), int(a[2]), int(a[3]), int(a[4]), b(a[7]))
+            group, asym = int(a[5]), b(a[6])
+        elif head == "w4a16_skinny":
+            cfg = w4.SkinnyConfig(int(a[1]), int(a[2]), int(a[3]), int(a[4]), int(a[5]), b(a[8]))
+            group, asym = int(a[6]), b(a[7])
+        else:
+            raise ValueError(f"unknown W4A16 kernel {spec.name}")
+        group = -1 if group == 0 else group
+        cb = "nf4" if ("TF_W4A16_NF4", "1") in spec.defines else "int4"
+        fmt = {"dt": _dtname(dt), "g": group, "zp": int(asym), "cb": cb}
+        if w4.kernel_spec(dt, cfg, group, asym, cb) != spec:
+            raise ValueError(f"{spec} does not read back as {cfg.label()} {fmt}")
+        return "nf4-matmul" if cb == "nf4" else "w4a16", cfg, fmt
+    if family == "nf4":
+        dts = {v: k for k, v in nf4.OUT_DTYPES.items()}
+        dt, dq = dts[a[0]], a[1] == "true"
+        if nf4.kernel_spec(dt, dq) != spec:
+            raise ValueError(f"{spec} is not a dispatched NF4 dequantize build")
+        return "nf4-dequant", None, {"dt": _dtname(dt), "dq": int(dq)}
+    if family == "sgemm":
+        step = Path(spec.source).stem
+        cfg = sgemm.SgemmConfig(step, tuple(int(v) for v in a))
+        if cfg.spec != spec:
+            raise ValueError(f"{spec} does not read back as {cfg.label()}")
+        return "sgemm", cfg, {}
+    if family == "hgemm":
+        step = Path(spec.source).stem
+        dts = {"__half": torch.float16, "__nv_bfloat16": torch.bfloat16}
+        dt, nk = dts[a[0]], a[1] == "true"
+        cfg = hgemm.HgemmConfig(step, tuple(int(v) for v in a[2:]))
+        if cfg.spec(dt, nk) != spec:
+            raise ValueError(f"{spec} does not read back as {cfg.label()}")
+        return "hgemm", cfg, {"dt": _dtname(dt), "nk": int(nk)}
+    raise ValueError(f"unknown kernel family {family!r}")
+
+
+def dispatch_universe():
+    """[(kernel_specs family, spec, plan family, config, format)] for every dispatchable spec; unreadable
+    specs come back with config None and the error as format["error"]."""
+    from tilefish.ops import kernel_specs
+
+    out = []
+    for fam, spec in kernel_specs():
+        try:
+            pfam, cfg, fmt = spec_config(fam, spec)
+        except Exception as e:  # noqa: BLE001 - reported as uncovered, never hidden
+            pfam, cfg, fmt = fam, None, {"error": f"{type(e).__name__}: {e}"}
+        out.append((fam, spec, pfam, cfg, fmt))
+    return out
+
+
+def _sg_code(cfg) -> str:
+    return ".".join([cfg.step, *(str(v) for v in cfg.values)])
+
+
+def _sg_parse(code: str):
+    step, *vals = code.split(".")
+    return step, tuple(int(v) for v in vals if v)
+
+
+# ---- enumeration ----------------------------------------------------------------------------------------------------
+
+INT4_FORMATS = [(dt, g, zp) for g in (128, -1, 32, 64) for zp in (0, 1) for dt in ("fp16", "bf16")]
+NF4_FORMATS = [(dt, g) for g in (64, 128, 32) for dt in ("bf16", "fp16")]
+
+
+def format_cycle() -> list[dict]:
+    """The 22 formats a W4A16 kernel is built for (16 int4: dtype x group x zero points; 6 nf4: dtype x
+    group), int4 and nf4 interleaved so a few plans of a kernel already see both codebooks."""
+    out, nf4s = [], iter(NF4_FORMATS)
+    for i, (dt, g, zp) in enumerate(INT4_FORMATS):
+        out.append({"cb": "int4", "dt": dt, "g": g, "zp": zp})
+        if i % 3 == 2 and (f := next(nf4s, None)):
+            out.append({"cb": "nf4", "dt": f[0], "g": f[1], "zp": 0})
+    out += [{"cb": "nf4", "dt": dt, "g": g, "zp": 0} for dt, g in nf4s]
+    return out
+
+
+def _fmt_key(fmt: dict) -> tuple:
+    return (fmt["cb"], fmt["dt"], int(fmt["g"]), int(fmt["zp"]))
+
+
+class _Rotor:
+    """Hands each plan of a kernel source the next format, so the source's plans sweep all 22."""
+
+    def __init__(self):
+        self.cycle = format_cycle()
+        self.i = 0
+        self.used: set = set()
+
+    def next(self) -> dict:
+        f = self.cycle[self.i % len(self.cycle)]
+        self.i += 1
+        self.used.add(_fmt_key(f))
+        return f
+
+    def missing(self) -> list[dict]:
+        return [f for f in self.cycle if _fmt_key(f) not in self.used]
+
+
+def _w4_plan(cfg_label: str, fmt: dict, *, m: int, n: int, k: int, tools=ALL, tier=0, why="", sl=None, ct=None,
+             dsmem=None, tail=None, rep=1, bias=0, perm=0) -> Plan:
+    g = int(fmt["g"])
+    if g > 0 and k % g:
+        k += g - k % g  # k % 128 == 64 shapes take a group that divides k
+    nf4 = fmt["cb"] == "nf4"
+    return make_plan("nf4-matmul" if nf4 else "w4a16", tools, tier, why, cfg=cfg_label, dt=fmt["dt"], g=g,
+                     zp=int(fmt["zp"]), cb=fmt["cb"], m=m, n=n, k=k, sl=sl, ct=ct, dsmem=dsmem, tail=tail,
+                     rep=rep if rep > 1 else None, bias=int(bias), perm=0 if nf4 else int(perm))
+
+
+def enumerate_plans(sm_count: int = 132, cc: int = 90, exhaustive: bool = False, universe=None) -> list[Plan]:
+    """Every plan, from the dispatchable specs (dispatch_universe) plus the tuned tables' k splits, the
+    dispatcher's own picks and the launch modes. sm_count / cc: the GPU's (shapes that need many tiles
+    depend on the SM count; sm_90-only kernels are left out elsewhere)."""
+    from tilefish.ops import w4a16 as w4
+    from tilefish.ops.w4a16.tuned import PACKAGE_TABLES, Plan as TPlan, read_table_doc
+
+    universe = dispatch_universe() if universe is None else universe
+    hopper = cc == 90
+    plans: list[Plan] = []
+    seen: set = set()
+
+    def add(p: Plan) -> None:
+        if p.id not in seen:
+            seen.add(p.id)
+            plans.append(p)
+
+    w4cfgs: dict[str, object] = {}
+    for _, _, pfam, cfg, _ in universe:
+        if pfam in ("w4a16", "nf4-matmul") and cfg is not None:
+            w4cfgs.setdefault(cfg.label(), cfg)
+    rotors: dict[str, _Rotor] = {}
+    base_splits: set = set()
+    counter = 0
+    for label in sorted(w4cfgs):
+        cfg = w4cfgs[label]
+        src = w4.kernel_spec(next(iter(w4.DTYPES)), cfg, 128, False).source
+        if src != w4.SOURCE and not hopper:
+            continue
+        rot = rotors.setdefault(src, _Rotor())
+
+        def wp(**kw):
+            nonlocal counter
+            counter += 1
+            return _w4_plan(label, rot.next(), bias=counter % 2, perm=counter % 4 == 3, **kw)
+
+        if isinstance(cfg, w4.GemmConfig):
+            add(wp(m=3 if cfg.swap else cfg.bm + 5, n=2 * cfg.bn, k=192, sl=1, tier=0,
+                   why="whole k (a half last k tile, k % 128 == 64, unless the group is 128), m across two m "
+                       "tiles (swapped operands: m <= 8)"))
+            add(wp(m=8 if cfg.swap else max(1, cfg.bm - 3), n=cfg.bn, k=832, sl=3, tier=1,
+                   why="k split 3 ways through the global workspace, m below the tile"))
+            base_splits |= {(label, 1), (label, 3)}
+        elif isinstance(cfg, w4.HopperConfig) and not cfg.streamk:
+            add(wp(m=cfg.mt + 5, n=cfg.bn, k=640, sl=1, tier=0,
+                   why="whole tiles, m across two m tiles, the stage ring wraps (10 k stages)"))
+            add(wp(m=max(1, cfg.mt // 2 - 1), n=2 * cfg.bn, k=768, sl=3, dsmem=1, tier=1,
+                   why="k split 3 ways as clusters of 3 (DSMEM fixup), m below the tile"))
+            add(wp(m=cfg.mt + 1, n=cfg.bn, k=1024, sl=2, dsmem=0, tier=1,
+                   why="k split 2 ways through the global workspace (HOPPER_DSMEM_SPLIT off)"))
+            base_splits |= {(label, 1), (label, 2), (label, 3)}
+        elif isinstance(cfg, w4.HopperConfig):
+            add(wp(m=max(1, cfg.mt - 3), n=2 * cfg.bn, k=1024, ct=7, rep=2, tier=0,
+                   why="stream-K, 7 CTAs over 2 tiles x 16 stages: tiles cut mid-k, fixups (peek or slot: "
+                       "launched twice, compared bitwise)"))
+            add(wp(m=cfg.mt + 5, n=cfg.bn, k=832, tier=1,
+                   why="stream-K, default grid: one unit a CTA, 13 contributors a tile, m across two tiles"))
+        else:  # SkinnyConfig
+            add(wp(m=1, n=2 * cfg.bn, k=1088, ct=3, tier=0,
+                   why="3 CTAs over 2 tiles x 8.5 stages (9 with group 128): a tile ended mid-stream (finisher "
+                       "fixup) and at the end (final fixup); the half last stage"))
+            add(wp(m=cfg.mt, n=cfg.bn, k=2048, ct=24, tier=1,
+                   why="m = the tile, one tile over 16 CTAs: a final fixup of more than 8 slots (batches)"))
+    # every format of every kernel source at least once: what the rotation left out, on the source's first config
+    for src, rot in sorted(rotors.items()):
+        first = next(c for lb, c in sorted(w4cfgs.items())
+                     if w4.kernel_spec(next(iter(w4.DTYPES)), c, 128, False).source == src)
+        for fmt in rot.missing():
+            rot.used.add(_fmt_key(fmt))
+            if isinstance(first, w4.SkinnyConfig):
+                kw = dict(m=min(5, first.mt), n=first.bn, k=576, ct=5)
+            elif isinstance(first, w4.HopperConfig):
+                kw = dict(m=first.mt + 3, n=first.bn, k=384, ct=5) if first.streamk else \
+                    dict(m=first.mt + 3, n=first.bn, k=384, sl=2)
+            else:
+                kw = dict(m=3 if first.swap else first.bm + 3, n=first.bn, k=320, sl=2)
+            add(_w4_plan(first.label(), fmt, tier=1, why="a format the rotation over the configurations left out",
+                         bias=1, **kw))
+    # an nf4 build of every configuration (the NF4 matmul runs the dispatcher's configurations with codebook nf4);
+    # the rotation gave most of them one, racecheck included: the rest under the other tools
+    have_nf4 = {p.args["cfg"] for p in plans if p.family == "nf4-matmul"}
+    nf4_cycle = [f for f in format_cycle() if f["cb"] == "nf4"]
+    for i, label in enumerate(sorted(lb for lb in w4cfgs if lb not in have_nf4 and
+                                     (hopper or isinstance(w4cfgs[lb], w4.GemmConfig)))):
+        cfg = w4cfgs[label]
+        if isinstance(cfg, w4.SkinnyConfig):
+            kw = dict(m=min(5, cfg.mt), n=2 * cfg.bn, k=1088, ct=5)
+        elif isinstance(cfg, w4.HopperConfig):
+            kw = dict(m=cfg.mt + 3, n=cfg.bn, k=832, ct=5) if cfg.streamk else dict(m=cfg.mt + 3, n=cfg.bn, k=832, sl=2)
+        else:
+            kw = dict(m=3 if cfg.swap else cfg.bm + 3, n=cfg.bn, k=832, sl=2)
+        add(_w4_plan(label, nf4_cycle[i % len(nf4_cycle)], tools=NO_RACE, tier=1, bias=i % 2,
+                     why="the configuration's nf4 build (codebook nf4: the NF4 matmul)", **kw))
+    # the shipped tuned tables' (config, k split / grid) pairs the plans above do not run
+    for path in sorted(PACKAGE_TABLES.glob("*.json")):
+        for e in read_table_doc(path)["entries"]:
+            tp = TPlan.parse(e["plan"])
+            label = tp.cfg.label()
+            if isinstance(tp.cfg, w4.SkinnyConfig) or (tp.cfg.streamk and tp.ctas is None):
+                continue
+            if not hopper and not isinstance(tp.cfg, w4.GemmConfig):
+                continue
+            key = (label, tp.slices or 1) if not tp.cfg.streamk else (label, f"c{tp.ctas}")
+            if key in base_splits:
+                continue
+            base_splits.add(key)
+            rot = rotors.setdefault(w4.kernel_spec(next(iter(w4.DTYPES)), tp.cfg, 128, False).source, _Rotor())
+            cfg = tp.cfg
+            if tp.cfg.streamk:
+                kw = dict(m=max(1, cfg.mt - 3), n=cfg.bn, k=1024, ct=tp.ctas)
+            elif isinstance(cfg, w4.HopperConfig):
+                kw = dict(m=5, n=cfg.bn, k=256 * (tp.slices or 1), sl=tp.slices or 1, dsmem=1)
+            else:
+                kw = dict(m=min(5, 8), n=cfg.bn, k=256 * (tp.slices or 1), sl=tp.slices or 1)
+            counter += 1
+            add(_w4_plan(label, rot.next(), tools=NO_RACE, tier=2, bias=counter % 2,
+                         why=f"a tuned table's plan {e['plan']} (its k split / grid) on a small shape", **kw))
+    # the dispatcher's own choice (tuned table first, then the model / rules), both codebooks
+    auto_cases = [(m, 512, 1024) for m in (1, 3, 8, 12, 16, 24, 64, 130, 300)] + [(1, 4096, 4096), (16, 4096, 4096)]
+    fmts = format_cycle()
+    for i, (m, n, k) in enumerate(auto_cases):
+        fmt = {"cb": "int4", "dt": "fp16", "g": 128, "zp": 0} if n == 4096 else \
+            {"cb": "int4", "dt": ("fp16", "bf16")[i % 2], "g": (128, -1, 32, 64)[i % 4], "zp": i % 3 == 1}
+        add(_w4_plan("auto", fmt, m=m, n=n, k=k, tools=NO_RACE, tier=2, bias=i % 2, perm=i % 5 == 4,
+                     why="the dispatcher's plan (shipped tuned table, time model or rules)" +
+                         (" at a tuned table's shape" if n == 4096 else "")))
+    for i, (m, n, k, g) in enumerate([(m, 512, 1024, 64) for m in (1, 5, 16, 33, 130, 300)]
+                                     + [(m, 768, 2048, 128) for m in (2, 20, 200)]):
+        add(_w4_plan("auto", {"cb": "nf4", "dt": ("bf16", "fp16")[i % 2], "g": g, "zp": 0}, m=m, n=n, k=k,
+                     tools=NO_RACE, tier=2, bias=i % 2, why="the NF4 dispatcher's plan (nf4.matmul's path)"))
+    # the separate tail launch (_separate_tail): a per-channel whole-tile plan of a two-CTA config whose partial
+    # last wave fills more than half the SMs
+    tail_cfg = w4.HopperConfig(128, 2, 1, 4)
+    if hopper and tail_cfg.label() in w4cfgs and tail_cfg.ctas_per_sm(-1, False) == 2:
+        m_tiles = -(-(2 * sm_count + sm_count * 3 // 4) // 24)
+        add(_w4_plan(tail_cfg.label(), {"cb": "int4", "dt": "fp16", "g": -1, "zp": 1}, m=m_tiles * 128 - 37,
+                     n=128 * 24, k=128, sl=1, tail="rule", tools=NO_RACE, tier=2, bias=1,
+                     why="the partial last wave as a second launch (tile_base > 0)"))
+
+    # NF4 dequantize, SGEMM, HGEMM: every dispatched spec
+    hg_seen: dict = {}
+    for fam, spec, pfam, cfg, fmt in universe:
+        if cfg is None and pfam != "nf4-dequant":
+            continue
+        if pfam == "nf4-dequant":
+            i = DT_NAMES.index(fmt["dt"]) * 2 + fmt["dq"]
+            add(make_plan("nf4-dequant", ALL, 0, "67 x 1030 (a partial last block and vector), every dispatched build",
+                          dt=fmt["dt"], dq=fmt["dq"], rows=67, cols=1030, bs=(64, 4096, 256)[i % 3]))
+        elif pfam == "sgemm":
+            bm, bn = cfg.tile
+            vec = cfg.info.vectorized
+            bk = cfg.params.get("BK", 32)
+            add(make_plan("sgemm", ALL, 0, "edge tiles in m, n and k; alpha / beta with c on every other step",
+                          cfg=_sg_code(cfg), m=bm + 3, n=bn + 4 if vec else bn + 3, k=2 * bk + 4 if vec else 37,
+                          beta=int(cfg.info.index % 2 == 1)))
+        elif pfam == "hgemm":
+            if cfg.info.hopper and not hopper:
+                continue
+            i = hg_seen.setdefault(_sg_code(cfg), len(hg_seen))
+            first = fmt["dt"] == ("fp16", "bf16")[(i + fmt["nk"]) % 2]  # one dtype per (config, layout) in tier 0/1
+            race = first and fmt["nk"] == i % 2                         # one plan a configuration under racecheck
+            bm, bn = cfg.tile
+            if cfg.info.hopper:
+                shape = dict(m=2 * bm + 5, n=2 * bn + 8, k=200, sms=3)
+                why = "persistent grid forced to 3 CTAs (several tiles each, the ring wraps across tiles), edges"
+            else:
+                bk = cfg.params.get("BK", 16)
+                shape = dict(m=bm + 5, n=bn + 8, k=2 * bk + 8)
+                why = "edge tiles in m and n, k tail"
+            add(make_plan("hgemm", ALL if race else NO_RACE, 0 if first else 2, why, cfg=_sg_code(cfg), dt=fmt["dt"],
+                          nk=fmt["nk"], **shape))
+    if exhaustive:
+        covered = set()
+        for p in plans:
+            covered |= set(plan_specs(p))
+        for fam, spec, pfam, cfg, fmt in universe:
+            if spec in covered or cfg is None or pfam not in ("w4a16", "nf4-matmul"):
+                continue
+            if not hopper and spec.source != w4.SOURCE:
+                continue
+            if isinstance(cfg, w4.SkinnyConfig):
+                kw = dict(m=min(5, cfg.mt), n=cfg.bn, k=576, ct=5)
+            elif isinstance(cfg, w4.HopperConfig):
+                kw = dict(m=cfg.mt + 3, n=cfg.bn, k=384, ct=5) if cfg.streamk else dict(m=cfg.mt + 3, n=cfg.bn, k=384)
+            else:
+                kw = dict(m=3 if cfg.swap else cfg.bm + 3, n=cfg.bn, k=320, sl=2)
+            add(_w4_plan(cfg.label(), fmt, tools=frozenset(("memcheck",)), tier=3, bias=1,
+                         why="--exhaustive: a spec the sampled plans leave out", **kw))
+    return plans
+
+
+def plan_specs(p: Plan) -> list:
+    """The KernelSpecs a plan launches, where known before it runs (the dispatcher's picks are recorded by the
+    dry run instead)."""
+    import torch
+    from tilefish.ops import hgemm, nf4, sgemm
+    from tilefish.ops import w4a16 as w4
+
+    a = p.args
+    if p.family in ("w4a16", "nf4-matmul"):
+        if a["cfg"] == "auto":
+            return []
+        cfg, _ = w4.parse_plan(a["cfg"])
+        return [w4.kernel_spec(_dtype(a["dt"]), cfg, int(a["g"]), bool(int(a["zp"])), a["cb"])]
+    if p.family == "nf4-dequant":
+        return [nf4.kernel_spec(_dtype(a["dt"]), bool(int(a["dq"])))]
+    if p.family == "sgemm":
+        return [sgemm.SgemmConfig(*_sg_parse(a["cfg"])).spec]
+    if p.family == "hgemm":
+        dt = _dtype(a["dt"])
+        return [hgemm.HgemmConfig(*_sg_parse(a["cfg"])).spec(dt if dt != torch.float32 else torch.float16,
+                                                             bool(int(a["nk"])))]
+    return []
+
+
+@dataclass
+class Coverage:
+    covered: dict          # spec -> [plan ids]
+    excluded: dict         # spec -> reason
+    unreadable: list       # (family, spec, error)
+    config_tools: dict     # W4A16 config label -> set of tools whose plans run it
+    format_tools: dict     # (kernel source, format key) -> set of tools
+
+
+def coverage(plans: list[Plan], universe=None, cc: int = 90) -> Coverage:
+    from tilefish.ops import w4a16 as w4
+
+    universe = dispatch_universe() if universe is None else universe
+    covered: dict = {}
+    cfg_tools: dict = {}
+    fmt_tools: dict = {}
+    for p in plans:
+        for s in plan_specs(p):
+            covered.setdefault(s, []).append(p.id)
+        if p.family in ("w4a16", "nf4-matmul") and p.args["cfg"] != "auto":
+            a = p.args
+            cfg_tools.setdefault(a["cfg"], set()).update(p.tools)
+            src = plan_specs(p)[0].source
+            fmt_tools.setdefault((src, (a["cb"], a["dt"], int(a["g"]), int(a["zp"]))), set()).update(p.tools)
+    excluded, unreadable = {}, []
+    for fam, spec, pfam, cfg, fmt in universe:
+        if spec in covered:
+            continue
+        if cfg is None and "error" in fmt:
+            unreadable.append((fam, spec, fmt["error"]))
+            excluded[spec] = f"UNREAD: {fmt['error']} (teach spec_config this kernel)"
+        elif spec.min_sm > cc:
+            excluded[spec] = f"needs sm_{spec.min_sm}; this GPU is sm_{cc}"
+        elif pfam in ("w4a16", "nf4-matmul"):
+            key = (fmt["cb"], fmt["dt"], fmt["g"], fmt["zp"])
+            others = sum(1 for (src, fk), tl in fmt_tools.items() if src == spec.source and fk == key)
+            excluded[spec] = (f"format {fmt['cb']} {fmt['dt']} g{fmt['g']}{' zp' if fmt['zp'] else ''} of "
+                              f"{cfg.label()} not sampled: the configuration runs under other formats and this "
+                              f"format runs on another {Path(spec.source).name} configuration ({others}); "
+                              "--exhaustive runs every spec")
+        else:
+            excluded[spec] = "no plan (enumerate_plans does not build one for this family): a gap"
+    # every dispatched W4A16 configuration must be in the plan set (the test checks each tool)
+    for _, spec, pfam, cfg, _ in universe:
+        if pfam in ("w4a16", "nf4-matmul") and cfg is not None and (cc == 90 or spec.source == w4.SOURCE):
+            cfg_tools.setdefault(cfg.label(), set())
+    return Coverage(covered, excluded, unreadable, cfg_tools, fmt_tools)
+
+
+# ---- the worker ----------------------------------------------------------------------------------------------------
+
+def apply_compile_patches(lineinfo: bool) -> None:
+    """Build kernels with -lineinfo (reports carry file:line; it adds line tables without changing the
+    optimization, as compute-sanitizer's manual recommends it) under cache
+    keys of their own, so the normal cache entries are never replaced by these builds."""
+    if not lineinfo:
+        return
+    import dataclasses
+
+    from tilefish.runtime import compiler
+
+    if getattr(compiler, "_tfsan_lineinfo", False):
+        return
+    orig_options, orig_key = compiler._options, compiler.cache_key
+
+    def _options(spec, target, source):
+        return dataclasses.replace(orig_options(spec, target, source), lineinfo=True)
+
+    def cache_key(spec, arch):
+        return hashlib.sha256((orig_key(spec, arch) + ":lineinfo").encode()).hexdigest()[:32]
+
+    compiler._options, compiler.cache_key, compiler._tfsan_lineinfo = _options, cache_key, True
+
+
+def _seed(pid: str) -> int:
+    return int(hashlib.sha1(pid.encode()).hexdigest()[:8], 16)
+
+
+def _rel_err(out, ref) -> float:
+    import torch
+
+    out, ref = out.double(), ref.double()
+    if torch.isnan(out).any():
+        raise AssertionError("output has NaN (elements the kernel did not write?)")
+    den = ref.norm().item()
+    return (out - ref).norm().item() / (den if den > 0 else 1.0)
+
+
+def _poison(rows: int, cols: int, dtype, device) -> None:
+    """A NaN block of the output's size left in torch's caching allocator (the dry run): the op's output reuses
+    it, so an unwritten element shows as NaN. Without caching (memcheck / initcheck) initcheck does that job."""
+    import torch
+
+    torch.full((rows, cols), float("nan"), device=device, dtype=dtype)
+
+
+def _run_w4a16(pid: str, a: dict, dev) -> dict:
+    import torch
+
+    from tilefish import reference
+    from tilefish.ops import w4a16 as w4
+    from tilefish.ops.w4a16 import launch
+    from tilefish.quant.int4 import quantize_rtn
+
+    gen = torch.Generator().manual_seed(_seed(pid))
+    dt, g, zp, cb = _dtype(a["dt"]), int(a["g"]), bool(int(a["zp"])), a["cb"]
+    m, n, k = int(a["m"]), int(a["n"]), int(a["k"])
+    if cb == "int4":
+        q = quantize_rtn(torch.randn(n, k, generator=gen) * 0.5, g, not zp, False, scale_dtype=dt)
+        perm = torch.randperm(k, generator=gen) if int(a.get("perm", 0)) else None
+        weight = w4.pack(q, perm)
+        ref_fn = lambda x, b: reference.w4a16_matmul(x if perm is None else x[:, perm], q, b)  # noqa: E731
+    else:
+        from tilefish import nf4
+
+        prepared = nf4.prepare(nf4.quantize((torch.randn(n, k, generator=gen) * 0.05).to(dt), blocksize=g), dt)
+        weight = prepared.kernel
+        ref_fn = lambda x, b: nf4.matmul(x, prepared, b)  # noqa: E731 - the CPU path: bitsandbytes' chain, float64
+    x = torch.randn(m, k, generator=gen).to(dt)
+    bias = torch.randn(n, generator=gen).to(dt) if int(a.get("bias", 0)) else None
+    ref = ref_fn(x, bias)
+    wg = weight.to(dev)
+    xg, bg = x.to(dev), None if bias is None else bias.to(dev)
+    cfg = None if a["cfg"] == "auto" else w4.parse_plan(a["cfg"])[0]
+    slices = int(a["sl"]) if "sl" in a else None
+    ctas = int(a["ct"]) if "ct" in a else None
+    saved = (launch.HOPPER_DSMEM_SPLIT, launch.HOPPER_SEPARATE_TAIL)
+    info: dict = {}
+    try:
+        launch.HOPPER_DSMEM_SPLIT = bool(int(a.get("dsmem", 1)))
+        launch.HOPPER_SEPARATE_TAIL = a.get("tail", "rule")
+        if dev.type != "cuda":
+            pass  # --cpu: the plumbing only (the ops' CPU path is the reference itself)
+        elif cfg is None:
+            info["plan"] = w4.plan_for(wg, m, dev).label()
+            info["launches"] = len(w4.LaunchPlan.build(wg, bg, m, dev).launches)
+        else:
+            info["launches"] = len(w4.LaunchPlan.build(wg, bg, m, dev, cfg, slices, ctas).launches)
+        if dev.type == "cuda" and isinstance(cfg, w4.HopperConfig) and not cfg.streamk and slices and slices > 1:
+            kern = launch._kernel(dt, cfg, g, zp, dev.index, cb)
+            tiles = (n // cfg.bn) * -(-m // cfg.mt)
+            info["clusters"] = launch._split_runs_as_clusters(cfg, kern, tiles, slices, cfg.smem_bytes(g, zp))
+        outs = []
+        t0 = time.perf_counter()
+        for _ in range(int(a.get("rep", 1))):
+            _poison(m, n, dt, dev)
+            outs.append(w4.matmul_impl(xg, wg, bg, cfg=cfg, slices=slices, ctas=ctas).cpu())
+        info["gpu_s"] = time.perf_counter() - t0
+    finally:
+        launch.HOPPER_DSMEM_SPLIT, launch.HOPPER_SEPARATE_TAIL = saved
+    err = _rel_err(outs[0], ref)
+    info["rel_err"] = err
+    if not err < TOLERANCE[a["dt"]]:
+        raise AssertionError(f"relative error {err:.3g} > {TOLERANCE[a['dt']]}")
+    if any(not torch.equal(o, outs[0]) for o in outs[1:]):
+        raise AssertionError("repeated launches differ bitwise")
+    for (_, _), (_, counters) in launch._workspaces.items():
+        if int(counters.abs().sum()):
+            raise AssertionError("workspace tile counters not back at zero after the launch")
+    return info
+
+
+def _run_nf4_dequant(pid: str, a: dict, dev) -> dict:
+    import torch
+
+    from tilefish import nf4
+    from tilefish.reference import nf4_dequantize_fp32_chain
+
+    gen = torch.Generator().manual_seed(_seed(pid))
+    dt = _dtype(a["dt"])
+    w = torch.randn(int(a["rows"]), int(a["cols"]), generator=gen).to(torch.bfloat16)
+    q = nf4.quantize(w, blocksize=int(a["bs"]), double_quant=bool(int(a["dq"])))
+    ref = nf4_dequantize_fp32_chain(q, dt)
+    qg = q.to(dev)
+    t0 = time.perf_counter()
+    out = torch.empty(q.shape, dtype=dt, device=dev)
+    nf4.dequantize(qg, dt, out=out)
+    out = out.cpu()
+    info = {"gpu_s": time.perf_counter() - t0}
+    if not torch.equal(out.view(-1), ref.view(-1)):
+        raise AssertionError("differs from the fp32-chain reference (bitsandbytes' arithmetic)")
+    return info
+
+
+def _run_sgemm(pid: str, a: dict, dev) -> dict:
+    import torch
+
+    from tilefish.ops import sgemm
+
+    gen = torch.Generator().manual_seed(_seed(pid))
+    cfg = sgemm.SgemmConfig(*_sg_parse(a["cfg"]))
+    m, n, k = int(a["m"]), int(a["n"]), int(a["k"])
+    x, y = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
+    beta = 0.5 if int(a.get("beta", 0)) else 0.0
+    c = torch.randn(m, n, generator=gen) if beta else None
+    ref = sgemm.sgemm_reference(x, y, c, 1.5, beta)
+    t0 = time.perf_counter()
+    if c is None:
+        _poison(m, n, torch.float32, dev)
+    out = sgemm.sgemm(x.to(dev), y.to(dev), None if c is None else c.to(dev), 1.5, beta, kernel=cfg).cpu()
+    info = {"gpu_s": time.perf_counter() - t0, "rel_err": _rel_err(out, ref)}
+    if not info["rel_err"] < TOLERANCE["fp32"]:
+        raise AssertionError(f"relative error {info['rel_err']:.3g}")
+    return info
+
+
+def _run_hgemm(pid: str, a: dict, dev) -> dict:
+    import dataclasses
+
+    import torch
+
+    from tilefish.ops import hgemm
+
+    gen = torch.Generator().manual_seed(_seed(pid))
+    cfg = hgemm.HgemmConfig(*_sg_parse(a["cfg"]))
+    dt, nk = _dtype(a["dt"]), bool(int(a["nk"]))
+    m, n, k = int(a["m"]), int(a["n"]), int(a["k"])
+    x = torch.randn(m, k, generator=gen).to(dt)
+    y = (torch.randn(n, k, generator=gen) if nk else torch.randn(k, n, generator=gen)).to(dt)
+    ref = hgemm.hgemm_reference(x, y, nk)
+    orig = hgemm.device_info
+    if "sms" in a and dev.type == "cuda":  # step 07's persistent grid over fewer CTAs than tiles: every CTA loops
+        fake = dataclasses.replace(orig(dev.index), sm_count=int(a["sms"]))
+        hgemm.device_info = lambda index=None: fake
+    try:
+        t0 = time.perf_counter()
+        _poison(m, n, dt, dev)
+        out = hgemm.hgemm(x.to(dev), y.to(dev), kernel=cfg, b_transposed=nk).cpu()
+    finally:
+        hgemm.device_info = orig
+    info = {"gpu_s": time.perf_counter() - t0, "rel_err": _rel_err(out, ref)}
+    if not info["rel_err"] < TOLERANCE[a["dt"]]:
+        raise AssertionError(f"relative error {info['rel_err']:.3g}")
+    return info
+
+
+RUNNERS = {"w4a16": _run_w4a16, "nf4-matmul": _run_w4a16, "nf4-dequant": _run_nf4_dequant, "sgemm": _run_sgemm,
+           "hgemm": _run_hgemm}
+
+
+def _kernel_record(loaded) -> dict:
+    from tilefish import __version__
+    from tilefish.runtime import compiler
+
+    spec = loaded.spec
+    arch = loaded.compiled.arch
+    key = compiler.cache_key(spec, arch)
+    return {"name": spec.name, "source": spec.source, "defines": [list(d) for d in spec.defines],
+            "lowered": loaded.compiled.lowered_name, "arch": arch,
+            "cubin": str(compiler.cache_dir() / f"v{__version__}" / f"{key}.cubin")}
+
+
+def worker_main(args) -> int:
+    import torch
+
+    apply_compile_patches(os.environ.get(LINEINFO_ENV, "0") == "1")
+    import importlib
+
+    rt_launch = importlib.import_module("tilefish.runtime.launch")  # the module (the package exports a launch function)
+
+    ids = read_plan_list(args.plans)
+    res = open(args.result, "a", buffering=1) if args.result else sys.stdout
+
+    def emit(rec):
+        res.write(json.dumps(rec) + "\n")
+        res.flush()
+
+    if args.cpu or os.environ.get(FAKE_DEVICE_ENV):
+        dev = torch.device("cpu")
+    elif not torch.cuda.is_available():
+        emit({"type": "abort", "error": "no CUDA device"})
+        return 3
+    else:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    compiled_here = []
+    orig_compile = rt_launch.compile_kernel
+
+    def compile_kernel(spec, arch, *a, **kw):  # NVRTC under the sanitizer: the warm-up missed this kernel
+        ck = orig_compile(spec, arch, *a, **kw)
+        if not ck.from_cache:
+            compiled_here.append(spec.name)
+        return ck
+    rt_launch.compile_kernel = compile_kernel
+    status = 0
+    for pid in ids:
+        family, a = parse_plan_id(pid)
+        before = set(rt_launch._loaded)
+        del compiled_here[:]
+        t0 = time.perf_counter()
+        rec = {"type": "plan", "id": pid, "family": family}
+        try:
+            rec["info"] = RUNNERS[family](pid, a, dev)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            rec["ok"], rec["error"] = True, None
+        except Exception as e:  # noqa: BLE001 - a failing plan is a result
+            rec["ok"], rec["error"] = False, f"{type(e).__name__}: {e}"[:2000]
+        rec["secs"] = round(time.perf_counter() - t0, 4)
+        rec["kernels"] = [_kernel_record(rt_launch._loaded[key]) for key in set(rt_launch._loaded) - before]
+        rec["compiled"] = list(compiled_here)
+        emit(rec)
+        if not rec["ok"] and dev.type == "cuda":
+            try:  # a sticky CUDA error (a crashed kernel) ends the process: the driver reruns the rest
+                torch.cuda.synchronize()
+                torch.zeros(1, device=dev).cpu()
+            except Exception as e:  # noqa: BLE001
+                emit({"type": "abort", "id": pid, "error": f"CUDA context unusable: {type(e).__name__}: {e}"[:500]})
+                status = 3
+                break
+    emit({"type": "done", "kernels": [_kernel_record(v) for v in rt_launch._loaded.values()]})
+    return status
+
+
+# ---- parsing compute-sanitizer output -------------------------------------------------------------------------------
+
+_PREFIX = re.compile(r"^=+ ?")
+_LOC_NEW = re.compile(r"(?P<func>\S(?:.*?\S)?)\+0x(?P<pc>[0-9a-fA-F]+)(?:\s+in\s+(?P<file>[^\s:]+):(?P<line>\d+))?")
+_LOC_OLD = re.compile(r"0x(?P<pc>[0-9a-fA-F]+)\s+in\s+(?:(?P<file>[^\s:]+):(?P<line>\d+):)?(?P<func>\S.*?)$")
+_ACCESS = re.compile(r"(?P<acc>Read|Write) access at\s+(?P<loc>.*?)(?:\s*\[(?P<n>\d+) hazards?\])?"
+                     r"(?=\s+and\s+(?:Read|Write) access at|$)")
+_SUMMARY = re.compile(r"ERROR SUMMARY:\s*(\d+) errors?")
+_RACE_SUMMARY = re.compile(r"RACECHECK SUMMARY:\s*(\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)")
+
+
+@dataclass
+class Access:
+    access: str          # Read / Write (racecheck), or the kind of access for memcheck
+    func: str
+    pc: int | None
+    file: str | None = None
+    line: int | None = None
+    hazards: int = 0
+    opcode: str | None = None
+    sass: str | None = None
+
+    def where(self) -> str:
+        s = f"{'+0x%x' % self.pc if self.pc is not None else ''}"
+        if self.file:
+            s += f" {self.file}:{self.line}"
+        return s.strip()
+
+
+@dataclass
+class Finding:
+    tool: str
+    kind: str            # race | memory | init | sync | api | app-exit | warning | other
+    severity: str        # error | warning | info
+    title: str
+    accesses: list
+    thread: str | None = None
+    raw: str = ""
+    count: int = 1       # racecheck: hazards; else occurrences
+    cls: str | None = None       # racecheck: "async-proxy" / "generic" / "unclassified"
+    kernel: str | None = None    # the spec name it maps to
+    plans: list = field(default_factory=list)
+    families: list = field(default_factory=list)
+    batches: list = field(default_factory=list)
+
+    def key(self) -> tuple:
+        return (self.tool, self.kind, self.title if self.kind != "race" else "",
+                tuple((a.access, a.func, a.pc) for a in self.accesses))
+
+    @property
+    def is_error(self) -> bool:
+        if self.kind == "warning":
+            return False
+        if self.kind == "race":
+            return self.cls != "async-proxy" or STRICT_RACECHECK
+        return True
+
+
+STRICT_RACECHECK = False
+
+
+def _parse_loc(text: str) -> tuple[str, int | None, str | None, int | None]:
+    text = text.strip()
+    if text.startswith("0x"):
+        mo = _LOC_OLD.match(text)
+        if mo:
+            return mo["func"].strip(), int(mo["pc"], 16), mo["file"], int(mo["line"]) if mo["line"] else None
+    mo = _LOC_NEW.match(text)
+    if mo:
+        return mo["func"].strip(), int(mo["pc"], 16), mo["file"], int(mo["line"]) if mo["line"] else None
+    return text, None, None, None
+
+
+def _blocks(text: str) -> list[list[str]]:
+    """Sanitizer output -> report blocks: a line at the prefix's indentation starts a block, indented
+    lines continue it, a bare prefix line ends it. Lines without the prefix (the application's) are skipped."""
+    blocks, cur = [], None
+    for raw in text.splitlines():
+        if not raw.startswith("="):
+            continue
+        body = _PREFIX.sub("", raw, count=1)
+        if not body.strip():
+            cur = None
+            continue
+        if body[0].isspace() and cur is not None:
+            cur.append(body.strip())
+        else:
+            cur = [body.strip()]
+            blocks.append(cur)
+    return blocks
+
+
+def parse_sanitizer_log(text: str, tool: str) -> dict:
+    """-> {"findings": [Finding], "errors": ERROR SUMMARY count or None, "race": (hazards, errors, warnings) or
+    None, "header": bool}. Unknown report blocks are kept as kind "other" (counted as errors)."""
+    findings: list[Finding] = []
+    summary_errors, race_summary, header = None, None, False
+    for block in _blocks(text):
+        first = block[0]
+        joined = " ".join(block)
+        if first.startswith("COMPUTE-SANITIZER"):
+            header = True
+            continue
+        if mo := _SUMMARY.search(first):
+            summary_errors = (summary_errors or 0) + int(mo.group(1))
+            continue
+        if mo := _RACE_SUMMARY.search(first):
+            race_summary = tuple(int(v) for v in mo.groups())
+            continue
+        if first.startswith(("LEAK SUMMARY", "Saved host backtrace", "Host Frame", "Device Frame")):
+            continue
+        thread = None
+        if mo := re.search(r"by thread (\(\d+,\d+,\d+\)) in block (\(\d+,\d+,\d+\))", joined):
+            thread = f"thread {mo.group(1)} block {mo.group(2)}"
+        if "Race reported between" in joined:
+            sev = "warning" if re.match(r"(?i)warn", first) else "info" if re.match(r"(?i)info", first) else "error"
+            body = joined.split("Race reported between", 1)[1]
+            accs = []
+            for mo in _ACCESS.finditer(body.strip()):
+                func, pc, f, ln = _parse_loc(mo["loc"])
+                accs.append(Access(mo["acc"], func, pc, f, ln, int(mo["n"] or 0)))
+            findings.append(Finding(tool, "race", sev, "race between " + " and ".join(
+                sorted({x.access.lower() for x in accs})), accs, None, "\n".join(block),
+                count=sum(x.hazards for x in accs) or 1))
+            continue
+        if mo := re.search(r"Potential (RAW|WAR|WAW) hazard", first):
+            accs = []
+            for ln in block[1:]:
+                if m2 := re.match(r"(Read|Write) Thread (\(\d+,\s*\d+,\s*\d+\)) at (.*)", ln):
+                    func, pc, f, line = _parse_loc(m2.group(3))
+                    accs.append(Access(m2.group(1), func, pc, f, line, 1))
+            sev = "warning" if re.match(r"(?i)warn", first) else "error"
+            findings.append(Finding(tool, "race", sev, f"{mo.group(1)} hazard", accs, None, "\n".join(block)))
+            continue
+        at = next((ln for ln in block[1:] if ln.startswith("at ")), None)
+        accs = []
+        if at is not None:
+            func, pc, f, line = _parse_loc(at[3:])
+            accs.append(Access("at", func, pc, f, line))
+        if re.search(r"Uninitialized __\w+__ memory read", first) or "uninitialized" in first.lower():
+            kind = "init"
+        elif first.startswith(("Barrier error", "Warpgroup MMA sequence error")) or "barrier" in first.lower() \
+                and "Detected overflow" not in first:
+            kind = "sync"
+        elif re.search(r"(Invalid|Misaligned|Out-of-range|out of bounds|Illegal|Malloc|Free|Hardware exception|"
+                       r"Potential invalid __shared__|Cuda barrier|misaligned)", first):
+            kind = "memory"
+        elif first.startswith("Program hit") or "on CUDA API call" in joined:
+            kind = "api"
+        elif "Target application returned an error" in first:
+            kind = "app-exit"
+        elif first.lower().startswith("warning") or "Detected overflow" in first or first.startswith("Unused"):
+            kind = "warning"
+        else:
+            kind = "other"
+        findings.append(Finding(tool, kind, "warning" if kind == "warning" else "error", first, accs, thread,
+                                "\n".join(block)))
+    return {"findings": findings, "errors": summary_errors, "race": race_summary, "header": header}
+
+
+# ---- SASS --------------------------------------------------------------------------------------------------------
+
+# Instructions that access shared memory through the async proxy (TMA, bulk copies, wgmma operand reads):
+# racecheck does not order them by the mbarriers / proxy fences the kernels use.
+ASYNC_PROXY_OPS = ("UBLKCP", "UTMALDG", "UTMASTG", "UBLKRED", "UTMAREDG", "UBLKPF", "UTMAPF", "HGMMA", "IGMMA",
+                   "QGMMA", "BGMMA")  # (mbarrier operations, SYNCS, are not: a race on one is a generic report)
+_SASS_LINE = re.compile(r"/\*([0-9a-fA-F]{4,})\*/\s+(.*?)\s*;")
+
+
+def find_tool(name: str, near: str | None = None) -> str | None:
+    cands = []
+    if near:
+        base = Path(near).resolve().parent
+        cands += [base / name, base.parent / "bin" / name]
+    cands += [Path("/usr/local/cuda/bin") / name]
+    try:
+        import nvidia
+
+        for base in map(Path, nvidia.__path__):
+            cands += list(base.glob(f"cu*/bin/{name}"))
+    except Exception:  # noqa: BLE001
+        pass
+    for c in cands:
+        if c.is_file() and os.access(c, os.X_OK):
+            return str(c)
+    return shutil.which(name)
+
+
+def parse_sass(text: str) -> dict[str, dict[int, str]]:
+    """cuobjdump -sass / nvdisasm text -> {function: {offset: instruction}} ("" when no function header)."""
+    out: dict[str, dict[int, str]] = {}
+    cur = out.setdefault("", {})
+    for ln in text.splitlines():
+        if mo := re.match(r"\s*Function\s*:\s*(\S+)", ln):
+            cur = out.setdefault(mo.group(1), {})
+            continue
+        if mo := re.match(r"\s*\.text\.(\S+?):", ln):  # nvdisasm section labels
+            cur = out.setdefault(mo.group(1), {})
+            continue
+        for mo in _SASS_LINE.finditer(ln):
+            cur[int(mo.group(1), 16)] = mo.group(2).strip()
+    return {k: v for k, v in out.items() if v}
+
+
+def opcode(instr: str) -> str:
+    toks = [t for t in instr.split() if not t.startswith("@")]
+    return toks[0] if toks else ""
+
+
+def dump_sass(cubin: str, cuobjdump: str | None, nvdisasm: str | None) -> str:
+    for tool, argv in ((cuobjdump, ["-sass"]), (nvdisasm, ["-c", "-g"])):
+        if tool and Path(cubin).is_file():
+            try:
+                r = subprocess.run([tool, *argv, cubin], capture_output=True, text=True, timeout=120)
+            except (OSError, subprocess.TimeoutExpired):
+                continue
+            if r.returncode == 0 and "/*" in r.stdout:
+                return r.stdout
+    return ""
+
+
+def classify_race(f: Finding, sass: dict[str, dict[int, str]] | None) -> None:
+    """Look up every access's instruction; the report is "async-proxy" when each (first access, other access)
+    pair has an async-proxy instruction on one side, "generic" when some pair has none, "unclassified" without
+    SASS."""
+    if not sass:
+        f.cls = "unclassified"
+        return
+    for acc in f.accesses:
+        table = sass.get(acc.func) or (next(iter(sass.values())) if len(sass) == 1 else None)
+        if table is not None and acc.pc is not None and acc.pc in table:
+            acc.sass = table[acc.pc]
+            acc.opcode = opcode(acc.sass)
+    if any(acc.opcode is None for acc in f.accesses):
+        f.cls = "unclassified"
+        return
+    is_async = [acc.opcode.split(".")[0] in ASYNC_PROXY_OPS for acc in f.accesses]
+    first, rest = is_async[0], is_async[1:] or [False]
+    f.cls = "async-proxy" if all(first or r for r in rest) else "generic"
+
+
+# ---- the driver ----------------------------------------------------------------------------------------------------
+
+def gpu_slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA H200' -> 'h200' (bench/results/<slug>/), else bench's slug."""
+    mo = re.search(r"\b([a-z]{1,2}\d{2,4}[a-z]?)\b", name.lower().replace("nvidia", ""))
+    if mo:
+        return mo.group(1)
+    from tilefish.bench.quick import gpu_slug as bench_slug
+
+    return bench_slug(name)
+
+
+def device_query() -> dict:
+    if fake := os.environ.get(FAKE_DEVICE_ENV):  # the driver's own test (tests/test_sanitize_script.py)
+        return json.loads(fake)
+    code = ("import json, torch; p = torch.cuda.get_device_properties(0); "
+            "print(json.dumps({'name': p.name, 'cc': p.major * 10 + p.minor, 'sm_count': p.multi_processor_count, "
+            "'driver': torch.version.cuda, 'torch': torch.__version__}))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    if r.returncode:
+        raise SystemExit(f"no CUDA device visible to torch:\n{r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def commit_id() -> str:
+    if c := os.environ.get("TILEFISH_COMMIT"):
+        return c
+    try:
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+        return (head + ("+dirty" if dirty else "")) if head else "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def sanitizer_version(san: str) -> str:
+    try:
+        r = subprocess.run([san, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unknown ({e})"
+    lines = [ln.strip() for ln in r.stdout.splitlines() if "version" in ln.lower()]
+    return lines[-1] if lines else (r.stdout.strip().splitlines() or ["unknown"])[-1]
+
+
+def find_sanitizer(explicit: str | None) -> str | None:
+    for c in (explicit, os.environ.get("COMPUTE_SANITIZER"), shutil.which("compute-sanitizer"),
+              "/usr/local/cuda/bin/compute-sanitizer", "/usr/local/cuda/compute-sanitizer/compute-sanitizer"):
+        if c and Path(c).is_file() and os.access(c, os.X_OK):
+            return c
+    for c in sorted(Path("/usr/local").glob("cuda*/bin/compute-sanitizer"), reverse=True):
+        return str(c)
+    return None
+
+
+def sanitizer_options(san: str) -> set[str]:
+    """The long options this compute-sanitizer's --help lists (empty when it cannot be read: then nothing is
+    filtered)."""
+    try:
+        r = subprocess.run([san, "--help"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return set()
+    return set(re.findall(r"--([a-z][a-z0-9-]+)", r.stdout + r.stderr))
+
+
+def tool_flags(tool: str, kernel_filter: bool, supported: set | None = None, dropped: set | None = None) -> list[str]:
+    """The options a tool runs with (the module docstring says why); an option this compute-sanitizer's --help
+    does not list is left out (and noted in `dropped`)."""
+    pairs = [("show-backtrace", "device"), ("demangle", "no"), ("print-limit", "200")]
+    if tool == "memcheck":
+        pairs += [("report-api-errors", "no"), ("destroy-on-device-error", "kernel")]
+    if tool == "racecheck":
+        pairs += [("racecheck-report", "analysis")]
+    if kernel_filter and tool != "initcheck":
+        pairs += [("kernel-name", f"kns={s}") for s in KERNEL_FILTERS]
+    flags = []
+    for opt, val in pairs:
+        if supported and opt not in supported:
+            if dropped is not None:
+                dropped.add(opt)
+            continue
+        flags += [f"--{opt}", val]
+    return flags
+
+
+def tool_env(tool: str) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if tool in ("memcheck", "initcheck"):
+        env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
+    return env
+
+
+@dataclass
+class Batch:
+    tool: str
+    tier: int
+    plans: list           # plan ids
+    est: float
+    index: int = 0
+    attempt: int = 0
+
+
+def make_batches(plans: list[Plan], tools, jobs: int, spec_of: dict) -> list[Batch]:
+    """Per (tool, tier): plans split into batches of similar estimated cost, about 3 batches a job slot in
+    all; two plans whose kernels share a mangled name (the int4 and nf4 builds of one instantiation) never
+    share a batch, so every report maps to one cubin."""
+    per = {t: [p for p in plans if t in p.tools] for t in tools}
+    total = sum(PLAN_COST[t] * len(ps) + PROCESS_COST for t, ps in per.items() if ps)
+    target = max(25.0, total / max(1, 3 * jobs))
+    out: list[Batch] = []
+    for tool in tools:
+        for tier in sorted({p.tier for p in per[tool]}):
+            group = [p for p in per[tool] if p.tier == tier]
+            n = max(1, math.ceil(len(group) * PLAN_COST[tool] / target))
+            buckets: list[list[Plan]] = [[] for _ in range(n)]
+            names: list[dict] = [{} for _ in range(n)]
+            for i, p in enumerate(sorted(group, key=lambda p: (p.family, p.id))):
+                for j in [(i + d) % n for d in range(n)] + [None]:
+                    if j is None:
+                        buckets.append([])
+                        names.append({})
+                        j = len(buckets) - 1
+                    specs = spec_of.get(p.id, [])
+                    if all(names[j].get(s.name, s.defines) == s.defines for s in specs):
+                        buckets[j].append(p)
+                        for s in specs:
+                            names[j][s.name] = s.defines
+                        break
+            for b in buckets:
+                if b:
+                    out.append(Batch(tool, tier, [p.id for p in b], PROCESS_COST + PLAN_COST[tool] * len(b)))
+    order = {t: i for i, t in enumerate(("racecheck", "memcheck", "initcheck", "synccheck"))}
+    out.sort(key=lambda b: (b.tier, order.get(b.tool, 9), -b.est))
+    for i, b in enumerate(out):
+        b.index = i
+    return out
+
+
+def estimate(plans: list[Plan], tools, jobs: int) -> dict:
+    per_tool = {}
+    for t in tools:
+        n = sum(1 for p in plans if t in p.tools)
+        per_tool[t] = n * PLAN_COST[t]
+    batches = make_batches(plans, tools, jobs, {})
+    cpu = sum(b.est for b in batches)
+    return {"per_tool_plan_s": per_tool, "batches": len(batches), "process_s": cpu, "wall_s": cpu / max(1, jobs)}
+
+
+def _compile_one(job):
+    spec, arch, lineinfo = job
+    apply_compile_patches(lineinfo)
+    from tilefish.runtime import compile_kernel
+
+    t0 = time.perf_counter()
+    try:
+        ck = compile_kernel(spec, arch)
+        return spec.name, ck.from_cache, time.perf_counter() - t0, None
+    except Exception as e:  # noqa: BLE001
+        return spec.name, False, time.perf_counter() - t0, f"{type(e).__name__}: {e}"[:2000]
+
+
+def warm_cache(specs, arch: str, lineinfo: bool, jobs: int) -> dict:
+    from concurrent.futures import ProcessPoolExecutor
+
+    apply_compile_patches(lineinfo)
+    todo = [(s, arch, lineinfo) for s in specs if s.supports(arch)]
+    t0 = time.perf_counter()
+    with ProcessPoolExecutor(max(1, jobs)) as pool:
+        results = list(pool.map(_compile_one, todo, chunksize=2))
+    errors = [(n, e) for n, _, _, e in results if e]
+    return {"kernels": len(todo), "compiled": sum(1 for _, hit, _, e in results if not hit and not e),
+            "errors": errors, "secs": time.perf_counter() - t0}
+
+
+def read_results(path: Path) -> list[dict]:
+    out = []
+    if path.is_file():
+        for ln in path.read_text().splitlines():
+            try:
+                out.append(json.loads(ln))
+            except ValueError:
+                pass
+    return out
+
+
+def run_batches(batches: list[Batch], args, san: str, logs: Path, env_extra: dict, t_end: float) -> list[dict]:
+    """Run the batches, at most args.jobs at once, until t_end (monotonic): a batch still running then is
+    killed (its finished plans count); batches not started are returned as not run. A batch whose worker
+    aborted on a sticky CUDA error is rerun from the next plan (once per plan)."""
+    queue = list(batches)
+    running: dict = {}
+    done: list[dict] = []
+    slots = list(range(args.jobs))
+    n_started = 0
+    while queue or running:
+        now = time.monotonic()
+        while queue and slots and now < t_end:
+            b = queue.pop(0)
+            slot = slots.pop(0)
+            n_started += 1
+            tag = f"b{b.index:03d}{'r%d' % b.attempt if b.attempt else ''}-{b.tool}"
+            plan_file, result, log = logs / f"{tag}.plans", logs / f"{tag}.jsonl", logs / f"{tag}.log"
+            plan_file.write_text("\n".join(b.plans) + "\n")
+            cmd = [san, "--tool", b.tool, "--error-exitcode", "1", "--log-file", str(log)]
+            if not args.no_port and (not SUPPORTED or "port" in SUPPORTED):
+                cmd += ["--port", str(49152 + 32 * slot)]  # concurrent sanitizers never share ports
+            cmd += tool_flags(b.tool, not args.no_kernel_filter, SUPPORTED, DROPPED) + list(args.sanitizer_arg or [])
+            cmd += [sys.executable, str(Path(__file__).resolve()), "--worker", "--plans", f"@{plan_file}",
+                    "--result", str(result)]
+            stdout = open(logs / f"{tag}.out", "w")
+            env = {**tool_env(b.tool), **env_extra}
+            proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
+                                    start_new_session=True)
+            running[proc.pid] = (proc, b, slot, time.monotonic(), tag, stdout, cmd)
+            print(f"[{time.monotonic() - T0:6.1f}s] start {tag}: {len(b.plans)} plans (est {b.est:.0f}s)", flush=True)
+        time.sleep(0.5)
+        now = time.monotonic()
+        for pid, (proc, b, slot, t_start, tag, stdout, cmd) in list(running.items()):
+            rc = proc.poll()
+            killed = False
+            if rc is None and now > t_end + args.grace:
+                try:
+                    os.killpg(proc.pid, 9)  # the batch's own process group (start_new_session)
+                except OSError:
+                    pass
+                rc, killed = proc.wait(), True
+            if rc is None:
+                continue
+            stdout.close()
+            del running[pid]
+            slots.append(slot)
+            recs = read_results(logs / f"{tag}.jsonl")
+            ran = [r["id"] for r in recs if r.get("type") == "plan"]
+            abort = next((r for r in recs if r.get("type") == "abort"), None)
+            rest = [p for p in b.plans if p not in ran]
+            rec = {"tag": tag, "tool": b.tool, "tier": b.tier, "plans": b.plans, "rc": rc, "killed": killed,
+                   "secs": round(now - t_start, 1), "log": f"{tag}.log", "out": f"{tag}.out",
+                   "result": f"{tag}.jsonl", "cmd": " ".join(cmd), "abort": abort, "not_run": []}
+            if abort and rest and not killed:
+                nb = Batch(b.tool, b.tier, rest, PROCESS_COST + PLAN_COST[b.tool] * len(rest), b.index, b.attempt + 1)
+                queue.insert(0, nb)
+            else:
+                rec["not_run"] = rest
+            done.append(rec)
+            print(f"[{now - T0:6.1f}s] done  {tag}: rc {rc}{' (killed at the budget)' if killed else ''}, "
+                  f"{len(ran)}/{len(b.plans)} plans, {rec['secs']}s", flush=True)
+        if not running and queue and time.monotonic() >= t_end:
+            break
+    for b in queue:
+        done.append({"tag": f"b{b.index:03d}-{b.tool}", "tool": b.tool, "tier": b.tier, "plans": b.plans,
+                     "rc": None, "killed": False, "secs": 0.0, "not_run": list(b.plans), "skipped": True})
+    return done
+
+
+T0 = time.monotonic()
+SUPPORTED: set = set()   # compute-sanitizer's options (its --help), read by driver_main
+DROPPED: set = set()     # options of ours it does not list
+
+
+def analyse(run: dict, logs: Path) -> dict:
+    """Parse every batch's log, map findings to kernels and plans, classify racecheck hazards against the SASS."""
+    global STRICT_RACECHECK
+    STRICT_RACECHECK = bool(run.get("strict_racecheck"))
+    plan_family = {p["id"]: p["family"] for p in run["plans"]}
+    lowered: dict[str, dict] = {}
+    results: dict[tuple, dict] = {}   # (tool, plan id) -> record
+    findings: dict[tuple, Finding] = {}
+    tool_totals = {t: {"errors": 0, "race": [0, 0, 0], "procs": 0, "secs": 0.0, "bad_exit": []} for t in TOOLS}
+    dry = read_results(logs / "dry_run.jsonl")
+    for rec in dry:
+        for k in rec.get("kernels", []):
+            lowered.setdefault(k["lowered"], k)
+    for b in run["batches"]:
+        tool = b["tool"]
+        tt = tool_totals[tool]
+        recs = read_results(logs / b["result"]) if b.get("result") else []
+        batch_kernels: dict[str, dict] = {}
+        plan_kernels: dict[str, list] = {}
+        for r in recs:
+            if r.get("type") == "plan":
+                results[(tool, r["id"])] = r
+                plan_kernels[r["id"]] = [k["lowered"] for k in r.get("kernels", [])]
+            for k in r.get("kernels", []):
+                batch_kernels[k["lowered"]] = k
+                lowered.setdefault(k["lowered"], k)
+        if b.get("skipped"):
+            continue
+        tt["procs"] += 1
+        tt["secs"] += b.get("secs", 0.0)
+        text = (logs / b["log"]).read_text(errors="replace") if (logs / b["log"]).is_file() else ""
+        parsed = parse_sanitizer_log(text, tool)
+        if parsed["errors"]:
+            tt["errors"] += parsed["errors"]
+        if parsed["race"]:
+            tt["race"] = [x + y for x, y in zip(tt["race"], parsed["race"])]
+        if b["rc"] not in (0, 1) and not b.get("killed"):
+            tt["bad_exit"].append((b["tag"], b["rc"]))
+        for f in parsed["findings"]:
+            f.batches = [b["tag"]]
+            k = next((batch_kernels.get(a.func) or lowered.get(a.func) for a in f.accesses
+                      if (batch_kernels.get(a.func) or lowered.get(a.func))), None)
+            if k is not None:
+                f.kernel = k["name"] + "".join(f" -D{d[0]}" for d in k["defines"])
+                f.plans = [pid for pid, ks in plan_kernels.items() if k["lowered"] in ks]
+                if not f.plans:  # loaded by an earlier plan of the batch: every plan of the batch on that kernel
+                    f.plans = [pid for pid in b["plans"] if any(
+                        k["name"] == s for s in run["plan_specs"].get(pid, []))]
+                f.families = sorted({plan_family.get(p, "?") for p in f.plans}) or ["?"]
+                f._cubin = k.get("cubin")  # type: ignore[attr-defined]
+            else:
+                f.families = ["?"]
+                f._batch_kernels = list(batch_kernels.values())  # type: ignore[attr-defined]
+            key = f.key()
+            if key in findings:
+                old = findings[key]
+                old.count += f.count
+                old.plans = sorted(set(old.plans) | set(f.plans))
+                old.batches += f.batches
+                old.families = sorted(set(old.families) | set(f.families))
+            else:
+                findings[key] = f
+    # SASS for every kernel a race report names, and the classification
+    cuobjdump = find_tool("cuobjdump", run.get("sanitizer"))
+    nvdisasm = find_tool("nvdisasm", run.get("sanitizer"))
+    sass_cache: dict[str, dict] = {}
+    sass_text: dict[str, str] = {}
+    sass_dir = logs / "sass"
+    excerpts = []
+    for f in findings.values():
+        if f.kind != "race":
+            continue
+        cubin = getattr(f, "_cubin", None)
+        if cubin and cubin not in sass_cache:
+            sass_text[cubin] = dump_sass(cubin, cuobjdump, nvdisasm)
+            sass_cache[cubin] = parse_sass(sass_text[cubin])
+        if not cubin and f.accesses:
+            for k in getattr(f, "_batch_kernels", []):
+                c = k.get("cubin")
+                if c and c not in sass_cache:
+                    sass_text[c] = dump_sass(c, cuobjdump, nvdisasm)
+                    sass_cache[c] = parse_sass(sass_text[c])
+                if c and f.accesses[0].func in sass_cache.get(c, {}):
+                    cubin = c
+                    f.kernel = k["name"] + "".join(f" -D{d[0]}" for d in k["defines"]) + \
+                        f" (in {f.accesses[0].func})"
+                    break
+        classify_race(f, sass_cache.get(cubin) if cubin else None)
+        if cubin and sass_text.get(cubin):
+            sass_dir.mkdir(exist_ok=True)
+            if f.cls != "async-proxy":  # the whole listing where a report needs a reading
+                (sass_dir / (Path(cubin).stem + ".sass")).write_text(sass_text[cubin])
+            table = sass_cache[cubin].get(f.accesses[0].func) if f.accesses else None
+            table = table or (next(iter(sass_cache[cubin].values())) if len(sass_cache[cubin]) == 1 else {})
+            offs = sorted(table)
+            lines = [f"== {f.kernel} ({Path(cubin).name}) {f.cls}"]
+            for acc in f.accesses:
+                if acc.pc in table:
+                    i = offs.index(acc.pc)
+                    lines.append(f"-- {acc.access} at +0x{acc.pc:x} {acc.file or ''}:{acc.line or ''}")
+                    lines += [f"{'>>' if o == acc.pc else '  '} /*{o:04x}*/ {table[o]}"
+                              for o in offs[max(0, i - 4):i + 3]]
+            excerpts.append("\n".join(lines))
+    if excerpts:
+        sass_dir.mkdir(exist_ok=True)
+        (sass_dir / "excerpts.txt").write_text("\n\n".join(excerpts) + "\n")
+    return {"results": results, "findings": list(findings.values()), "tool_totals": tool_totals,
+            "dry": [r for r in dry if r.get("type") == "plan"], "sass_tools": [cuobjdump, nvdisasm]}
+
+
+def summarize(run: dict, an: dict) -> dict:
+    """Per tool x family counts, and the verdict."""
+    plans = run["plans"]
+    rows = []
+    for tool in run["tools"]:
+        for fam in FAMILIES:
+            sel = [p for p in plans if p["family"] == fam and tool in p["tools"]]
+            if not sel:
+                continue
+            recs = [an["results"].get((tool, p["id"])) for p in sel]
+            ran = [r for r in recs if r]
+            fs = [f for f in an["findings"] if f.tool == tool and fam in f.families]
+            rows.append({"tool": tool, "family": fam, "plans": len(sel), "ran": len(ran),
+                         "ok": sum(1 for r in ran if r["ok"]), "failed": sum(1 for r in ran if not r["ok"]),
+                         "not_run": len(sel) - len(ran),
+                         "errors": sum(f.count if f.kind != "race" else 1 for f in fs if f.is_error),
+                         "hazards": sum(f.count for f in fs if f.kind == "race"),
+                         "async_proxy": sum(f.count for f in fs if f.kind == "race" and f.cls == "async-proxy"),
+                         "secs": round(sum(r["secs"] for r in ran), 1)})
+        una = [f for f in an["findings"] if f.tool == tool and "?" in f.families]
+        if una:  # reports naming no kernel of a plan (torch's, or a function the mapping missed)
+            rows.append({"tool": tool, "family": "(no plan's kernel)", "plans": 0, "ran": 0, "ok": 0, "failed": 0,
+                         "not_run": 0, "errors": sum(f.count if f.kind != "race" else 1 for f in una if f.is_error),
+                         "hazards": sum(f.count for f in una if f.kind == "race"),
+                         "async_proxy": sum(f.count for f in una if f.kind == "race" and f.cls == "async-proxy"),
+                         "secs": 0.0})
+    unattributed = [f for f in an["findings"] if "?" in f.families]
+    failures = [(tool, pid, r["error"]) for (tool, pid), r in an["results"].items() if not r["ok"]]
+    dry_fail = [(r["id"], r["error"]) for r in an["dry"] if not r["ok"]]
+    errors = [f for f in an["findings"] if f.is_error]
+    bad_exit = [(t, tag, rc) for t, tt in an["tool_totals"].items() for tag, rc in tt["bad_exit"]]
+    parsed_errs = {t: sum(f.count for f in an["findings"] if f.tool == t and f.kind != "race" and f.is_error)
+                   for t in TOOLS}
+    unexplained = [(t, tt["errors"]) for t, tt in an["tool_totals"].items()
+                   if tt["errors"] and tt["errors"] > parsed_errs[t] and t != "racecheck"]
+    not_run = sum(r["not_run"] for r in rows)
+    status = "FAIL" if (errors or failures or dry_fail or bad_exit or unexplained or run.get("warm_errors")) else \
+        ("INCOMPLETE" if not_run else "PASS")
+    return {"rows": rows, "unattributed": unattributed, "failures": failures, "dry_fail": dry_fail,
+            "errors": errors, "bad_exit": bad_exit, "unexplained": unexplained, "not_run": not_run,
+            "status": status}
+
+
+def _md_table(rows: list[list], head: list[str]) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return out
+
+
+def write_markdown(run: dict, an: dict, sm: dict) -> str:
+    L = [f"# compute-sanitizer over every dispatch plan ({run['gpu']['name']})", "",
+         f"Written by `scripts/sanitize_all.py`. **{sm['status']}**.", ""]
+    env = [("commit", run["commit"]), ("date", run["date"]), ("GPU", f"{run['gpu']['name']}, sm_{run['gpu']['cc']}, "
+           f"{run['gpu']['sm_count']} SMs"), ("compute-sanitizer", run["sanitizer_version"]),
+           ("torch / CUDA", f"{run['gpu'].get('torch')} / {run['gpu'].get('driver')}"),
+           ("kernels", f"{run['warm'].get('kernels', 0)} warmed in {run['warm'].get('secs', 0):.0f} s "
+                       f"({'-lineinfo builds' if run['lineinfo'] else 'the normal builds'})"),
+           ("budget", f"{run['budget']} s for the sanitizer runs, {run['jobs']} at once; wall {run['wall']:.0f} s "
+                      f"(warm-up and dry run {run['prep_secs']:.0f} s)"),
+           ("command", f"`{run['command']}`")]
+    L += [f"- {k}: {v}" for k, v in env] + [""]
+    L += ["## Per tool and family", ""]
+    L += _md_table([[r["tool"], r["family"], f"{r['ran']}/{r['plans']}", r["failed"], r["not_run"], r["errors"],
+                     f"{r['hazards']}" + (f" ({r['async_proxy']} async-proxy)" if r["async_proxy"] else ""),
+                     r["secs"]] for r in sm["rows"]],
+                   ["tool", "family", "plans run", "wrong / failed", "not run", "errors", "hazards", "plan time (s)"])
+    L += [""]
+    tt = an["tool_totals"]
+    L += _md_table([[t, tt[t]["procs"], f"{tt[t]['secs']:.0f}", tt[t]["errors"] if t != "racecheck" else
+                     "%d hazards displayed (%d errors, %d warnings)" % tuple(tt[t]["race"]),
+                     f"{run['estimate']['per_tool_plan_s'].get(t, 0) + PROCESS_COST * tt[t]['procs']:.0f}"]
+                    for t in run["tools"]],
+                   ["tool", "processes", "process time (s)", "sanitizer summaries", "estimated (s)"])
+    L += ["", "Plan time is the worker's time a plan (CPU set-up, launches under the tool, copies back); process "
+          "time includes the start (torch import, CUDA init, module patching). Estimates come from "
+          "PLAN_COST / PROCESS_COST in the script.", ""]
+    L += ["## Findings", ""]
+    if not an["findings"]:
+        L += ["None: every sanitizer summary reads 0 errors.", ""]
+    ordered = sorted(an["findings"], key=lambda f: (not f.is_error, f.tool, f.kind, f.kernel or ""))
+    listed_races = [f for f in ordered if f.kind == "race" and not f.is_error]
+    compact = listed_races[5:]  # past five detailed examples, one table row a report
+    for f in ordered:
+        if f in compact:
+            continue
+        tag = "ERROR" if f.is_error else "listed"
+        L += [f"### {f.tool} {f.kind}: {f.title} [{tag}]", ""]
+        L += [f"- kernel: `{f.kernel or (f.accesses[0].func if f.accesses else '?')}`",
+              f"- families: {', '.join(f.families)}; batches: {', '.join(sorted(set(f.batches)))}",
+              f"- severity: {f.severity}; {'hazards' if f.kind == 'race' else 'occurrences'}: {f.count}"]
+        if f.cls:
+            L += [f"- class: **{f.cls}**" + {
+                "async-proxy": " (every access pair has a TMA / bulk-copy / wgmma side: the racecheck limitation "
+                               "of docs/w4a16.md; check the ordering mbarrier in the SASS below)",
+                "generic": " (a pair of ordinary shared-memory accesses: a real race candidate)",
+                "unclassified": " (no SASS for an access: cuobjdump / nvdisasm missing or the cubin not found)"}[f.cls]]
+        if f.thread:
+            L += [f"- {f.thread}"]
+        for acc in f.accesses:
+            L += [f"  - {acc.access} at `{acc.where()}`" + (f" [{acc.hazards} hazards]" if acc.hazards else "")
+                  + (f": `{acc.sass}`" if acc.sass else "")]
+        if f.plans:
+            L += [f"- plans ({len(f.plans)}): " + ", ".join(f"`{p}`" for p in f.plans[:8])
+                  + (" ..." if len(f.plans) > 8 else "")]
+        L += ["", "```", *f.raw.splitlines()[:12], "```", ""]
+    if compact:
+        L += [f"### {len(compact)} more racecheck reports of the async-proxy class", ""]
+        L += _md_table([[f"`{f.kernel or f.accesses[0].func}`", ", ".join(f.families), f.count,
+                         "; ".join(f"{a.access[0]} {a.where()} `{a.opcode}`" for a in f.accesses[:4])
+                         + (" ..." if len(f.accesses) > 4 else ""), len(f.plans)] for f in compact],
+                       ["kernel", "families", "hazards", "accesses (R/W, offset, line, opcode)", "plans"])
+        L += [""]
+    if sm["failures"] or sm["dry_fail"]:
+        L += ["## Wrong results and failed plans", ""]
+        L += [f"- dry run (no sanitizer): `{pid}`: {err}" for pid, err in sm["dry_fail"]]
+        L += [f"- {tool}: `{pid}`: {err}" for tool, pid, err in sm["failures"]]
+        L += [""]
+    if sm["bad_exit"] or sm["unexplained"] or run.get("warm_errors"):
+        L += ["## Tool and run problems", ""]
+        L += [f"- {t} batch {tag} exited {rc} (neither clean nor --error-exitcode): see its .out / .log"
+              for t, tag, rc in sm["bad_exit"]]
+        L += [f"- {t}: the ERROR SUMMARY lines count {n} errors, more than the reports parsed (print limit?)"
+              for t, n in sm["unexplained"]]
+        L += [f"- compile error: {n}: {e[:300]}" for n, e in run.get("warm_errors", [])]
+        L += [""]
+    notrun = [(b["tool"], len(b["not_run"]), b.get("skipped", False)) for b in run["batches"] if b.get("not_run")]
+    if notrun:
+        L += ["## Not run", ""]
+        L += [f"- {t}: {n} plans ({'never started: budget' if sk else 'cut at the budget or after an abort'})"
+              for t, n, sk in notrun] + [""]
+    cov = run["coverage"]
+    L += ["## Coverage", "",
+          f"{len(run['plans'])} plans run" + (f" (a selection of the {cov['all_plans']} the enumeration makes)"
+                                               if cov.get("all_plans", len(run["plans"])) != len(run["plans"]) else "")
+          + f"; kernel_specs(): {cov['specs']} dispatchable specs, {cov['covered']} run by a "
+          f"plan of the enumeration, {cov['excluded']} not (reasons in `--list -v`; by reason: "
+          + "; ".join(f"{n} x {r}" for r, n in cov["reasons"].items()) + ").", ""]
+    L += _md_table([[fam, *[cov["counts"].get(fam, {}).get(t, 0) for t in TOOLS]] for fam in FAMILIES],
+                   ["family", *TOOLS])
+    L += ["", "## How to read this", "",
+          "- A plan is one forced configuration (or the dispatcher's pick) on a small shape, run once under each "
+          "tool by `--worker` and checked against `tilefish.reference` on the CPU; a wrong result fails the plan.",
+          "- racecheck's async-proxy class: racecheck does not model TMA / bulk copies (UBLKCP, UTMALDG) or wgmma "
+          "operand reads, so a stage refill ordered after the consumers' reads by an mbarrier is reported. Such "
+          "reports are listed with the SASS of each access and are not errors; any other hazard is. "
+          "`--strict-racecheck` counts them all.",
+          "- initcheck runs without the caching allocator; unused-memory tracking is off (by design the workspace "
+          "is larger than a small plan uses).",
+          "- A 'Detected overflow of tracked cuda::barrier structures' warning means racecheck / synccheck tracked "
+          "fewer mbarriers than a kernel uses: rerun with `--sanitizer-arg=--num-cuda-barriers --sanitizer-arg=N`.",
+          f"- Raw logs: {run['logs']} (per batch: .plans, .log from the sanitizer, .out, .jsonl from the worker; "
+          "sass/excerpts.txt: the SASS around every flagged offset; sass/*.sass: whole listings of kernels with "
+          "reports that are not of the async-proxy class).", ""]
+    if run.get("dropped_options"):
+        L += [f"Options this compute-sanitizer does not list, left out: {', '.join(run['dropped_options'])}.", ""]
+    return "\n".join(L)
+
+
+def coverage_summary(plans: list[Plan], cov: Coverage) -> dict:
+    reasons: dict[str, int] = {}
+    for r in cov.excluded.values():
+        if r.startswith("format"):
+            short = ("W4A16 / NF4-matmul format variant not sampled (its configuration runs under other formats, "
+                     "the format on other configurations of the kernel; --exhaustive runs it)")
+        else:
+            short = r.split(":")[0]
+        reasons[short] = reasons.get(short, 0) + 1
+    counts: dict = {}
+    for p in plans:
+        for t in p.tools:
+            counts.setdefault(p.family, {}).setdefault(t, 0)
+            counts[p.family][t] += 1
+    return {"specs": len(cov.covered) + len(cov.excluded), "covered": len(cov.covered),
+            "excluded": len(cov.excluded), "reasons": reasons, "counts": counts}
+
+
+def finish(run: dict, logs: Path, md_paths: list[Path]) -> int:
+    an = analyse(run, logs)
+    sm = summarize(run, an)
+    md = write_markdown(run, an, sm)
+    for p in md_paths:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(md)
+        print(f"wrote {p}")
+    (logs / "run.json").write_text(json.dumps(run, indent=1, default=str))
+    print(f"{sm['status']}: {len(sm['errors'])} error finding(s), {len(sm['failures']) + len(sm['dry_fail'])} "
+          f"failed plan(s), {sm['not_run']} not run")
+    if sm["status"] == "FAIL":
+        return 1
+    if sm["status"] == "INCOMPLETE" and run.get("require_complete"):
+        return 2
+    return 0
+
+
+def select_plans(plans: list[Plan], args) -> list[Plan]:
+    fams = set(args.families.split(",")) if args.families else set(FAMILIES)
+    bad = fams - set(FAMILIES)
+    if bad:
+        raise SystemExit(f"unknown families {sorted(bad)}; one of {FAMILIES}")
+    rx = re.compile(args.match) if args.match else None
+    return [p for p in plans if p.family in fams and p.tier <= args.max_tier and (rx is None or rx.search(p.id))]
+
+
+def list_main(args) -> int:
+    plans = select_plans(enumerate_plans(args.sm_count, args.cc, args.exhaustive), args)
+    tools = [t for t in args.tools.split(",")]
+    cov = coverage(plans, cc=args.cc)
+    for p in plans:
+        print(f"{p.tier}  {','.join(t[:4] for t in TOOLS if t in p.tools):19s}  {p.id}" +
+              (f"    # {p.why}" if args.verbose else ""))
+    print()
+    print(f"{'family':12s} " + " ".join(f"{t:>9s}" for t in TOOLS) + "   plans")
+    for fam in FAMILIES:
+        sel = [p for p in plans if p.family == fam]
+        print(f"{fam:12s} " + " ".join(f"{sum(1 for p in sel if t in p.tools):9d}" for t in TOOLS) + f"   {len(sel)}")
+    print(f"{'total':12s} " + " ".join(f"{sum(1 for p in plans if t in p.tools):9d}" for t in TOOLS)
+          + f"   {len(plans)}")
+    est = estimate(plans, tools, args.jobs)
+    print("\nestimated sanitizer time (PLAN_COST / PROCESS_COST guesses): " + ", ".join(
+        f"{t} {s:.0f}s of plans" for t, s in est["per_tool_plan_s"].items())
+        + f"; {est['batches']} processes, {est['process_s']:.0f}s in all, ~{est['wall_s']:.0f}s wall at --jobs "
+          f"{args.jobs}; plus the warm-up compile and the dry run")
+    cs = coverage_summary(plans, cov)
+    print(f"\ncoverage of kernel_specs(): {cs['specs']} specs, {cs['covered']} run by a plan, {cs['excluded']} not:")
+    for r, n in cs["reasons"].items():
+        print(f"  {n:5d} x {r}")
+    if args.verbose:
+        for s, r in cov.excluded.items():
+            print(f"  not run: {s.name} {dict(s.defines) or ''}: {r}")
+    missing = {lb: sorted(set(tools) - tl) for lb, tl in cov.config_tools.items() if set(tools) - tl}
+    for lb, ts in sorted(missing.items()):
+        print(f"  W4A16 configuration {lb} not run under {ts}")
+    if cov.unreadable:
+        for fam, s, e in cov.unreadable:
+            print(f"  UNREADABLE spec ({fam}) {s.name}: {e}")
+        return 1
+    return 0
+
+
+def driver_main(args) -> int:
+    global T0
+    T0 = time.monotonic()
+    tools = [t for t in args.tools.split(",")]
+    for t in tools:
+        if t not in TOOLS:
+            raise SystemExit(f"unknown tool {t!r}; one of {TOOLS}")
+    san = find_sanitizer(args.sanitizer)
+    if san is None:
+        raise SystemExit("compute-sanitizer not found (PATH, $COMPUTE_SANITIZER, /usr/local/cuda/bin): "
+                         "--sanitizer PATH")
+    SUPPORTED.update(sanitizer_options(san))
+    gpu = device_query()
+    slug = args.gpu_slug or gpu_slug(gpu["name"])
+    out_env = os.environ.get("OUT")
+    logs = Path(args.logs) if args.logs else (Path(out_env) / "sanitizer_logs" if out_env else
+                                              Path(tempfile.mkdtemp(prefix="tf-sanitize-")))
+    logs.mkdir(parents=True, exist_ok=True)
+    md_paths = [Path(args.md) if args.md else REPO / "bench" / "results" / slug / "sanitizer.md"]
+    if out_env:
+        md_paths.append(Path(out_env) / "sanitizer.md")
+    lineinfo = not args.no_lineinfo
+    env_extra = {LINEINFO_ENV: "1" if lineinfo else "0"}
+    os.environ.update(env_extra)
+    universe = dispatch_universe()
+    every = enumerate_plans(gpu["sm_count"], gpu["cc"], args.exhaustive, universe)
+    plans = [p for p in select_plans(every, args) if set(tools) & p.tools]
+    cov = coverage(every, universe, gpu["cc"])  # of the whole plan set; the run may select part of it
+    arch = f"sm_{gpu['cc']}"
+    spec_of = {p.id: plan_specs(p) for p in plans}
+    specs = sorted({s for ss in spec_of.values() for s in ss}, key=lambda s: (s.source, s.name, s.defines))
+    from tilefish.ops.w4a16 import ONE_CTA_PER_SM_SMEM  # noqa: F401 - the cluster probe kernel is warmed below
+    from tilefish.runtime import KernelSpec
+
+    specs.append(KernelSpec("probes/cluster_capacity.cu", "tf_cluster_capacity", min_sm=90))
+    print(f"{len(plans)} plans, {len(specs)} kernels; compute-sanitizer {san}; logs {logs}", flush=True)
+    warm = warm_cache(specs, arch, lineinfo, args.compile_jobs or os.cpu_count() or 4)
+    print(f"[{time.monotonic() - T0:6.1f}s] warm-up: {warm['kernels']} kernels, {warm['compiled']} compiled, "
+          f"{len(warm['errors'])} errors", flush=True)
+    all_ids = logs / "all.plans"
+    all_ids.write_text("\n".join(p.id for p in plans) + "\n")
+    dry = logs / "dry_run.jsonl"
+    n_dry = max(1, min(4, args.jobs))
+    procs = []
+    for i in range(n_dry):  # a few processes at once; their results end up in one file
+        part = logs / f"dry_run{i}.plans"
+        part.write_text("\n".join(p.id for p in plans[i::n_dry]) + "\n")
+        for f in (logs / f"dry_run{i}.jsonl",):
+            if f.exists():
+                f.unlink()
+        fo = open(logs / f"dry_run{i}.out", "w")
+        procs.append((subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", "--plans",
+                                        f"@{part}", "--result", str(logs / f"dry_run{i}.jsonl")], stdout=fo,
+                                       stderr=subprocess.STDOUT, env=dict(os.environ), cwd=str(REPO)), fo))
+    rcs = []
+    for proc, fo in procs:
+        try:
+            rcs.append(proc.wait(timeout=900))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rcs.append(proc.wait())
+        fo.close()
+    dry.write_text("".join((logs / f"dry_run{i}.jsonl").read_text() for i in range(n_dry)
+                           if (logs / f"dry_run{i}.jsonl").is_file()))
+    dry_recs = [x for x in read_results(dry) if x.get("type") == "plan"]
+    print(f"[{time.monotonic() - T0:6.1f}s] dry run: rc {rcs}, {sum(x['ok'] for x in dry_recs)}/"
+          f"{len(dry_recs)} plans correct without a sanitizer", flush=True)
+    for x in dry_recs:  # the kernels each plan loaded (the dispatcher's picks among them)
+        known = {(s.name, s.defines) for s in spec_of.get(x["id"], [])}
+        for k in x.get("kernels", []):
+            ks = KernelSpec(k["source"], k["name"], tuple(tuple(d) for d in k["defines"]))
+            if (ks.name, ks.defines) not in known:
+                spec_of.setdefault(x["id"], []).append(ks)
+    prep = time.monotonic() - T0
+    batches = make_batches(plans, tools, args.jobs, spec_of)
+    t_end = time.monotonic() + args.budget
+    done = run_batches(batches, args, san, logs, env_extra, t_end)
+    run = {"gpu": gpu, "slug": slug, "commit": commit_id(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "sanitizer": san, "sanitizer_version": sanitizer_version(san), "tools": tools, "lineinfo": lineinfo,
+           "budget": args.budget, "jobs": args.jobs, "wall": time.monotonic() - T0, "prep_secs": prep,
+           "command": " ".join([Path(sys.executable).name, "scripts/sanitize_all.py", *sys.argv[1:]]),
+           "plans": [{"id": p.id, "family": p.family, "tools": sorted(p.tools), "tier": p.tier} for p in plans],
+           "plan_specs": {pid: [s.name for s in ss] for pid, ss in spec_of.items()},
+           "batches": done, "warm": {k: v for k, v in warm.items() if k != "errors"},
+           "warm_errors": warm["errors"], "estimate": estimate(plans, tools, args.jobs),
+           "coverage": {**coverage_summary(plans, cov), "all_plans": len(every)}, "logs": str(logs),
+           "strict_racecheck": args.strict_racecheck,
+           "dropped_options": sorted(DROPPED),
+           "require_complete": args.require_complete}
+    return finish(run, logs, md_paths)
+
+
+def parse_main(args) -> int:
+    logs = Path(args.parse)
+    run = json.loads((logs / "run.json").read_text())
+    run["strict_racecheck"] = args.strict_racecheck or run.get("strict_racecheck")
+    md = [Path(args.md) if args.md else REPO / "bench" / "results" / run["slug"] / "sanitizer.md"]
+    return finish(run, logs, md)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="scripts/sanitize_all.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--worker", action="store_true", help="run --plans once each (under a sanitizer)")
+    mode.add_argument("--list", action="store_true", help="print the plans, counts and coverage; no GPU")
+    mode.add_argument("--parse", metavar="LOGDIR", help="rewrite the summary from a finished run's logs")
+    p.add_argument("--plans", help="worker: plan ids, comma-separated, or @file (one a line)")
+    p.add_argument("--result", help="worker: append one JSON line a plan here (default stdout)")
+    p.add_argument("--cpu", action="store_true", help="worker: run the plans' CPU path (a plumbing check, no kernels)")
+    p.add_argument("--tools", default=",".join(TOOLS), help="comma-separated subset of " + ",".join(TOOLS))
+    p.add_argument("--families", help="comma-separated subset of " + ",".join(FAMILIES))
+    p.add_argument("--match", help="only plans whose id matches this regex")
+    p.add_argument("--max-tier", type=int, default=3, help="0: one plan a configuration; 1: + modes; 2: + extras")
+    p.add_argument("--exhaustive", action="store_true", help="also one memcheck plan for every W4A16 spec not sampled")
+    p.add_argument("--budget", type=float, default=240, help="seconds for the sanitizer runs (default 240)")
+    p.add_argument("--grace", type=float, default=20, help="seconds a running batch may overrun the budget")
+    p.add_argument("--jobs", type=int, default=8, help="sanitizer processes at once (default 8)")
+    p.add_argument("--compile-jobs", type=int, default=0, help="warm-up compile processes (default: CPUs)")
+    p.add_argument("--sanitizer", help="compute-sanitizer binary (default: PATH, $COMPUTE_SANITIZER, CUDA dirs)")
+    p.add_argument("--sanitizer-arg", action="append", help="an extra compute-sanitizer argument (repeatable)")
+    p.add_argument("--no-kernel-filter", action="store_true", help="check torch's kernels too")
+    p.add_argument("--no-port", action="store_true", help="let compute-sanitizer pick its ports")
+    p.add_argument("--no-lineinfo", action="store_true", help="sanitize the normal builds (no file:line)")
+    p.add_argument("--strict-racecheck", action="store_true", help="async-proxy class hazards are errors too")
+    p.add_argument("--require-complete", action="store_true", help="exit 2 when the budget cut plans")
+    p.add_argument("--logs", help="raw log directory (default $OUT/sanitizer_logs, else a temp dir)")
+    p.add_argument("--md", help="summary path (default bench/results/<gpu>/sanitizer.md)")
+    p.add_argument("--gpu-slug", help="results directory name (default from the GPU name: h100, h200)")
+    p.add_argument("--sm-count", type=int, default=132, help="--list: the GPU's SM count")
+    p.add_argument("--cc", type=int, default=90, help="--list: the GPU's compute capability")
+    p.add_argument("-v", "--verbose", action="store_true")
+    args = p.parse_args(argv)
+    if args.worker and not args.plans:
+        p.error("--worker needs --plans")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(args)
+    if args.list:
+        return list_main(args)
+    if args.parse:
+        return parse_main(args)
+    return driver_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

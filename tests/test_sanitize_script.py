@@ -1,0 +1,340 @@
+"""scripts/sanitize_all.py on the CPU: the plan enumeration covers every dispatchable kernel (or says why not),
+plan ids and the worker's arguments round-trip, and the log parser / summary writer read canned
+compute-sanitizer output (a clean run, memcheck errors, racecheck hazards of both classes)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "sanitize_all.py"
+
+
+@pytest.fixture(scope="module")
+def san():
+    spec = importlib.util.spec_from_file_location("sanitize_all", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["sanitize_all"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def universe(san):
+    return san.dispatch_universe()
+
+
+@pytest.fixture(scope="module")
+def plans(san, universe):
+    return san.enumerate_plans(132, 90, universe=universe)
+
+
+def test_every_dispatch_spec_reads_back(universe):
+    bad = [(fam, spec.name, fmt.get("error")) for fam, spec, _, cfg, fmt in universe if cfg is None and "error" in fmt]
+    assert not bad, f"kernel_specs() entries spec_config cannot read back: {bad[:5]}"
+
+
+def test_coverage_of_kernel_specs(san, plans, universe):
+    from tilefish.ops import kernel_specs
+
+    cov = san.coverage(plans, universe, 90)
+    all_specs = {s for _, s in kernel_specs()}
+    assert set(cov.covered) | set(cov.excluded) == all_specs
+    assert not set(cov.covered) & set(cov.excluded)
+    assert all(cov.excluded[s] for s in cov.excluded), "every spec not run has a reason"
+    assert not any(r.startswith(("UNREAD", "no plan")) for r in cov.excluded.values())
+    # NF4 dequantize, SGEMM and HGEMM: every dispatched spec runs
+    by_family = {}
+    for fam, s in kernel_specs():
+        by_family.setdefault(fam, set()).add(s)
+    for fam in ("nf4", "sgemm", "hgemm"):
+        assert by_family[fam] <= set(cov.covered), fam
+    # W4A16: every configuration (mma.sync, wgmma tile / stream-K, skinny register / staged) under every tool
+    assert cov.config_tools and all(tools == set(san.TOOLS) for tools in cov.config_tools.values()), \
+        {lb: t for lb, t in cov.config_tools.items() if t != set(san.TOOLS)}
+    # ... and every format (22: dtype x group x zero points, nf4 dtype x group) of each kernel under every tool
+    sources = {src for src, _ in cov.format_tools}
+    assert sources == {"w4a16/gemm.cu", "w4a16/wgmma.cu", "w4a16/skinny.cu"}
+    for src in sources:
+        for fmt in san.format_cycle():
+            assert cov.format_tools.get((src, san._fmt_key(fmt))) == set(san.TOOLS), (src, fmt)
+
+
+def test_plans_exercise_the_modes(san, plans):
+    ids = [p.id for p in plans]
+    w4 = [p.args for p in plans if p.family in ("w4a16", "nf4-matmul")]
+    assert any(a.get("dsmem") == "1" and int(a.get("sl", 1)) > 1 for a in w4), "DSMEM cluster splits"
+    assert any(a.get("dsmem") == "0" and int(a.get("sl", 1)) > 1 for a in w4), "workspace splits"
+    assert any("streamk" in a["cfg"] and a.get("ct") == "7" for a in w4), "stream-K grids that cut tiles"
+    assert any(a["cfg"].endswith("-st") for a in w4) and any(a["cfg"].startswith("skinny") and
+                                                             not a["cfg"].endswith("-st") for a in w4)
+    assert any(a["cfg"] == "auto" and a["cb"] == "nf4" for a in w4) and any(a["cfg"] == "auto" and a["cb"] == "int4"
+                                                                           for a in w4)
+    assert any(a.get("tail") for a in w4), "the separate tail launch"
+    assert any(a["perm"] == "1" for a in w4) and any(a["bias"] == "1" for a in w4)
+    assert {a["g"] for a in w4} == {"-1", "32", "64", "128"} and {a["zp"] for a in w4} == {"0", "1"}
+    assert any(int(a["k"]) % 128 == 64 for a in w4), "the half last k tile / stage"
+    assert len(ids) == len(set(ids))
+    fams = {p.family for p in plans}
+    assert fams == set(san.FAMILIES)
+    assert all(p.tools for p in plans) and all(p.why for p in plans)
+    # racecheck runs a smaller set than memcheck, and every hgemm configuration once
+    race = [p for p in plans if "racecheck" in p.tools]
+    assert 0 < len(race) < len([p for p in plans if "memcheck" in p.tools])
+    assert len({p.args["cfg"] for p in race if p.family == "hgemm"}) == \
+        len({p.args["cfg"] for p in plans if p.family == "hgemm"})
+
+
+def test_plan_ids_round_trip(san, plans):
+    for p in plans:
+        fam, kw = san.parse_plan_id(p.id)
+        assert fam == p.family and kw == p.args
+        assert "," not in p.id
+    with pytest.raises(ValueError):
+        san.parse_plan_id("nope:cfg=x")
+    with pytest.raises(ValueError):
+        san.make_plan("sgemm", cfg="a:b")
+
+
+def test_exhaustive_runs_every_spec(san, universe):
+    from tilefish.ops import kernel_specs
+
+    plans = san.enumerate_plans(132, 90, exhaustive=True, universe=universe)
+    cov = san.coverage(plans, universe, 90)
+    assert not cov.excluded and set(cov.covered) == {s for _, s in kernel_specs()}
+
+
+def test_non_hopper_gpu_leaves_out_sm90_kernels(san, universe):
+    plans = san.enumerate_plans(108, 80, universe=universe)
+    cov = san.coverage(plans, universe, 80)
+    assert not any("wg-" in p.id or "skinny" in p.id or "07_wgmma" in p.id for p in plans)
+    assert any(r.startswith("needs sm_90") for r in cov.excluded.values())
+    assert {lb for lb in cov.config_tools} and all(not lb.startswith(("wg-", "skinny")) for lb in cov.config_tools)
+
+
+def test_worker_arguments(san, tmp_path):
+    a = san.parse_args(["--worker", "--plans", "sgemm:cfg=01_naive.32:m=35:n=35:k=37:beta=1,hgemm:cfg=x", "--result",
+                        str(tmp_path / "r.jsonl")])
+    assert a.worker and san.read_plan_list(a.plans) == ["sgemm:cfg=01_naive.32:m=35:n=35:k=37:beta=1", "hgemm:cfg=x"]
+    f = tmp_path / "p.txt"
+    f.write_text("# batch\nnf4-dequant:dt=bf16:dq=1:rows=67:cols=1030:bs=64\n\nsgemm:cfg=01_naive.32:m=3:n=3:k=3\n")
+    assert san.read_plan_list(f"@{f}") == ["nf4-dequant:dt=bf16:dq=1:rows=67:cols=1030:bs=64",
+                                           "sgemm:cfg=01_naive.32:m=3:n=3:k=3"]
+    with pytest.raises(SystemExit):
+        san.parse_args(["--worker"])
+    d = san.parse_args([])
+    assert d.budget == 240 and d.tools.split(",") == list(san.TOOLS) and not d.worker
+
+
+def test_worker_cpu_path_writes_records(san, plans, tmp_path):
+    """--worker --cpu runs the plans' CPU path (the plumbing: weights, reference, checks, the JSON records)."""
+    pick = []
+    for fam in san.FAMILIES:
+        pick += [p.id for p in plans if p.family == fam][:2]
+    out = tmp_path / "r.jsonl"
+    assert san.main(["--worker", "--cpu", "--plans", ",".join(pick), "--result", str(out)]) == 0
+    recs = [json.loads(ln) for ln in out.read_text().splitlines()]
+    done = [r for r in recs if r["type"] == "plan"]
+    assert [r["id"] for r in done] == pick and all(r["ok"] for r in done), [r["error"] for r in done]
+    assert recs[-1]["type"] == "done"
+
+
+KERNEL = "_Z11w4a16_wgmmaI6__halfLi64ELi4ELi2ELi6ELi128ELb1ELb0EEvPKiPKT_S6_S6_PS4_PfPiiiiiii"
+CLEAN = """========= COMPUTE-SANITIZER
+========= ERROR SUMMARY: 0 errors
+"""
+RACE = f"""========= COMPUTE-SANITIZER
+========= Error: Race reported between Write access at {KERNEL}+0x7420 in wgmma.cu:301
+=========     and Read access at {KERNEL}+0x1300 in wgmma.cu:512 [64 hazards]
+=========     and Read access at {KERNEL}+0x1310 in wgmma.cu:513 [32 hazards]
+=========
+========= Error: Race reported between Write access at
+=========     {KERNEL}+0x2000 in wgmma.cu:600
+=========     and Read access at
+=========     {KERNEL}+0x2100 in wgmma.cu:610
+=========     [4 hazards]
+=========
+========= RACECHECK SUMMARY: 2 hazards displayed (2 errors, 0 warnings)
+"""
+OLD_RACE = """========= WARN: Race reported between Read access at 0x00000170 in ./race.cu:4:test(int*, int*)
+=========     and Write access at 0x00000148 in ./race.cu:3:test(int*, int*) [4 hazards]
+=========
+"""
+MEMCHECK = f"""========= COMPUTE-SANITIZER
+========= Invalid __global__ read of size 16 bytes
+=========     at {KERNEL}+0x1a30 in wgmma.cu:212
+=========     by thread (37,0,0) in block (1,0,2)
+=========     Address 0x7f3a5c000400 is out of bounds
+=========     and is 1 bytes after the nearest allocation at 0x7f3a5c000000 of size 1023 bytes
+=========     Saved host backtrace up to driver entry point at kernel launch time
+=========         Host Frame: [0x2dfbef] in libcuda.so.1
+=========
+========= Warning: Detected overflow of tracked cuda::barrier structures. Results might be incorrect.
+=========
+========= ERROR SUMMARY: 1 error
+"""
+SASS = f"""
+        Function : {KERNEL}
+        /*1300*/                   LDS.128 R4, [R2] ;
+        /*1310*/              @!P0 LDS.128 R8, [R2+0x10] ;
+        /*2000*/                   STS.128 [R3], R4 ;
+        /*2100*/                   LDS R9, [R3] ;
+        /*7420*/                   UBLKCP.S.G [UR8], [UR6], UR4 ;
+"""
+
+
+def test_parse_clean_log(san):
+    r = san.parse_sanitizer_log(CLEAN, "memcheck")
+    assert r["findings"] == [] and r["errors"] == 0 and r["header"]
+
+
+def test_parse_racecheck_hazards_and_classify(san):
+    r = san.parse_sanitizer_log(RACE, "racecheck")
+    assert r["race"] == (2, 2, 0)
+    first, second = r["findings"]
+    assert first.kind == "race" and first.severity == "error" and first.count == 96
+    assert [(a.access, a.pc, a.file, a.line, a.hazards) for a in first.accesses] == \
+        [("Write", 0x7420, "wgmma.cu", 301, 0), ("Read", 0x1300, "wgmma.cu", 512, 64),
+         ("Read", 0x1310, "wgmma.cu", 513, 32)]
+    assert all(a.func == KERNEL for a in first.accesses)
+    assert [(a.pc, a.line) for a in second.accesses] == [(0x2000, 600), (0x2100, 610)]  # wrapped lines
+    sass = san.parse_sass(SASS)
+    san.classify_race(first, sass)
+    san.classify_race(second, sass)
+    assert first.cls == "async-proxy" and first.accesses[0].opcode == "UBLKCP.S.G"
+    assert first.accesses[2].sass == "@!P0 LDS.128 R8, [R2+0x10]"
+    assert second.cls == "generic" and second.is_error
+    assert not first.is_error  # listed, not an error (unless --strict-racecheck)
+    third = san.parse_sanitizer_log(OLD_RACE, "racecheck")["findings"][0]
+    assert third.severity == "warning" and [(a.access, a.pc, a.line, a.func) for a in third.accesses] == \
+        [("Read", 0x170, 4, "test(int*, int*)"), ("Write", 0x148, 3, "test(int*, int*)")]
+    san.classify_race(third, None)
+    assert third.cls == "unclassified" and third.is_error
+
+
+def test_parse_memcheck_errors(san):
+    r = san.parse_sanitizer_log(MEMCHECK, "memcheck")
+    assert r["errors"] == 1
+    mem, warn = r["findings"]
+    assert mem.kind == "memory" and mem.is_error and mem.thread == "thread (37,0,0) block (1,0,2)"
+    assert (mem.accesses[0].pc, mem.accesses[0].file, mem.accesses[0].line) == (0x1a30, "wgmma.cu", 212)
+    assert warn.kind == "warning" and not warn.is_error
+
+
+def _fake_run(san, tmp_path, logs_text: dict, results: dict, tools):
+    """A finished run as driver_main records it: batches with their sanitizer logs and worker records."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    plans = [{"id": "w4a16:cfg=wg-m64n256c2s6:dt=fp16:g=128:zp=1:cb=int4:m=5:n=256:k=640:sl=1", "family": "w4a16",
+              "tools": list(tools), "tier": 0},
+             {"id": "sgemm:cfg=01_naive.32:m=35:n=35:k=37:beta=1", "family": "sgemm", "tools": list(tools), "tier": 0}]
+    kern = {"name": "w4a16_wgmma<__half, 64, 4, 2, 6, 128, true, false>", "source": "w4a16/wgmma.cu",
+            "defines": [], "lowered": KERNEL, "arch": "sm_90", "cubin": str(tmp_path / "k.cubin")}
+    batches = []
+    for i, tool in enumerate(tools):
+        tag = f"b{i:03d}-{tool}"
+        (logs / f"{tag}.log").write_text(logs_text[tool])
+        recs = [{"type": "plan", "id": p["id"], "family": p["family"], "ok": results.get((tool, p["id"]), True),
+                 "error": None if results.get((tool, p["id"]), True) else "AssertionError: relative error 0.5",
+                 "secs": 1.5, "kernels": [kern] if p["family"] == "w4a16" else [], "compiled": []} for p in plans]
+        (logs / f"{tag}.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+        batches.append({"tag": tag, "tool": tool, "tier": 0, "plans": [p["id"] for p in plans], "rc": 0,
+                        "killed": False, "secs": 20.0, "log": f"{tag}.log", "out": f"{tag}.out",
+                        "result": f"{tag}.jsonl",
+                        "not_run": []})
+    (logs / "dry_run.jsonl").write_text("")
+    run = {"gpu": {"name": "NVIDIA H100 80GB HBM3", "cc": 90, "sm_count": 132, "torch": "2.x", "driver": "13.0"},
+           "slug": "h100", "commit": "abc1234", "date": "2026-01-01 00:00 UTC", "sanitizer": None,
+           "sanitizer_version": "Version 2025.3.0", "tools": list(tools), "lineinfo": True, "budget": 240, "jobs": 8,
+           "wall": 300.0, "prep_secs": 60.0, "command": "python3 scripts/sanitize_all.py", "plans": plans,
+           "plan_specs": {plans[0]["id"]: [kern["name"]]}, "batches": batches, "warm": {"kernels": 2, "secs": 5.0},
+           "warm_errors": [], "estimate": {"per_tool_plan_s": {t: 10.0 for t in tools}},
+           "coverage": {"specs": 3, "covered": 2, "excluded": 1, "reasons": {"a reason": 1},
+                        "counts": {"w4a16": {t: 1 for t in tools}}},
+           "logs": str(logs), "strict_racecheck": False, "require_complete": False}
+    return run, logs
+
+
+def test_summary_of_a_clean_run(san, tmp_path):
+    tools = ("memcheck", "racecheck")
+    run, logs = _fake_run(san, tmp_path, {"memcheck": CLEAN, "racecheck": CLEAN.replace(
+        "ERROR SUMMARY: 0 errors", "RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)")}, {}, tools)
+    md_path = tmp_path / "bench" / "results" / "h100" / "sanitizer.md"
+    assert san.finish(run, logs, [md_path]) == 0
+    md = md_path.read_text()
+    assert "**PASS**" in md and "abc1234" in md and "Version 2025.3.0" in md
+    assert "| memcheck | w4a16 | 1/1 | 0 | 0 | 0 | 0 | 1.5 |" in md
+    assert "None: every sanitizer summary reads 0 errors." in md
+    assert (logs / "run.json").is_file()
+
+
+def test_summary_reports_findings_and_fails(san, tmp_path, monkeypatch):
+    tools = ("memcheck", "racecheck")
+    sgemm_id = "sgemm:cfg=01_naive.32:m=35:n=35:k=37:beta=1"
+    run, logs = _fake_run(san, tmp_path, {"memcheck": MEMCHECK, "racecheck": RACE}, {("memcheck", sgemm_id): False},
+                          tools)
+    (tmp_path / "k.cubin").write_bytes(b"\0")
+    monkeypatch.setattr(san, "dump_sass", lambda cubin, a, b: SASS)
+    md_path = tmp_path / "sanitizer.md"
+    assert san.finish(run, logs, [md_path]) == 1
+    md = md_path.read_text()
+    assert "**FAIL**" in md
+    assert "### memcheck memory: Invalid __global__ read of size 16 bytes [ERROR]" in md
+    assert "w4a16_wgmma<__half, 64, 4, 2, 6, 128, true, false>" in md
+    assert "class: **async-proxy**" in md and "class: **generic**" in md
+    assert "`+0x7420 wgmma.cu:301`" in md and "UBLKCP.S.G [UR8], [UR6], UR4" in md
+    assert f"memcheck: `{sgemm_id}`: AssertionError: relative error 0.5" in md
+    assert "| racecheck | w4a16 | 1/1 | 0 | 0 | 1 | 100 (96 async-proxy) | 1.5 |" in md
+    assert (logs / "sass").is_dir()
+
+
+def test_gpu_slug(san):
+    assert san.gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
+    assert san.gpu_slug("NVIDIA H200") == "h200"
+    assert san.gpu_slug("NVIDIA A100-SXM4-80GB") == "a100"
+
+
+FAKE_SANITIZER = '''#!{python}
+"""A stand-in for compute-sanitizer: lists options, prints a version, runs the application, writes a clean log."""
+import subprocess, sys
+argv = sys.argv[1:]
+if "--help" in argv:
+    print("--tool --error-exitcode --log-file --port --show-backtrace --demangle --print-limit --report-api-errors "
+          "--destroy-on-device-error --racecheck-report --kernel-name")
+    sys.exit(0)
+if "--version" in argv:
+    print("NVIDIA (R) Compute Sanitizer\\nVersion 2099.1.0.0 (fake)")
+    sys.exit(0)
+log, tool = argv[argv.index("--log-file") + 1], argv[argv.index("--tool") + 1]
+app = argv.index({python!r})
+rc = subprocess.run(argv[app:]).returncode
+with open(log, "w") as f:
+    f.write("========= COMPUTE-SANITIZER\\n========= ERROR SUMMARY: 0 errors\\n")
+sys.exit(rc)
+'''
+
+
+def test_driver_end_to_end_with_a_stand_in_sanitizer(san, tmp_path, monkeypatch):
+    """The driver's whole path without a GPU: warm-up compile (NVRTC), the dry run, a batch under a fake
+    compute-sanitizer (the worker runs the CPU path), the summary."""
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text(FAKE_SANITIZER.format(python=sys.executable))
+    fake.chmod(0o755)
+    monkeypatch.setenv("TILEFISH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv(san.FAKE_DEVICE_ENV, json.dumps({"name": "NVIDIA H100 80GB HBM3", "cc": 90, "sm_count": 132}))
+    monkeypatch.delenv("OUT", raising=False)
+    md = tmp_path / "sanitizer.md"
+    rc = san.main(["--sanitizer", str(fake), "--match", r"^sgemm:cfg=01_naive|^nf4-dequant:dt=bf16:dq=1",
+                   "--tools", "memcheck", "--budget", "120", "--jobs", "1", "--compile-jobs", "1",
+                   "--logs", str(tmp_path / "logs"), "--md", str(md)])
+    text = md.read_text()
+    assert rc == 0, text
+    assert "**PASS**" in text and "Version 2099.1.0.0 (fake)" in text
+    assert "| memcheck | sgemm | 1/1 | 0 | 0 | 0 | 0 |" in text and "| memcheck | nf4-dequant | 1/1 |" in text
+    run = json.loads((tmp_path / "logs" / "run.json").read_text())
+    assert run["warm"]["kernels"] >= 2 and [b["rc"] for b in run["batches"]] == [0]
+    cmd = run["batches"][0]["cmd"]
+    assert "--report-api-errors no" in cmd and "--kernel-name kns=sgemm_" in cmd and "--tool memcheck" in cmd
