@@ -1008,6 +1008,7 @@ def parse_sanitizer_log(text: str, tool: str) -> dict:
 
 # Instructions that access shared memory through the async proxy (TMA, bulk copies, wgmma operand reads):
 # racecheck does not order them by the mbarriers / proxy fences the kernels use.
+ASYNC_PROXY_FUNCS = re.compile(r"_ZN2tf\d+(bulk_load|tma_load\w*)E")
 ASYNC_PROXY_OPS = ("UBLKCP", "UTMALDG", "UTMASTG", "UBLKRED", "UTMAREDG", "UBLKPF", "UTMAPF", "HGMMA", "IGMMA",
                    "QGMMA", "BGMMA")  # (mbarrier operations, SYNCS, are not: a race on one is a generic report)
 _SASS_LINE = re.compile(r"/\*([0-9a-fA-F]{4,})\*/\s+(.*?)\s*;")
@@ -1069,18 +1070,25 @@ def classify_race(f: Finding, sass: dict[str, dict[int, str]] | None) -> None:
     """Look up every access's instruction; the report is "async-proxy" when each (first access, other access)
     pair has an async-proxy instruction on one side, "generic" when some pair has none, "unclassified" without
     SASS."""
-    if not sass:
-        f.cls = "unclassified"
-        return
     for acc in f.accesses:
-        table = sass.get(acc.func) or (next(iter(sass.values())) if len(sass) == 1 else None)
+        table = (sass or {}).get(acc.func) or (next(iter(sass.values())) if sass and len(sass) == 1 else None)
         if table is not None and acc.pc is not None and acc.pc in table:
             acc.sass = table[acc.pc]
             acc.opcode = opcode(acc.sass)
+        elif acc.opcode is None and ASYNC_PROXY_FUNCS.match(acc.func or ""):
+            # the access sits in a wrapper that is one async-proxy instruction (kernels/common/hopper.cuh:
+            # bulk_load is cp.async.bulk, UBLKCP; tma_load_* are cp.async.bulk.tensor, UTMALDG): its
+            # symbol names the instruction where the kernel's SASS could not be matched (a lambda's frame)
+            acc.opcode = "UBLKCP" if "bulk" in acc.func else "UTMALDG"
+            acc.sass = f"{acc.opcode} (by its function, {acc.func})"
+    is_async = [acc.opcode is not None and acc.opcode.split(".")[0] in ASYNC_PROXY_OPS for acc in f.accesses]
+    first, rest = is_async[0], is_async[1:] or [False]
+    if all(first or r for r in rest):
+        f.cls = "async-proxy"
+        return
     if any(acc.opcode is None for acc in f.accesses):
         f.cls = "unclassified"
         return
-    is_async = [acc.opcode.split(".")[0] in ASYNC_PROXY_OPS for acc in f.accesses]
     first, rest = is_async[0], is_async[1:] or [False]
     f.cls = "async-proxy" if all(first or r for r in rest) else "generic"
 

@@ -338,3 +338,19 @@ def test_driver_end_to_end_with_a_stand_in_sanitizer(san, tmp_path, monkeypatch)
     assert run["warm"]["kernels"] >= 2 and [b["rc"] for b in run["batches"]] == [0]
     cmd = run["batches"][0]["cmd"]
     assert "--report-api-errors no" in cmd and "--kernel-name kns=sgemm_" in cmd and "--tool memcheck" in cmd
+
+
+def test_a_bulk_copy_side_is_async_proxy_even_without_the_kernels_sass(san):
+    """A race whose write sits in tf::bulk_load (cp.async.bulk: UBLKCP) is the async-proxy class even
+    when the reading kernel's SASS cannot be matched (a lambda's frame, as on the H100 run); a race with
+    no such side and no SASS stays unclassified."""
+    lam = "_ZZ12w4a16_skinnyI6__halfLi8EEvvENKUliE0_clEi"
+    f = san.Finding("racecheck", "race", "error", "race between read and write",
+                    [san.Access("Read", lam, 0xf20, "skinny.cu", 409),
+                     san.Access("Write", "_ZN2tf9bulk_loadEPvPKvjPy", 0x6e20, "hopper.cuh", 86)])
+    san.classify_race(f, None)
+    assert f.cls == "async-proxy" and not f.is_error
+    g = san.Finding("racecheck", "race", "error", "race between read and write",
+                    [san.Access("Read", lam, 0xf20, "skinny.cu", 409), san.Access("Write", lam, 0xf80, "skinny.cu", 420)])
+    san.classify_race(g, None)
+    assert g.cls == "unclassified" and g.is_error

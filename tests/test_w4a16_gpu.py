@@ -176,10 +176,15 @@ def test_hopper_long_k_ring_wrap_and_big_m():
 
 
 @hopper
-def test_hopper_config_rejects_untileable_n():
+def test_hopper_config_wider_than_n_runs_a_ragged_tile():
+    """A 256-column configuration forced on n = 192 (one ragged tile of three strips): correct; the
+    n % 64 rule itself is the layout's (check_shape)."""
     q, p = _case(256, 192, 128, True, torch.float16)
-    with pytest.raises(ValueError, match="n % 256"):
-        ops.matmul_impl(torch.randn(40, 256, device="cuda", dtype=torch.float16), p, cfg=ops.HopperConfig(32, 4, 1, 6))
+    x = torch.randn(40, 256, device="cuda", dtype=torch.float16)
+    out = ops.matmul_impl(x, p, cfg=ops.HopperConfig(32, 4, 1, 6))
+    assert rel_err(out, ref_matmul(x, q)) < TOLERANCE[torch.float16]
+    with pytest.raises(ValueError, match="multiple of 64"):
+        ops.check_shape(160, 256, 128)
 
 
 @hopper

@@ -514,11 +514,13 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
         named_barrier_sync(1, CT);  // every consumer warp is done with the staging area (pipeline / last tile)
         {
             float sc[NT][2], bi[NT][2];
+            // a ragged tile's missing strips read the last valid strip's columns (never stored)
+            const int strip_col = min(n0 + strip * 64, n - 64);
 #pragma unroll
             for (int jj = 0; jj < NT; ++jj)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const int col = min(n0 + strip * 64 + 16 * (word0 + jj) + 8 * h + g, n - 1);  // ragged tile
+                    const int col = strip_col + 16 * (word0 + jj) + 8 * h + g;
                     sc[jj][h] = 1.f;
                     bi[jj][h] = 0.f;
                     if constexpr (GROUP == 0) sc[jj][h] = to_float(scales[col]);
