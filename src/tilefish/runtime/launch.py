@@ -17,7 +17,8 @@ i32, i64, u32, f32 = np.int32, np.int64, np.uint32, np.float32  # typed scalar k
 _lock = threading.Lock()
 _loaded: dict[tuple[KernelSpec, int], "LoadedKernel"] = {}
 _streams: dict[int, object] = {}
-_contexts_ready: set[int] = set()
+# A CUDA context is current per thread: each thread makes the device's primary context current once.
+_thread_state = threading.local()
 _configs: dict[tuple, object] = {}
 _launch_fn = None
 
@@ -79,13 +80,19 @@ class LoadedKernel:
 
 
 def _ensure_context(index: int) -> None:
-    if index in _contexts_ready:
+    """Make device `index`'s primary context (the one torch uses) current in this thread. Per thread:
+    a new thread starts with no current context, and torch may serve it from its caches without a
+    runtime call that would set one (a TMA descriptor then failed in a worker thread)."""
+    ready = getattr(_thread_state, "devices", None)
+    if ready is None:
+        ready = _thread_state.devices = set()
+    if index in ready:
         return
     from cuda.core import Device
 
     torch.cuda.init()
-    Device(index).set_current()  # the primary context, the same one torch uses
-    _contexts_ready.add(index)
+    Device(index).set_current()
+    ready.add(index)
 
 
 def get_kernel(spec: KernelSpec, device: torch.device | int | None = None) -> LoadedKernel:
