@@ -15,11 +15,19 @@ SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "sanitize_all.py"
 
 @pytest.fixture(scope="module")
 def san():
+    """The script as a module. Its worker patches the compiler for -lineinfo builds (own cache keys):
+    the patch is undone after this module's tests, so later tests see the library's cache keys."""
+    from tilefish.runtime import compiler
+
+    saved = {name: compiler.__dict__[name] for name in ("_options", "cache_key") if name in compiler.__dict__}
     spec = importlib.util.spec_from_file_location("sanitize_all", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["sanitize_all"] = mod
     spec.loader.exec_module(mod)
-    return mod
+    yield mod
+    compiler.__dict__.update(saved)
+    compiler.__dict__.pop("_tfsan_lineinfo", None)
+    sys.modules.pop("sanitize_all", None)
 
 
 @pytest.fixture(scope="module")
