@@ -220,3 +220,17 @@ def test_nearby_weights_predict_held_out_weights_at_small_m():
                     model_loss.append(b)
         assert len(table_loss) >= 120, m
         assert _geomean(table_loss) < 1.06 and _geomean(table_loss) <= _geomean(model_loss), m
+
+
+@pytest.mark.parametrize("argv", [["--groups", "100"], ["--groups", "x"], ["--groups", "-1", "--codebook", "nf4"],
+                                  ["--dtypes", "fp32"]])
+def test_tune_rejects_bad_flags_before_any_gpu_work(argv, capsys):
+    from tilefish.cli import main
+
+    try:
+        rc = main(["tune", *argv])
+    except SystemExit as e:  # argparse's own refusal (exit 2, its message on stderr)
+        rc = e.code
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "groups" in err or "dtypes" in err or "expected" in err

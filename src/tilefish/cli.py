@@ -223,9 +223,26 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _tune_groups(args) -> tuple[int, ...] | None:
+    """tune --groups as ints, or None after a one-line error naming the allowed sizes."""
+    try:
+        groups = tuple(int(g) for g in args.groups.split(",") if g.strip())
+    except ValueError:
+        groups = ()
+    allowed = (-1, 32, 64, 128) if args.codebook == "int4" else (32, 64, 128)
+    if not groups or any(g not in allowed for g in groups):
+        print(f"tilefish tune: --groups takes comma-separated group sizes from {allowed}; got {args.groups!r}",
+              file=sys.stderr)
+        return None
+    return groups
+
+
 def cmd_tune(args) -> int:
     import torch
 
+    groups = _tune_groups(args)
+    if groups is None:
+        return 2
     if not torch.cuda.is_available():
         print("tilefish tune measures kernels on a CUDA GPU; none is visible", file=sys.stderr)
         return 2
@@ -234,7 +251,6 @@ def cmd_tune(args) -> int:
     if args.models == "list":
         print("--models list: see `tilefish bench w4a16 --list-models`", file=sys.stderr)
         return 2
-    groups = tuple(int(g) for g in args.groups.split(","))
     ms = tuple(int(v) for v in args.m.split(",")) if args.m else DEFAULT_TUNE_M
     tune(shapes=args.shapes, models=args.models, ms=ms, dtypes=tuple(args.dtypes.split(",")), groups=groups,
          codebook=args.codebook, out=args.out, cublas=args.cublas, progress=lambda s: print(s, flush=True))

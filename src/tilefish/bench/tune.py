@@ -191,39 +191,16 @@ def _write(path: Path, info, key: str, entries: list[dict]) -> dict:
 
 
 def _warm(kn, ms, dtypes, groups, codebook, info, clusters) -> str:
-    """Compile every candidate's kernel first, in parallel processes (bench.nf4's warm-up code), so
-    the cases do not compile them one at a time."""
-    import os
-    import pickle
-    import subprocess
-    import sys
-
+    """Compile every candidate's kernel first, in parallel processes (progress.warm_kernels), so the
+    cases do not compile them one at a time."""
     from ..ops.w4a16 import kernel_spec
-    from ..runtime.compiler import _cache_enabled, _load_cached, cache_key
-    from .nf4 import _WARM_CODE
+    from .progress import warm_kernels
     from .w4a16 import DTYPES
 
-    if not _cache_enabled():
-        return "kernel cache disabled: candidates compile on first use"
-    t0 = time.perf_counter()
-    specs = {}
-    for dname in dtypes:
-        for k, n in kn:
-            for g in groups:
-                if g > 0 and k % g:
-                    continue
-                for m in ms:
-                    for p in tune_candidates(m, n, k, info.sm_count, info.cc, g, clusters, DTYPES[dname], codebook):
-                        specs[kernel_spec(DTYPES[dname], p.cfg, g, False, codebook)] = None
-    todo = [s for s in specs if _load_cached(s, info.arch, cache_key(s, info.arch)) is None]
-    if not todo:
-        return f"kernel cache: all {len(specs)} candidate kernels cached"
-    procs = max(1, min(16, os.cpu_count() or 1, len(todo)))
-    out = subprocess.run([sys.executable, "-c", _WARM_CODE], input=pickle.dumps(([(s, info.arch) for s in todo], procs)),
-                         capture_output=True, timeout=1800, check=True)
-    failed = sum(pickle.loads(out.stdout))
-    return (f"compiled {len(todo)} of {len(specs)} candidate kernels in {time.perf_counter() - t0:.0f} s "
-            f"({procs} processes){f', {failed} failed' if failed else ''}")
+    specs = [kernel_spec(DTYPES[dname], p.cfg, g, False, codebook)
+             for dname in dtypes for k, n in kn for g in groups if g < 0 or k % g == 0 for m in ms
+             for p in tune_candidates(m, n, k, info.sm_count, info.cc, g, clusters, DTYPES[dname], codebook)]
+    return warm_kernels(specs, info.arch)
 
 
 def _entry_key(e: dict) -> tuple:
