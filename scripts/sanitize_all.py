@@ -51,7 +51,9 @@ Sanitizer options and why
              memory an earlier one wrote, which hides uninitialized reads. Inputs are made on the CPU
              and copied (memcpy counts as initialization); outputs are torch.empty that only the kernel
              writes, and copying them back is checked too (--check-api-memory-access, the default), so
-             an output element the kernel never writes is reported. Unused-memory tracking stays off
+             an output element the kernel never writes is reported. Exception: initcheck does not track
+             TMA stores (UTMASTG), so HGEMM step 07's TMA-store outputs start NaN-filled under initcheck
+             and the NaN check finds unwritten elements instead. Unused-memory tracking stays off
              (its default: the W4A16 workspace is sized for the largest split and mostly unused by
              small plans, which is by design; in CUDA 13 --track-unused-memory is a switch without a
              value, so no "no" is passed). No kernel-name filter: writes by torch's kernels (the
@@ -107,6 +109,7 @@ KERNEL_FILTERS = ("w4a16_", "nf4_dequantize", "sgemm_", "hgemm_")  # substrings 
 TOLERANCE = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 1.6e-2}  # tests/conftest.py's, by output dtype
 LINEINFO_ENV = "TILEFISH_SANITIZE_LINEINFO"
 FAKE_DEVICE_ENV = "TILEFISH_SANITIZE_FAKE_DEVICE"  # tests: a device description; workers run the CPU path
+TOOL_ENV = "TILEFISH_SANITIZE_TOOL"  # the tool a worker runs under (set by the driver)
 
 # Rough per-plan costs under each tool (seconds, first load of a kernel included) and a process's start
 # (torch import + CUDA init under the sanitizer): used to size batches and for --list's estimate; the
@@ -755,13 +758,23 @@ def _run_hgemm(pid: str, a: dict, dev) -> dict:
     if "sms" in a and dev.type == "cuda":  # step 07's persistent grid over fewer CTAs than tiles: every CTA loops
         fake = dataclasses.replace(orig(dev.index), sm_count=int(a["sms"]))
         hgemm.device_info = lambda index=None: fake
+    # initcheck does not see the TMA store's writes (cp.async.bulk.tensor, SASS UTMASTG), so the copy back of an
+    # output only a TMA store wrote is reported uninitialized. Such an output starts NaN-filled instead: the
+    # tool then sees initialized memory, and _rel_err's NaN check finds any element the kernel did not write.
+    prefill = (os.environ.get(TOOL_ENV) == "initcheck" and dev.type == "cuda" and cfg.info.hopper
+               and cfg.params.get("TMA_STORE") == 1 and n % 8 == 0)
     try:
         t0 = time.perf_counter()
-        _poison(m, n, dt, dev)
-        out = hgemm.hgemm(x.to(dev), y.to(dev), kernel=cfg, b_transposed=nk).cpu()
+        if prefill:
+            out = torch.full((m, n), float("nan"), dtype=dt, device=dev)
+            hgemm.launch_config(cfg, x.to(dev), y.to(dev), out, nk)
+            out = out.cpu()
+        else:
+            _poison(m, n, dt, dev)
+            out = hgemm.hgemm(x.to(dev), y.to(dev), kernel=cfg, b_transposed=nk).cpu()
     finally:
         hgemm.device_info = orig
-    info = {"gpu_s": time.perf_counter() - t0, "rel_err": _rel_err(out, ref)}
+    info = {"gpu_s": time.perf_counter() - t0, "rel_err": _rel_err(out, ref), "output_prefilled": prefill}
     if not info["rel_err"] < TOLERANCE[a["dt"]]:
         raise AssertionError(f"relative error {info['rel_err']:.3g}")
     return info
@@ -1180,7 +1193,7 @@ def tool_flags(tool: str, kernel_filter: bool, supported: set | None = None, dro
 
 
 def tool_env(tool: str) -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **{TOOL_ENV: tool})
     if tool in ("memcheck", "initcheck"):
         env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
     return env
@@ -1610,7 +1623,9 @@ def write_markdown(run: dict, an: dict, sm: dict) -> str:
           "reports are listed with the SASS of each access and are not errors; any other hazard is. "
           "`--strict-racecheck` counts them all.",
           "- initcheck runs without the caching allocator; unused-memory tracking is off (by design the workspace "
-          "is larger than a small plan uses).",
+          "is larger than a small plan uses). initcheck does not track TMA stores (UTMASTG): the copy back of an "
+          "output only a TMA store wrote would be reported uninitialized, so HGEMM step 07's TMA-store outputs "
+          "start NaN-filled under initcheck and the plan's NaN check finds any element the kernel did not write.",
           "- A 'Detected overflow of tracked cuda::barrier structures' warning means racecheck / synccheck tracked "
           "fewer mbarriers than a kernel uses: rerun with `--sanitizer-arg=--num-cuda-barriers --sanitizer-arg=N`.",
           f"- Raw logs: {run['logs']} (per batch: .plans, .log from the sanitizer, .out, .jsonl from the worker; "
