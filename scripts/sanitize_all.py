@@ -62,7 +62,10 @@ Sanitizer options and why
              proxy, so a TMA / bulk-copy write (UBLKCP, UTMALDG) into a pipeline stage that mbarriers
              order after the consumers' reads is reported (docs/w4a16.md, "Sanitizers"). Every hazard
              is recorded with its kernel, instruction offsets and file:line, the SASS instruction at
-             each offset is looked up in the cached cubin, and a hazard whose every access pair has an
+             each offset is looked up in the cached cubin (a report that names only inlined functions,
+             as -lineinfo reports do, is given the one kernel of its batch whose SASS has a fitting
+             instruction at every offset: a UBLKCP / UTMALDG for a bulk-copy frame, a shared-memory
+             op otherwise), and a hazard whose every access pair has an
              async-proxy side is classed "async-proxy" (listed, to check against the SASS; not counted
              as an error unless --strict-racecheck). Any other hazard is an error.
   all        --kernel-name kns=... filters restrict memcheck / racecheck / synccheck to tilefish's
@@ -903,7 +906,7 @@ class Finding:
     batches: list = field(default_factory=list)
 
     def key(self) -> tuple:
-        return (self.tool, self.kind, self.title if self.kind != "race" else "",
+        return (self.tool, self.kind, self.title if self.kind != "race" else "", self.kernel,
                 tuple((a.access, a.func, a.pc) for a in self.accesses))
 
     @property
@@ -1079,12 +1082,46 @@ def dump_sass(cubin: str, cuobjdump: str | None, nvdisasm: str | None) -> str:
     return ""
 
 
-def classify_race(f: Finding, sass: dict[str, dict[int, str]] | None) -> None:
-    """Look up every access's instruction; the report is "async-proxy" when each (first access, other access)
+# Opcodes that can access shared memory: a racecheck access must sit on one of these (or an async-proxy op)
+SHARED_ACCESS_OPS = ("LDS", "LDSM", "STS", "STSM", "ATOMS", "LD", "ST", "ATOM", "RED", "SYNCS")
+
+
+def _access_fits(acc: Access, instr: str | None) -> bool:
+    """Could this instruction be the access racecheck reports? A shared-memory op, and an async-proxy op where
+    the report's function is an async-proxy wrapper (bulk_load, tma_load_*)."""
+    if instr is None:
+        return False
+    op = opcode(instr).split(".")[0]
+    if ASYNC_PROXY_FUNCS.match(acc.func or ""):
+        return op in ASYNC_PROXY_OPS
+    return op in SHARED_ACCESS_OPS or op in ASYNC_PROXY_OPS
+
+
+def resolve_by_sass(f: Finding, kernels: list[dict], sass_of) -> dict | None:
+    """A report that names an inlined function (-lineinfo builds report the innermost inlined frame) carries
+    kernel-relative offsets: the kernel is the one of the batch whose SASS has, at every reported offset, an
+    instruction that can be that access. None when no kernel, or more than one distinct kernel, fits."""
+    if not f.accesses or any(a.pc is None for a in f.accesses):
+        return None
+    fits = {}
+    for k in kernels:
+        if not k.get("cubin"):
+            continue
+        table = sass_of(k["cubin"]).get(k["lowered"], {})
+        if table and all(_access_fits(a, table.get(a.pc)) for a in f.accesses):
+            fits[k["lowered"]] = k
+    return next(iter(fits.values())) if len(fits) == 1 else None
+
+
+def classify_race(f: Finding, sass: dict[str, dict[int, str]] | None, kernel_table: dict[int, str] | None = None
+                  ) -> None:
+    """Look up every access's instruction (in kernel_table, the SASS of the kernel the report was resolved to, for
+    accesses named by an inlined function); the report is "async-proxy" when each (first access, other access)
     pair has an async-proxy instruction on one side, "generic" when some pair has none, "unclassified" without
     SASS."""
     for acc in f.accesses:
-        table = (sass or {}).get(acc.func) or (next(iter(sass.values())) if sass and len(sass) == 1 else None)
+        table = (sass or {}).get(acc.func) or kernel_table or \
+            (next(iter(sass.values())) if sass and len(sass) == 1 else None)
         if table is not None and acc.pc is not None and acc.pc in table:
             acc.sass = table[acc.pc]
             acc.opcode = opcode(acc.sass)
@@ -1375,6 +1412,15 @@ def analyse(run: dict, logs: Path) -> dict:
     results: dict[tuple, dict] = {}   # (tool, plan id) -> record
     findings: dict[tuple, Finding] = {}
     tool_totals = {t: {"errors": 0, "race": [0, 0, 0], "procs": 0, "secs": 0.0, "bad_exit": []} for t in TOOLS}
+    sass_tools = (find_tool("cuobjdump", run.get("sanitizer")), find_tool("nvdisasm", run.get("sanitizer")))
+    sass_cache: dict[str, dict] = {}  # cubin -> {function: {offset: instruction}}
+    sass_text: dict[str, str] = {}
+
+    def sass_of(cubin: str) -> dict:
+        if cubin not in sass_cache:
+            sass_text[cubin] = dump_sass(cubin, *sass_tools)
+            sass_cache[cubin] = parse_sass(sass_text[cubin])
+        return sass_cache[cubin]
     dry = read_results(logs / "dry_run.jsonl")
     for rec in dry:
         for k in rec.get("kernels", []):
@@ -1408,6 +1454,9 @@ def analyse(run: dict, logs: Path) -> dict:
             f.batches = [b["tag"]]
             k = next((batch_kernels.get(a.func) or lowered.get(a.func) for a in f.accesses
                       if (batch_kernels.get(a.func) or lowered.get(a.func))), None)
+            resolved = k is None and f.kind == "race"
+            if resolved:  # the report names inlined functions only: find its kernel by the SASS at its offsets
+                k = resolve_by_sass(f, list(batch_kernels.values()), sass_of)
             if k is not None:
                 f.kernel = k["name"] + "".join(f" -D{d[0]}" for d in k["defines"])
                 f.plans = [pid for pid, ks in plan_kernels.items() if k["lowered"] in ks]
@@ -1416,9 +1465,10 @@ def analyse(run: dict, logs: Path) -> dict:
                         k["name"] == s for s in run["plan_specs"].get(pid, []))]
                 f.families = sorted({plan_family.get(p, "?") for p in f.plans}) or ["?"]
                 f._cubin = k.get("cubin")  # type: ignore[attr-defined]
+                if resolved:
+                    f._table = sass_cache[k["cubin"]][k["lowered"]]  # type: ignore[attr-defined]
             else:
                 f.families = ["?"]
-                f._batch_kernels = list(batch_kernels.values())  # type: ignore[attr-defined]
             key = f.key()
             if key in findings:
                 old = findings[key]
@@ -1429,36 +1479,20 @@ def analyse(run: dict, logs: Path) -> dict:
             else:
                 findings[key] = f
     # SASS for every kernel a race report names, and the classification
-    cuobjdump = find_tool("cuobjdump", run.get("sanitizer"))
-    nvdisasm = find_tool("nvdisasm", run.get("sanitizer"))
-    sass_cache: dict[str, dict] = {}
-    sass_text: dict[str, str] = {}
     sass_dir = logs / "sass"
     excerpts = []
     for f in findings.values():
         if f.kind != "race":
             continue
         cubin = getattr(f, "_cubin", None)
-        if cubin and cubin not in sass_cache:
-            sass_text[cubin] = dump_sass(cubin, cuobjdump, nvdisasm)
-            sass_cache[cubin] = parse_sass(sass_text[cubin])
-        if not cubin and f.accesses:
-            for k in getattr(f, "_batch_kernels", []):
-                c = k.get("cubin")
-                if c and c not in sass_cache:
-                    sass_text[c] = dump_sass(c, cuobjdump, nvdisasm)
-                    sass_cache[c] = parse_sass(sass_text[c])
-                if c and f.accesses[0].func in sass_cache.get(c, {}):
-                    cubin = c
-                    f.kernel = k["name"] + "".join(f" -D{d[0]}" for d in k["defines"]) + \
-                        f" (in {f.accesses[0].func})"
-                    break
-        classify_race(f, sass_cache.get(cubin) if cubin else None)
+        if cubin:
+            sass_of(cubin)
+        classify_race(f, sass_cache.get(cubin) if cubin else None, getattr(f, "_table", None))
         if cubin and sass_text.get(cubin):
             sass_dir.mkdir(exist_ok=True)
             if f.cls != "async-proxy":  # the whole listing where a report needs a reading
                 (sass_dir / (Path(cubin).stem + ".sass")).write_text(sass_text[cubin])
-            table = sass_cache[cubin].get(f.accesses[0].func) if f.accesses else None
+            table = getattr(f, "_table", None) or (sass_cache[cubin].get(f.accesses[0].func) if f.accesses else None)
             table = table or (next(iter(sass_cache[cubin].values())) if len(sass_cache[cubin]) == 1 else {})
             offs = sorted(table)
             lines = [f"== {f.kernel} ({Path(cubin).name}) {f.cls}"]
@@ -1473,7 +1507,7 @@ def analyse(run: dict, logs: Path) -> dict:
         sass_dir.mkdir(exist_ok=True)
         (sass_dir / "excerpts.txt").write_text("\n\n".join(excerpts) + "\n")
     return {"results": results, "findings": list(findings.values()), "tool_totals": tool_totals,
-            "dry": [r for r in dry if r.get("type") == "plan"], "sass_tools": [cuobjdump, nvdisasm]}
+            "dry": [r for r in dry if r.get("type") == "plan"], "sass_tools": list(sass_tools)}
 
 
 def summarize(run: dict, an: dict) -> dict:

@@ -362,3 +362,28 @@ def test_a_bulk_copy_side_is_async_proxy_even_without_the_kernels_sass(san):
                     [san.Access("Read", lam, 0xf20, "skinny.cu", 409), san.Access("Write", lam, 0xf80, "skinny.cu", 420)])
     san.classify_race(g, None)
     assert g.cls == "unclassified" and g.is_error
+
+
+def test_a_report_naming_inlined_functions_is_resolved_to_its_kernel_by_the_sass(san):
+    """-lineinfo reports name the innermost inlined function (tf::bulk_load, w4h::Words::load) with the kernel's
+    offsets: the kernel is the batch's one whose SASS holds a fitting instruction at every offset (the bulk copy
+    a UBLKCP, the read a shared load); then the read's own opcode is known. Two fitting kernels: unresolved."""
+    words = "_ZN3w4h5WordsILi2EE4loadEPKhRA2_j"
+    bulk = "_ZN2tf9bulk_loadEPvPKvjPy"
+    f = san.Finding("racecheck", "race", "error", "race between read and write",
+                    [san.Access("Write", bulk, 0x5fb0, "hopper.cuh", 86),
+                     san.Access("Read", words, 0x1020, "wgmma.cu", 76)])
+    fits = {"/c/b.cubin": {"kB": {0x1020: "LDS.64 R4, [R2]", 0x5fb0: "UBLKCP.S.G [UR8], [UR6], UR4"}}}
+    other = {"/c/a.cubin": {"kA": {0x1020: "IADD3 R1, R2, R3", 0x5fb0: "UBLKCP.S.G [UR8], [UR6], UR4"}},
+             "/c/c.cubin": {"kC": {0x1020: "LDS.64 R4, [R2]", 0x5fb0: "STS [R1], R2"}},  # not a bulk copy
+             "/c/d.cubin": {"kD": {0x1020: "LDS.64 R4, [R2]"}}}                        # no instruction there
+    tables = {**fits, **other}
+    kernels = [{"name": n, "lowered": n, "cubin": c, "defines": []}
+               for c, t in tables.items() for n in t]
+    k = san.resolve_by_sass(f, kernels, tables.__getitem__)
+    assert k is not None and k["lowered"] == "kB"
+    san.classify_race(f, None, tables["/c/b.cubin"]["kB"])
+    assert [a.opcode for a in f.accesses] == ["UBLKCP.S.G", "LDS.64"] and f.cls == "async-proxy"
+    twin = {"/c/e.cubin": {"kE": dict(tables["/c/b.cubin"]["kB"])}}
+    both = kernels + [{"name": "kE", "lowered": "kE", "cubin": "/c/e.cubin", "defines": []}]
+    assert san.resolve_by_sass(f, both, {**tables, **twin}.__getitem__) is None
