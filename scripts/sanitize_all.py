@@ -65,7 +65,7 @@ Sanitizer options and why
              each offset is looked up in the cached cubin (a report that names only inlined functions,
              as -lineinfo reports do, is given the one kernel of its batch whose SASS has a fitting
              instruction at every offset: a UBLKCP / UTMALDG for a bulk-copy frame, a shared-memory
-             op otherwise), and a hazard whose every access pair has an
+             load for a read, a store for a write), and a hazard whose every access pair has an
              async-proxy side is classed "async-proxy" (listed, to check against the SASS; not counted
              as an error unless --strict-racecheck). Any other hazard is an error.
   all        --kernel-name kns=... filters restrict memcheck / racecheck / synccheck to tilefish's
@@ -1082,19 +1082,21 @@ def dump_sass(cubin: str, cuobjdump: str | None, nvdisasm: str | None) -> str:
     return ""
 
 
-# Opcodes that can access shared memory: a racecheck access must sit on one of these (or an async-proxy op)
-SHARED_ACCESS_OPS = ("LDS", "LDSM", "STS", "STSM", "ATOMS", "LD", "ST", "ATOM", "RED", "SYNCS")
+# Opcodes that can read / write shared memory as a racecheck access (mbarrier ops, SYNCS, are left out: no
+# report of ours names an mbarrier wrapper, and an mbarrier wait at an offset must not make a kernel fit)
+SHARED_READ_OPS = ("LDS", "LDSM", "LD", "ATOMS", "ATOM")
+SHARED_WRITE_OPS = ("STS", "STSM", "ST", "ATOMS", "ATOM", "RED")
 
 
 def _access_fits(acc: Access, instr: str | None) -> bool:
-    """Could this instruction be the access racecheck reports? A shared-memory op, and an async-proxy op where
-    the report's function is an async-proxy wrapper (bulk_load, tma_load_*)."""
+    """Could this instruction be the access racecheck reports? An async-proxy op where the report's function is
+    an async-proxy wrapper (bulk_load, tma_load_*), else a shared-memory load for a read, a store for a write."""
     if instr is None:
         return False
     op = opcode(instr).split(".")[0]
     if ASYNC_PROXY_FUNCS.match(acc.func or ""):
         return op in ASYNC_PROXY_OPS
-    return op in SHARED_ACCESS_OPS or op in ASYNC_PROXY_OPS
+    return op in (SHARED_READ_OPS if acc.access == "Read" else SHARED_WRITE_OPS) or op in ASYNC_PROXY_OPS
 
 
 def resolve_by_sass(f: Finding, kernels: list[dict], sass_of) -> dict | None:

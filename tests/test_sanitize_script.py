@@ -376,7 +376,9 @@ def test_a_report_naming_inlined_functions_is_resolved_to_its_kernel_by_the_sass
     fits = {"/c/b.cubin": {"kB": {0x1020: "LDS.64 R4, [R2]", 0x5fb0: "UBLKCP.S.G [UR8], [UR6], UR4"}}}
     other = {"/c/a.cubin": {"kA": {0x1020: "IADD3 R1, R2, R3", 0x5fb0: "UBLKCP.S.G [UR8], [UR6], UR4"}},
              "/c/c.cubin": {"kC": {0x1020: "LDS.64 R4, [R2]", 0x5fb0: "STS [R1], R2"}},  # not a bulk copy
-             "/c/d.cubin": {"kD": {0x1020: "LDS.64 R4, [R2]"}}}                        # no instruction there
+             "/c/d.cubin": {"kD": {0x1020: "LDS.64 R4, [R2]"}},                       # no instruction there
+             "/c/w.cubin": {"kW": {0x1020: "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR15], R8",  # an mbarrier wait,
+                                   0x5fb0: "UBLKCP.S.G [UR8], [UR6], UR4"}}}                # not a load
     tables = {**fits, **other}
     kernels = [{"name": n, "lowered": n, "cubin": c, "defines": []}
                for c, t in tables.items() for n in t]
