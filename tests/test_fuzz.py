@@ -25,11 +25,12 @@ dispatch and compiles them in parallel processes (bench.progress.warm_kernels), 
 compile one kernel at a time.
 
   default  (GPU ~40-60 s on an H100 with a cold kernel cache):  pytest -m gpu tests/test_fuzz.py
-  long:    TILEFISH_FUZZ_EXAMPLES=500 pytest -m gpu tests/test_fuzz.py -x
+  long:    TILEFISH_FUZZ_EXAMPLES=500 pytest -m gpu tests/test_fuzz.py -x -rP   (-rP: examples run per op)
   CPU part (CI): pytest tests/test_fuzz.py
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import importlib
@@ -600,6 +601,13 @@ def warm(strategy, default, spec_of) -> None:
 
 
 _warmed: set = set()
+EXAMPLES_RUN: collections.Counter = collections.Counter()
+
+
+def _report(name: str) -> None:
+    """The examples hypothesis actually ran (it may stop short of max_examples): shown with pytest -rP."""
+    print(f"fuzz {name}: {EXAMPLES_RUN[name]} examples run (max_examples {n_examples(GPU_EXAMPLES[name])}, "
+          f"TILEFISH_FUZZ_SEED={FUZZ_SEED})")
 
 
 def _warm_once(name, strategy, spec_of):
@@ -620,8 +628,10 @@ def test_fuzz_w4a16_matmul():
     @fuzz(GPU_EXAMPLES["w4a16"])
     @given(case=w4a16_cases())
     def prop(case):
+        EXAMPLES_RUN["w4a16"] += 1
         run_w4a16_case(case, "cuda")
     prop()
+    _report("w4a16")
 
 
 @gpu
@@ -632,8 +642,10 @@ def test_fuzz_nf4_dequantize():
     @fuzz(GPU_EXAMPLES["nf4_dequantize"])
     @given(case=nf4_dequant_cases())
     def prop(case):
+        EXAMPLES_RUN["nf4_dequantize"] += 1
         run_nf4_dequant_case(case, "cuda")
     prop()
+    _report("nf4_dequantize")
 
 
 @gpu
@@ -643,8 +655,10 @@ def test_fuzz_nf4_matmul():
     @fuzz(GPU_EXAMPLES["nf4_matmul"])
     @given(case=nf4_matmul_cases())
     def prop(case):
+        EXAMPLES_RUN["nf4_matmul"] += 1
         run_nf4_matmul_case(case, "cuda")
     prop()
+    _report("nf4_matmul")
 
 
 @gpu
@@ -654,8 +668,10 @@ def test_fuzz_hgemm():
     @fuzz(GPU_EXAMPLES["hgemm"])
     @given(case=hgemm_cases())
     def prop(case):
+        EXAMPLES_RUN["hgemm"] += 1
         run_hgemm_case(case, "cuda")
     prop()
+    _report("hgemm")
 
 
 @gpu
@@ -665,8 +681,10 @@ def test_fuzz_sgemm():
     @fuzz(GPU_EXAMPLES["sgemm"])
     @given(case=sgemm_cases())
     def prop(case):
+        EXAMPLES_RUN["sgemm"] += 1
         run_sgemm_case(case, "cuda")
     prop()
+    _report("sgemm")
 
 
 @gpu
