@@ -114,7 +114,8 @@ def union(models) -> list[Shape]:
 
 
 def table(models=None) -> str:
-    """The models, their config numbers and derived shapes (alignment misses marked, untileable flagged)."""
+    """The models, their config numbers and derived shapes (alignment misses marked; a weight no format can
+    run flagged untileable, one that only group 128 cannot run flagged so)."""
     head = (f"{'model':16s} {'hidden':>6s}  {'inter':>6s}  {'heads':>5s}  {'kv':>3s}  {'head_dim':>8s}  "
             f"{'projection':14s} {'k':>6s} {'n':>6s}  marks")
     lines = [head, "-" * len(head)]
@@ -122,9 +123,11 @@ def table(models=None) -> str:
         c = MODELS[name]
         head = f"{name:16s} {c.hidden:6d}  {c.intermediate:6d}  {c.heads:5d}  {c.kv_heads:3d}  {c.head_dim:8d}"
         for i, (proj, k, n) in enumerate(c.linears()):
-            flag = ",".join(marks(k, n)) + ("  (skipped: untileable)" if untileable_reason(k, n) else "")
+            skip = ("  (skipped: untileable)" if untileable_reason(k, n, -1) else
+                    "  (group 128 skipped; per channel runs)" if untileable_reason(k, n) else "")
+            flag = ",".join(marks(k, n)) + skip
             lines.append(f"{head if i == 0 else ' ' * len(head)}  {proj:14s} {k:6d} {n:6d}  {flag}".rstrip())
         lines.append(f"{'':16s} {c.source}")
     lines.append("marks: k%128 / k%64 / n%64 = the dimension is not a multiple of that; today's kernels need "
-                 f"n % {N_MULTIPLE} == 0 and k % {K_MULTIPLE} == 0, and k % 128 == 0 for group size 128 (flagged here)")
+                 f"n % {N_MULTIPLE} == 0 and k % {K_MULTIPLE} == 0, and k % 128 == 0 for group size 128")
     return "\n".join(lines)
