@@ -1,5 +1,6 @@
 """Shared test helpers: the gpu marker, per-dtype tolerances, relative error, NaN poisoning, ulps; the
-per-test seed (every failure names the seed that reproduces it); compile-all once per session.
+per-test seed (every failure names the seed that reproduces it); compile-all once per session; a large GPU
+selection compiles every dispatchable kernel in parallel first (TILEFISH_TEST_WARM).
 
 Seeds: each test starts with torch, random and numpy seeded from a session base seed and the test's id
 (`seed_for`), so a test's random data do not depend on which other tests ran before it. The base comes
@@ -86,6 +87,31 @@ def pytest_runtest_makereport(item, call):
 
 # Relative-error tolerances ||out - ref|| / ||ref|| for matmul-like ops, by output dtype.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+# A large GPU selection on a fresh kernel cache would compile hundreds of kernels one at a time, as tests
+# first launch them (the whole GPU suite: over 10 minutes on an H100 machine, against about 2 warm): such a
+# run first compiles every dispatchable kernel for this GPU in parallel processes. TILEFISH_TEST_WARM=1
+# forces it for any selection, =0 turns it off.
+WARM_ENV = "TILEFISH_TEST_WARM"
+WARM_MIN_GPU_TESTS = 200
+
+
+def pytest_collection_finish(session):
+    mode = os.environ.get(WARM_ENV, "").strip()
+    if mode not in ("", "0", "1"):
+        raise pytest.UsageError(f"{WARM_ENV} must be 0 or 1, got {mode!r}")
+    n_gpu = sum(1 for item in session.items if "gpu" in item.keywords)
+    if not HAS_CUDA or mode == "0" or (mode != "1" and n_gpu < WARM_MIN_GPU_TESTS):
+        return
+    from tilefish.bench.progress import warm_kernels
+    from tilefish.ops import kernel_specs
+    from tilefish.runtime import device_info
+
+    line = warm_kernels([spec for _, spec in kernel_specs()], device_info().arch)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"tilefish: {line} (before {n_gpu} GPU tests; {WARM_ENV}=0 skips this)")
 
 
 def pytest_collection_modifyitems(config, items):
