@@ -2,7 +2,7 @@
 k 200), three runs, each its own process under compute-sanitizer initcheck:
 
   for v in tma direct prefilled; do PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool initcheck \
-      python scripts/initcheck_tma_store.py $v; done
+      python scripts/experiments/initcheck_tma_store.py $v; done
 
   tma         TMA_STORE=1, output torch.empty (fresh cudaMalloc): expected to be reported on the copy back
   direct      the same config with TMA_STORE=0: expected clean
@@ -18,7 +18,7 @@ import torch
 try:
     from tilefish.ops import hgemm
 except ImportError:  # run from a checkout that is not installed
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent / "src"))
     from tilefish.ops import hgemm
 
 VARIANTS = ("tma", "direct", "prefilled")
