@@ -19,6 +19,7 @@ import torch
 
 from tilefish.bench.timing import time_cuda
 from tilefish.runtime import KernelSpec, get_kernel, i32, i64, launch
+from tilefish.bench.timing import w4a16_workspace
 
 SMS = torch.cuda.get_device_properties(0).multi_processor_count
 W4A16_SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (8192, 8192),
@@ -121,7 +122,7 @@ def read_probe(results):
         dense = torch.randn(n, k, device="cuda", dtype=torch.float16)
         p = w4.pack(quantize_rtn(dense, 128, True, scale_dtype=torch.float16, clip_search=False))
         x = torch.randn(1, k, device="cuda", dtype=torch.float16)
-        w_us = time_cuda(lambda: w4.matmul_impl(x, p), reps=30).median_us
+        w_us = time_cuda(lambda: w4.matmul_impl(x, p, workspace=w4a16_workspace(x.device)), reps=30).median_us
         deq = dense
         cublas_us = time_cuda(lambda: torch.nn.functional.linear(x, deq), reps=30).median_us
         del dense, p, deq

@@ -55,7 +55,7 @@ def main():
             row("W4A16Linear(x)", lambda: layer(x), base)
             if w is not None:
                 row("w4a16.matmul(x, w)", lambda: w4a16.matmul(x, w), base)
-                row("ops.matmul_impl", lambda: ops.matmul_impl(x, w), base)
+                row("ops.matmul_impl (fresh counters)", lambda: ops.matmul_impl(x, w), base)
                 row("ops._validate", lambda: ops._validate(x, w, None))
                 row("choose_config (cached)", lambda: ops.choose_config(m, n, k, info.sm_count, info.cc, 128,
                                                                        ops._device_clusters(info), x.dtype))
@@ -73,7 +73,9 @@ def main():
                 if isinstance(cfg, ops.SkinnyConfig):
                     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
                     kern = ops._kernel(x.dtype, cfg, 128, False, 0)
-                    ws, counters = ops._workspace(x.device, info.sm_count * cfg.ctas_per_sm * 2 * cfg.mt * cfg.bn, n // cfg.bn)
+                    ws = torch.empty(info.sm_count * cfg.ctas_per_sm * 2 * cfg.mt * cfg.bn, dtype=torch.float32,
+                                     device=x.device)
+                    counters = ops.Workspace(x.device).counters
                     mx = tensor_map_2d(x, cfg.mt, 64)
                     smem = cfg.smem_bytes(128, False)
                     ctas = info.sm_count * cfg.ctas_per_sm
@@ -88,7 +90,8 @@ def main():
                     lcp = LaunchConfig(grid=ctas, block=cfg.threads, shmem_size=smem,
                                        programmatic_stream_serialization=True)
                     row("cuda.core.launch (PDL config)", lambda: core_launch(st, lcp, kern.kernel, *args))
-                    row("workspace lookup", lambda: ops._workspace(x.device, 1, 1))
+                    row("fp32 partials (per call)", lambda: torch.empty(ws.numel(), dtype=torch.float32,
+                                                                        device=x.device))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from tilefish.bench.timing import time_cuda
 from tilefish.ops import w4a16 as ops
 from tilefish.quant.int4 import quantize_rtn
 from tilefish.reference import w4a16_matmul
+from tilefish.bench.timing import w4a16_workspace
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (8192, 8192),
           (8192, 57344), (28672, 8192)]
@@ -69,13 +70,13 @@ def main():
             reps = 10 if m >= 1024 else 15
             t_cublas = time_cuda(lambda: torch.nn.functional.linear(x, deq), reps=reps).median_ms * 1e3
             auto = ops.choose_config(m, n, k, sms, 90, group)
-            t_auto = time_cuda(lambda: ops.matmul_impl(x, p), reps=reps).median_ms * 1e3
+            t_auto = time_cuda(lambda: ops.matmul_impl(x, p, workspace=w4a16_workspace(x.device)), reps=reps).median_ms * 1e3
             rows = []
             for cfg, sl in candidates(m, n, k, sms):
                 if cfg.streamk and ref is not None:
-                    err = rel_err(ops.matmul_impl(x, p, cfg=cfg), ref)
+                    err = rel_err(ops.matmul_impl(x, p, workspace=w4a16_workspace(x.device), cfg=cfg), ref)
                     assert err < 2e-2, (cfg.label(), k, n, m, err)
-                t = time_cuda(lambda: ops.matmul_impl(x, p, cfg=cfg, slices=sl), reps=reps).median_ms * 1e3
+                t = time_cuda(lambda: ops.matmul_impl(x, p, workspace=w4a16_workspace(x.device), cfg=cfg, slices=sl), reps=reps).median_ms * 1e3
                 cl = sl is not None and ops.hopper_split_uses_clusters(cfg, m, n, k, sl, group, False, dt, x.device)
                 rows.append((t, cfg.label() + ("" if sl is None else f"/x{sl}"), int(cl)))
             rows.sort()

@@ -1,6 +1,7 @@
 """Concurrency: Python threads, each on its own CUDA stream, running different ops and shapes at once
-(W4A16 plans with shared workspaces, k splits and stream-K tile counters, the skinny kernel, a shared
-W4A16Linear's per-stream plan cache, NF4, HGEMM, SGEMM): every output bit-identical to a serial run of
+(W4A16 plans sharing one Workspace's tile counters, which the streams take in turn, or fresh counters;
+k splits and stream-K, the skinny kernel, a shared W4A16Linear's counters and per-stream plan cache,
+NF4, HGEMM, SGEMM): every output bit-identical to a serial run of
 the same calls, a hang fails the test (threads joined with a timeout). And CUDA-graph capture of a
 sequence of different ops on a side stream, replayed with new inputs, equal to eager results.
 
@@ -45,6 +46,16 @@ def _w4_weight(g, n, k, group, sym, dtype):
     return w4ops.pack(q)
 
 
+_WORKSPACES = []
+
+
+def _shared_workspace() -> w4ops.Workspace:
+    """One Workspace every thread's W4A16 calls share: the streams must take its counters in turn."""
+    if not _WORKSPACES:
+        _WORKSPACES.append(w4ops.Workspace("cuda"))
+    return _WORKSPACES[0]
+
+
 def _plan_kind(m, p) -> str:
     from tilefish.runtime import device_info
 
@@ -83,12 +94,17 @@ def _workloads(seed: int):
     a32, b32 = _rand(g, 257, 300, dtype=torch.float32), _rand(g, 300, 129, dtype=torch.float32)
     layer = tilefish.nn.W4A16Linear.from_weight(_w4_weight(g, 1024, 1024, 128, True, f16), _rand(g, 1024))
     x_layer = {m: _rand(g, m, 1024) for m in (2, 48)}
+    ws = _shared_workspace()
     work = {
-        **{f"w4a16 m{m} 8192x4096 (skinny at m<=16)": (lambda x=x: w4a16.matmul(x, big)) for m, x in xs.items()},
-        **{f"w4a16 m{m} 6144x4096 bf16 asym bias": (lambda x=x: w4a16.matmul(x, mid, bias)) for m, x in xm.items()},
-        "w4a16 m64 per-channel": lambda: w4a16.matmul(x_pc, pc),
-        "w4a16 mma.sync split 3": lambda: w4ops.matmul_impl(x_small, small, cfg=w4ops.GemmConfig(2, 1, 8, 4), slices=3),
-        "nf4 matmul m3": lambda: nf4.matmul(x_nf4[3], np_),
+        **{f"w4a16 m{m} 8192x4096 (skinny at m<=16)": (lambda x=x: w4a16.matmul(x, big, workspace=ws))
+           for m, x in xs.items()},
+        **{f"w4a16 m{m} 6144x4096 bf16 asym bias": (lambda x=x: w4a16.matmul(x, mid, bias, workspace=ws))
+           for m, x in xm.items()},
+        "w4a16 m13 fresh counters": lambda: w4a16.matmul(xs[13], big),
+        "w4a16 m64 per-channel": lambda: w4a16.matmul(x_pc, pc, workspace=ws),
+        "w4a16 mma.sync split 3": lambda: w4ops.matmul_impl(x_small, small, cfg=w4ops.GemmConfig(2, 1, 8, 4), slices=3,
+                                                            workspace=ws),
+        "nf4 matmul m3": lambda: nf4.matmul(x_nf4[3], np_, workspace=ws),
         "nf4 matmul m130": lambda: nf4.matmul(x_nf4[130], np_),
         "nf4 dequantize": lambda: nf4.dequantize(nq, bf16),
         "hgemm 333x520x1000": lambda: tilefish.hgemm(a16, b16),
@@ -100,16 +116,16 @@ def _workloads(seed: int):
     if _hopper():
         work.update({
             "w4a16 wgmma split 3 forced": lambda: w4ops.matmul_impl(xm[40], mid, cfg=w4ops.HopperConfig(64, 2, 1, 8),
-                                                                    slices=3),
+                                                                    slices=3, workspace=ws),
             "w4a16 wgmma split 5 workspace": lambda: w4ops.matmul_impl(x_small, small, cfg=w4ops.HopperConfig(16, 4, 1, 8),
-                                                                       slices=5),
+                                                                       slices=5, workspace=ws),
             "w4a16 wgmma stream-K forced": lambda: w4ops.matmul_impl(xm[200], mid, cfg=w4ops.HopperConfig(64, 2, 2, 6, True),
-                                                                     ctas=97),
+                                                                     ctas=97, workspace=ws),
             "w4a16 skinny forced 31 ctas": lambda: w4ops.matmul_impl(xs[13], big, cfg=w4ops.SkinnyConfig(16, 2, 2, 6, 2),
-                                                                     ctas=31),
+                                                                     ctas=31, workspace=ws),
         })
     kinds = {m: _plan_kind(m, big) for m in xs} | {m: _plan_kind(m, mid) for m in xm}
-    return work, kinds
+    return work, kinds, layer
 
 
 def _run_threads(target, n, timeout=JOIN_TIMEOUT_S):
@@ -137,7 +153,7 @@ def _run_threads(target, n, timeout=JOIN_TIMEOUT_S):
 
 @pytest.mark.parametrize("rep", range(REPEAT))
 def test_threads_own_streams_bit_identical_to_serial(rep):
-    work, kinds = _workloads(1000 + rep)
+    work, kinds, layer = _workloads(1000 + rep)
     print("W4A16 dispatcher plans:", kinds)
     if _hopper():
         assert any("Skinny" in v for v in kinds.values()), kinds
@@ -165,7 +181,7 @@ def test_threads_own_streams_bit_identical_to_serial(rep):
 
     _run_threads(worker, THREADS)
     torch.cuda.synchronize()
-    for (dev, _), (_, counters) in list(w4launch._workspaces.items()):
+    for counters in (_shared_workspace().counters, layer.tile_counters):
         assert int(counters.abs().sum()) == 0, "tile counters must be back at zero after every launch"
 
 
@@ -192,6 +208,8 @@ def test_threads_shared_layer_plan_cache_new_streams(rep):
                 assert torch.equal(o, e), f"thread {i} iteration {it}: m={o.shape[0]} differs from the serial run"
 
     _run_threads(worker, 8)
+    torch.cuda.synchronize()
+    assert int(layer.tile_counters.abs().sum()) == 0, "the layer's tile counters must be back at zero"
 
 
 @pytest.mark.parametrize("rep", range(REPEAT))

@@ -1,5 +1,5 @@
-"""Memory: an allocation that fails inside an op (its output, a contiguous copy of x, the W4A16 workspace
-of a stream that has none yet, a W4A16Linear's first plan) surfaces as torch.OutOfMemoryError, leaves no
+"""Memory: an allocation that fails inside an op (its output, a contiguous copy of x, a W4A16 call's fp32
+partial sums) surfaces as torch.OutOfMemoryError, leaves no
 half-built state behind, and the next call on the same device works and is correct.
 
 Two ways to make allocations fail: the caching allocator's per-process fraction (set just above what is
@@ -17,7 +17,6 @@ import torch
 import tilefish
 from tilefish import nf4, w4a16
 from tilefish.ops import w4a16 as w4ops
-from tilefish.ops.w4a16 import launch as w4launch
 from tilefish.quant.int4 import quantize_rtn
 from tilefish.reference import w4a16_matmul as ref_w4a16
 
@@ -129,29 +128,32 @@ def test_oom_inside_ops_under_fraction_cap_then_recovers():
     _normal_calls_correct(g, q, p)
 
 
-def test_oom_allocating_a_new_streams_workspace_then_recovers(monkeypatch):
-    """The W4A16 workspace (>= 4 MiB a stream, allocated on a stream's first call) cannot be allocated:
-    OutOfMemoryError, and no half-made workspace is kept for that stream; later calls on it work."""
+def test_oom_allocating_a_calls_scratch_then_recovers():
+    """A small-m call's fp32 partial sums (allocated per call, MiBs for the skinny / stream-K plans)
+    cannot be allocated: OutOfMemoryError before anything launches, for the functional op and for a
+    layer; the layer's own tile counters stay zero, and later calls on that stream are correct."""
     g, q, p, _, _ = _setup(1)
     x = _rand(g, 8, 4096)
-    ref = w4a16.matmul(x, p)
-    s = torch.cuda.Stream()
-    key = (torch.cuda.current_device(), s.cuda_stream)
-    monkeypatch.delitem(w4launch._workspaces, key, raising=False)  # this stream has no workspace yet
+    ws = w4ops.Workspace("cuda")
+    ref = w4a16.matmul(x, p, workspace=ws)
+    plan = w4ops.LaunchPlan.build(p, None, 8, x.device)
+    if plan.partials * 4 < 2 * MB:
+        pytest.skip(f"this GPU's plan at m = 8 ({plan.launches[0][0].spec.name}) needs "
+                    f"{plan.partials * 4} B of partial sums: too few to test against a cap")
     layer = tilefish.nn.W4A16Linear.from_weight(p)
-    # 3 MiB: room for the [8, 4096] output (64 KiB, from a 2 MiB small-block segment), not for the
-    # 4 MiB workspace
-    with memory_cap(3 * MB):
+    assert torch.equal(layer(x), ref)  # the layer's plan for this shape is built and cached
+    s = torch.cuda.Stream()
+    # room for the [8, 4096] output (64 KiB, from a 2 MiB small-block segment), not for the partials
+    with memory_cap(plan.partials * 4 // 2):
         with torch.cuda.stream(s):
             with pytest.raises(torch.OutOfMemoryError):
-                w4a16.matmul(x, p)
-            assert key not in w4launch._workspaces, "a failed workspace allocation left an entry behind"
+                w4a16.matmul(x, p, workspace=ws)
             with pytest.raises(torch.OutOfMemoryError):
-                layer(x)  # a layer's first plan on this stream builds the workspace too
-            assert not any(k[3] == s.cuda_stream for k in layer._plans), "a failed plan was cached"
+                layer(x)
         s.synchronize()
+    assert int(layer.tile_counters.abs().sum()) == 0 and int(ws.counters.abs().sum()) == 0
     with torch.cuda.stream(s):
-        again = w4a16.matmul(x, p)
+        again = w4a16.matmul(x, p, workspace=ws)
         via_layer = layer(x)
     s.synchronize()
     assert torch.equal(again, ref) and torch.equal(via_layer, ref)

@@ -292,7 +292,7 @@ def test_time_model_file():
 def test_package_keeps_launch_state_in_launch():
     """The launch path's switches and caches are read in launch.py; the package does not re-export
     them (a patch of a copy bound there would not reach the launches) and says where they are."""
-    for name in ("HOPPER_DSMEM_SPLIT", "HOPPER_SEPARATE_TAIL", "_kernels", "_workspaces", "_clusters_by_device"):
+    for name in ("HOPPER_DSMEM_SPLIT", "HOPPER_SEPARATE_TAIL", "_kernels", "_clusters_by_device"):
         assert hasattr(launch, name)
         with pytest.raises(AttributeError, match=f"read or set launch.{name}"):
             getattr(ops, name)

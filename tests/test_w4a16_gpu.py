@@ -44,10 +44,26 @@ def _grid(cfg, n):
     return {"ctas": n} if cfg.streamk else {"slices": n}
 
 
+_WORKSPACE = []
+
+
+def _workspace() -> ops.Workspace:
+    """One workspace the checks share (its tile counters must be back at zero after every launch);
+    calls made without it take fresh zeroed counters."""
+    if not _WORKSPACE:
+        _WORKSPACE.append(ops.Workspace("cuda"))
+    return _WORKSPACE[0]
+
+
+def _assert_counters_zero(what="tile counters must be reset by every launch"):
+    torch.cuda.synchronize()
+    assert int(_workspace().counters.abs().sum()) == 0, what
+
+
 def _check(x, q, p, bias=None, **kw):
     ref = ref_matmul(x.reshape(-1, q.k), q, bias).reshape(*x.shape[:-1], q.n)
     _poison_allocator(x.numel() // q.k, q.n, x.dtype)
-    out = ops.matmul_impl(x, p, bias, **kw)
+    out = ops.matmul_impl(x, p, bias, workspace=_workspace(), **kw)
     assert out.shape == ref.shape and out.dtype == x.dtype
     err = rel_err(out, ref)
     assert err < TOLERANCE[x.dtype], err
@@ -201,10 +217,8 @@ def test_hopper_stream_k_any_grid_deterministic_counters_reset():
             for ctas in (None, 1, 2, 7, 13, 31, 131, 263, 100000):
                 x = torch.randn(m, 2048, device="cuda", dtype=torch.float16)
                 out = _check(x, q, p, bias, cfg=cfg, ctas=ctas)
-                assert torch.equal(out, ops.matmul_impl(x, p, bias, cfg=cfg, ctas=ctas))
-    torch.cuda.synchronize()
-    for (dev, _), (_, counters) in launch._workspaces.items():
-        assert int(counters.abs().sum()) == 0, "stream-K tile counters must be reset by every launch"
+                assert torch.equal(out, ops.matmul_impl(x, p, bias, cfg=cfg, ctas=ctas, workspace=_workspace()))
+    _assert_counters_zero("stream-K tile counters must be reset by every launch")
 
 
 @hopper
@@ -222,10 +236,9 @@ def test_hopper_stream_k_peek_or_slot_bitwise_repeatable():
                 bias = torch.randn(512, device="cuda", dtype=torch.float16)
                 first = _check(x, q, p, bias, cfg=cfg, ctas=ctas)
                 for _ in range(10):
-                    assert torch.equal(ops.matmul_impl(x, p, bias, cfg=cfg, ctas=ctas), first), (cfg.label(), m, ctas)
-    torch.cuda.synchronize()
-    for (dev, _), (_, counters) in launch._workspaces.items():
-        assert int(counters.abs().sum()) == 0, "stream-K tile counters must be reset by every launch"
+                    again = ops.matmul_impl(x, p, bias, cfg=cfg, ctas=ctas, workspace=_workspace())
+                    assert torch.equal(again, first), (cfg.label(), m, ctas)
+    _assert_counters_zero("stream-K tile counters must be reset by every launch")
 
 
 @hopper
@@ -470,7 +483,7 @@ def _odd_k_check(x, q, p, bias, seed, **kw):
     xr = x if p.perm is None else x[:, p.perm]
     ref = ref_matmul(xr, q, bias)
     _poison_allocator(x.shape[0], q.n, x.dtype)
-    out = ops.matmul_impl(x, p, bias, **kw)
+    out = ops.matmul_impl(x, p, bias, workspace=_workspace(), **kw)
     err = rel_err(out, ref)
     assert err < TOLERANCE[x.dtype], f"rel err {err}: k={q.k} n={q.n} m={x.shape[0]} group={q.group_size} " \
                                      f"asym={q.zeros is not None} {x.dtype} seed={seed} {kw}"
@@ -526,9 +539,7 @@ def test_odd_k_hopper_tiles_split_clusters_and_stream_k(k, group, sym, dtype, pe
                     ops.HopperConfig(16, 4, 1, 8, True)):
             for ctas in (None, 1, 7, 13, 100000):
                 _odd_k_check(x, q, p, bias, seed, cfg=cfg, ctas=ctas)
-    torch.cuda.synchronize()
-    for (dev, _), (_, counters) in launch._workspaces.items():
-        assert int(counters.abs().sum()) == 0, "tile counters must be reset by every launch"
+    _assert_counters_zero("tile counters must be reset by every launch")
 
 
 @hopper
@@ -593,10 +604,9 @@ def test_ragged_last_column_tile(n, group, sym, dtype, monkeypatch):
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         x = x if p.perm is None else x.index_select(1, p.perm).contiguous()  # the op's act-order gather
         buf = torch.full((m + 1, n), 7.0, device="cuda", dtype=dtype)
-        plan = ops.LaunchPlan.build(p, None, m, x.device, cfg, None if cfg.streamk else 1, None)
+        plan = ops.LaunchPlan.build(p, None, m, x.device, cfg, None if cfg.streamk else 1, None,
+                                    _workspace().counters)
         plan.launch(x.data_ptr(), buf.data_ptr())
         assert torch.all(buf[m] == 7.0), cfg.label()
         assert rel_err(buf[:m], ref_matmul(x, q, None)) < TOLERANCE[dtype], f"{cfg.label()} seed={seed}"
-    torch.cuda.synchronize()
-    for (dev, _), (_, counters) in launch._workspaces.items():
-        assert int(counters.abs().sum()) == 0, "tile counters must be reset by every launch"
+    _assert_counters_zero("tile counters must be reset by every launch")

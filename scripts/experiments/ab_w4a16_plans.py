@@ -22,6 +22,7 @@ import torch
 from tilefish.bench.timing import time_alternating_us
 from tilefish.ops import w4a16 as ops
 from tilefish.quant.int4 import quantize_rtn
+from tilefish.bench.timing import w4a16_workspace
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (8192, 8192),
           (8192, 57344), (28672, 8192)]
@@ -66,7 +67,7 @@ def main():
                     cfg = dataclasses.replace(cfg, staged=True)
                     chosen[label] = cfg.label()
                 if cfg is None or (n % cfg.bn == 0 and m <= (cfg.mt if isinstance(cfg, ops.SkinnyConfig) else m)):
-                    fns[label] = lambda cfg=cfg, sl=sl: ops.matmul_impl(x, p, cfg=cfg, slices=sl)
+                    fns[label] = lambda cfg=cfg, sl=sl: ops.matmul_impl(x, p, workspace=w4a16_workspace(x.device), cfg=cfg, slices=sl)
             if "auto" in fns and "auto-st" in fns:  # same sums in the same order: bitwise equal
                 assert torch.equal(fns["auto"](), fns["auto-st"]()), f"k{k} n{n} m{m}: auto-st differs from auto"
             us = time_alternating_us(fns, rounds=ROUNDS, per_round=PER_ROUND)

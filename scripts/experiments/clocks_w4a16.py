@@ -17,6 +17,7 @@ import torch
 
 from tilefish.ops import w4a16 as ops
 from tilefish.quant.int4 import quantize_rtn
+from tilefish.bench.timing import w4a16_workspace
 
 SECONDS = float(os.environ.get("CLOCKS_SECONDS", "2"))
 # (k, n, m, label): label a plan (ops.w4a16.parse_plan), "auto" or "cuBLAS".
@@ -47,7 +48,7 @@ def main():
             fn = lambda: torch.nn.functional.linear(x, deq)  # noqa: E731
         else:
             cfg, sl = (None, None) if label == "auto" else ops.parse_plan(label)
-            fn = lambda: ops.matmul_impl(x, p, cfg=cfg, slices=sl)  # noqa: E731
+            fn = lambda: ops.matmul_impl(x, p, workspace=w4a16_workspace(x.device), cfg=cfg, slices=sl)  # noqa: E731
         fn()
         torch.cuda.synchronize()
         times = []

@@ -9,6 +9,7 @@ import torch
 from tilefish import w4a16
 from tilefish.ops import w4a16 as ops
 from tilefish.quant.int4 import quantize_rtn
+from tilefish.bench.timing import w4a16_workspace
 
 if "--ncu" in sys.argv:  # a few launches of the cases worth looking at under ncu
     import os  # env NCU_CASES="m,k,n[,group[,plan]];...", group 128 unless given (-1: per channel); fp16
@@ -22,7 +23,7 @@ if "--ncu" in sys.argv:  # a few launches of the cases worth looking at under nc
         label = cfg.label() if cfg else ops.choose_config(m, n, k, 132, 90, group).label()
         print(f"m {m} k {k} n {n} g{group}: {label}", file=sys.stderr)
         for _ in range(3):  # ncu skips the first launches: they compile and warm up
-            ops.matmul_impl(x, p, cfg=cfg, slices=slices)
+            ops.matmul_impl(x, p, workspace=w4a16_workspace(x.device), cfg=cfg, slices=slices)
     torch.cuda.synchronize()
     sys.exit(0)
 
@@ -37,7 +38,7 @@ for label, m, k, n in CASES:
     torch.cuda.synchronize()
     print(f"== {label}: {ops.choose_config(m, n, k, 132, 90, 128).label()}")
     for name, fn in [("public matmul", lambda: w4a16.matmul(x, p)),
-                     ("matmul_impl", lambda: ops.matmul_impl(x, p)),
+                     ("matmul_impl", lambda: ops.matmul_impl(x, p, workspace=w4a16_workspace(x.device))),
                      ("validate", lambda: ops._validate(x, p, None)),
                      ("torch.nn.functional.linear", lambda: torch.nn.functional.linear(x, w))]:
         t0 = time.perf_counter()

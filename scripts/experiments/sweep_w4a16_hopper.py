@@ -11,6 +11,7 @@ import torch
 from tilefish.bench.timing import time_cuda
 from tilefish.ops import w4a16 as ops
 from tilefish.quant.int4 import quantize_rtn
+from tilefish.bench.timing import w4a16_workspace
 
 SHAPES = [(4096, 4096), (4096, 28672), (8192, 8192), (28672, 8192), (8192, 57344)]
 MS = [16, 32, 64, 128, 256, 1024, 4096]
@@ -28,8 +29,8 @@ def main():
             x = torch.randn(m, k, device="cuda", dtype=dt)
             reps = 10 if m >= 1024 else 20
             t_cublas = time_cuda(lambda: torch.nn.functional.linear(x, dense), reps=reps).median_ms
-            t_auto = time_cuda(lambda: ops.matmul_impl(x, p), reps=reps).median_ms
-            t_mma = time_cuda(lambda: ops.matmul_impl(x, p, cfg=ops.choose_mma_config(m, n, k, 132)), reps=reps).median_ms
+            t_auto = time_cuda(lambda: ops.matmul_impl(x, p, workspace=w4a16_workspace(x.device)), reps=reps).median_ms
+            t_mma = time_cuda(lambda: ops.matmul_impl(x, p, workspace=w4a16_workspace(x.device), cfg=ops.choose_mma_config(m, n, k, 132)), reps=reps).median_ms
             rows = []
             for cfg in ops.HOPPER_CONFIGS:
                 if n % cfg.bn or cfg.mt > max(32, 2 * m) or (m >= 128 and cfg.mt < 64):
@@ -39,7 +40,7 @@ def main():
                     if sl > k // 256 or tiles * sl > 8 * 132 or (sl > 1 and tiles >= 2 * 132):
                         continue
                     grid = {"ctas": sl} if cfg.streamk else {"slices": sl}  # stream-K configs: sl CTAs
-                    t = time_cuda(lambda: ops.matmul_impl(x, p, cfg=cfg, **grid), reps=reps).median_ms
+                    t = time_cuda(lambda: ops.matmul_impl(x, p, workspace=w4a16_workspace(x.device), cfg=cfg, **grid), reps=reps).median_ms
                     rows.append((t, cfg.label(), sl))
             rows.sort()
             auto_cfg = ops.choose_config(m, n, k, 132, 90, 128)  # the weights above: group 128

@@ -19,6 +19,7 @@ from tilefish.bench.timing import time_cuda
 from tilefish.ops import w4a16 as ops
 from tilefish.quant.int4 import quantize_rtn
 from tilefish.reference import dense_matmul, nf4_dequantize_fp32_chain, w4a16_matmul
+from tilefish.bench.timing import w4a16_workspace
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (8192, 8192),
           (8192, 57344), (28672, 8192)]
@@ -53,24 +54,24 @@ def main():
             x = torch.randn(m, k, device="cuda", dtype=dt)
             ref = dense_matmul(x, deq) if CODEBOOK == "nf4" else w4a16_matmul(x, q)
             t_cublas = time_cuda(lambda: torch.nn.functional.linear(x, deq), reps=30).median_ms
-            t_auto = time_cuda(lambda: ops.matmul_impl(x, p), reps=30).median_ms
+            t_auto = time_cuda(lambda: ops.matmul_impl(x, p, workspace=w4a16_workspace(x.device)), reps=30).median_ms
             peers = {}
             if m <= 16:
                 mma = ops.choose_mma_config(m, n, k, sms)
-                peers["mma"] = (mma.label(), time_cuda(lambda: ops.matmul_impl(x, p, cfg=mma), reps=30).median_ms * 1e3)
+                peers["mma"] = (mma.label(), time_cuda(lambda: ops.matmul_impl(x, p, workspace=w4a16_workspace(x.device), cfg=mma), reps=30).median_ms * 1e3)
             if m >= ops.HOPPER_MIN_M:
                 hcfg, hsl = ops.choose_hopper_plan(m, n, k, sms)
                 peers["wgmma"] = (f"{hcfg.label()} s{hsl}",
-                                  time_cuda(lambda: ops.matmul_impl(x, p, cfg=hcfg, slices=hsl), reps=30).median_ms * 1e3)
+                                  time_cuda(lambda: ops.matmul_impl(x, p, workspace=w4a16_workspace(x.device), cfg=hcfg, slices=hsl), reps=30).median_ms * 1e3)
             rows = []
             for cfg in ops.SKINNY_CONFIGS:
                 if m > cfg.mt or n % cfg.bn or (cfg.mt > 8 and m <= cfg.mt // 2 and cfg.mt != 16):
                     continue
                 for f in CTA_FACTORS:
                     ctas = None if f is None else f * sms
-                    y = ops.matmul_impl(x, p, cfg=cfg, ctas=ctas)
+                    y = ops.matmul_impl(x, p, workspace=w4a16_workspace(x.device), cfg=cfg, ctas=ctas)
                     err = rel_err(y, ref)
-                    t = time_cuda(lambda: ops.matmul_impl(x, p, cfg=cfg, ctas=ctas), reps=30).median_ms
+                    t = time_cuda(lambda: ops.matmul_impl(x, p, workspace=w4a16_workspace(x.device), cfg=cfg, ctas=ctas), reps=30).median_ms
                     rows.append((t, cfg.label(), f or cfg.ctas_per_sm, err))
             rows.sort()
             auto_cfg = ops.choose_config(m, n, k, sms, 90, p.group_size, dtype=dt, codebook=p.codebook)

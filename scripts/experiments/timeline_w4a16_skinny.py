@@ -20,6 +20,7 @@ from tilefish.bench.timing import flush_l2
 from tilefish.ops import w4a16 as ops
 from tilefish.quant.int4 import quantize_rtn
 from tilefish.runtime import get_kernel, i32, launch, tensor_map_2d
+from tilefish.bench.timing import w4a16_workspace
 
 CASES = [(4096, 4096), (8192, 8192), (28672, 8192)]
 if os.environ.get("SHAPES"):
@@ -88,7 +89,7 @@ def main():
                   f"max {max(c[8]):5.1f} | consumers' end p50 {q(c[5], .5):5.1f} p90 {q(c[5], .9):5.1f} max {max(c[5]):5.1f} | "
                   f"last entry {max(c[0]):5.1f} | last CTA: loop end {c[8][last]:5.1f}, hand-off {c[3][last]:5.1f}, "
                   f"counter {c[9][last]:5.1f}, fix_ready {c[10][last]:5.1f}, end {c[5][last]:5.1f}")
-            ref = ops.matmul_impl(x, w)
+            ref = ops.matmul_impl(x, w, workspace=w4a16_workspace(x.device))
             err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
             assert err < 1e-2, err
 

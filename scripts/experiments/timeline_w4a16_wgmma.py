@@ -68,14 +68,16 @@ def main():
         split = ctas if cfg.streamk else slices  # printed as x<split>
         ws = torch.zeros(slot_floats + ctas * 16, dtype=torch.float32, device="cuda")
         counters = torch.zeros(max(tiles, 4096), dtype=torch.int32, device="cuda")
-        launch._workspaces[(0, torch.cuda.current_stream().cuda_stream)] = (ws, counters)
-        for _ in range(3):
-            ops.matmul_impl(x, w, cfg=cfg, **grid)
+        plan = ops.LaunchPlan.build(w, None, m, x.device, cfg, grid.get("slices"), grid.get("ctas"))
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        run = lambda: plan._enqueue(x.data_ptr(), out.data_ptr(), ws.data_ptr(), counters.data_ptr())  # noqa: E731
+        for _ in range(3):  # the plan's launches on this script's scratch: the stamps go after the partials
+            run()
         spans = []
         for _ in range(9):
             flush_l2()
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record(); ops.matmul_impl(x, w, cfg=cfg, **grid); e.record(); e.synchronize()
+            s.record(); run(); e.record(); e.synchronize()
             tl = ws[slot_floats:].view(torch.int64).view(ctas, 8).cpu()
             rel = (tl - tl[:, 0].min()).float() / 1e3
             spans.append((s.elapsed_time(e) * 1e3, rel))
@@ -96,7 +98,6 @@ def main():
                   f"| last loop p50 {q([c[2][i] - c[7][i] for i in early], .5):5.1f} | last written p50 "
                   f"{q([c[5][i] - c[2][i] for i in range(ctas) if c[5][i] > 0], .5):4.2f} | exit - last written p50 "
                   f"{q([c[4][i] - c[5][i] for i in range(ctas) if c[5][i] > 0], .5):4.2f}", flush=True)
-        launch._workspaces.clear()
     launch.kernel_spec = spec_of
 
 

@@ -36,17 +36,18 @@ def dequantize(q: NF4Weight, dtype: torch.dtype | None = None, out: torch.Tensor
     return dequantize_impl(q, dtype, out)
 
 
-def matmul(x: torch.Tensor, w: NF4MatmulWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def matmul(x: torch.Tensor, w: NF4MatmulWeight, bias: torch.Tensor | None = None, *, workspace=None) -> torch.Tensor:
     """y = x @ dequantize(w)^T (+ bias), fused: the 4-bit codes are decoded inside the GEMM.
 
     x [..., k] float16/bfloat16 (w.dtype); w from prepare(). CUDA: the W4A16 kernels with NF4 codes
     (small-m stream-K, wgmma or mma.sync, chosen per shape); CPU: bitsandbytes' dequantization and a
     float64 matmul. Gradients reach x and bias; the weight is frozen. CUDA graphs and
-    torch.compile(fullgraph=True) work."""
+    torch.compile(fullgraph=True) work. workspace: a tilefish.w4a16.Workspace for repeated calls
+    (as in tilefish.w4a16.matmul)."""
     if not isinstance(w, NF4MatmulWeight) or (isinstance(x, torch.Tensor) and x.device.type == "cpu"):
         from .ops.nf4 import matmul_impl
 
         return matmul_impl(x, w, bias)
     from . import w4a16
 
-    return w4a16.matmul(x, w.kernel, bias)
+    return w4a16.matmul(x, w.kernel, bias, workspace=workspace)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from .ops.w4a16 import W4A16Weight, pack, unpack
+from .ops.w4a16 import W4A16Weight, Workspace, pack, unpack
 from .quant import int4 as _int4
 
-__all__ = ["W4A16Weight", "quantize", "matmul", "from_gptq", "from_awq", "pack", "unpack"]
+__all__ = ["W4A16Weight", "Workspace", "quantize", "matmul", "from_gptq", "from_awq", "pack", "unpack"]
 
 
 def quantize(w: torch.Tensor, group_size: int = 128, symmetric: bool = True, *,
@@ -48,16 +48,35 @@ def from_awq(qweight, qzeros, scales, *, group_size: int, dtype: torch.dtype | N
     return pack(w)
 
 
-def matmul(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def matmul(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = None, *,
+           workspace: Workspace | None = None) -> torch.Tensor:
     """y = x @ dequant(w)^T (+ bias). x [..., k] fp16/bf16 (CUDA: the tensor-core kernel; CPU: reference).
+
+    workspace: tile counters for the plans that split a tile between CTAs (small m), made once with
+    `Workspace(device)` and passed to every call; without one such a call zero-fills fresh counters
+    (one memset more). W4A16Linear owns its own.
 
     Autograd: gradients flow to x and bias (through the exactly dequantized weight), the same on CUDA,
     on CPU and under torch.compile; the 4-bit weight is frozen."""
+    return matmul_with_counters(x, w, bias, None if workspace is None else _counters(workspace))
+
+
+def matmul_with_counters(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None,
+                         counters: torch.Tensor | None) -> torch.Tensor:
+    """matmul with a layer's own tile counters (W4A16Linear), or None: eager calls run the op's
+    implementation directly (less host time); under torch.compile, and where autograd must record
+    the call, they go through the custom op."""
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
             getattr(x, "requires_grad", False) or (bias is not None and bias.requires_grad))):
         from .ops import library
 
-        return library.w4a16_matmul(x, w, bias)
+        return library.w4a16_matmul(x, w, bias, counters)
     from .ops.w4a16 import matmul_impl
 
-    return matmul_impl(x, w, bias)
+    return matmul_impl(x, w, bias, workspace=counters)
+
+
+def _counters(workspace) -> torch.Tensor:
+    if not isinstance(workspace, Workspace):
+        raise TypeError(f"workspace must be a tilefish.w4a16.Workspace, got {type(workspace).__name__}")
+    return workspace.counters

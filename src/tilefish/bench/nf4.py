@@ -374,6 +374,7 @@ def run_matmul(shapes=None, ms=None, dtypes=("bf16",), blocksize: int = 64, doub
     report = NF4Report(f"NF4 fused matmul ({quant}) vs cuBLAS, bitsandbytes matmul_4bit and {peer} "
                        f"(ratio = peer time / tilefish time){title_note}", ceilings)
     report.sections[MATMUL_FAMILY] = report.title
+    ws = w4_ops.Workspace(device)  # the tile counters a layer owns: no timed call zero-fills fresh ones
     report.notes.append(
         f"timed in {ROUNDS} alternating rounds (time_alternating_us), L2 flushed, median; {COOLDOWN_S} s idle after "
         f"each row whose cuBLAS time passes {HEAVY_MS} ms. rate: GB/s (weight codes + scales + x + out; % of the "
@@ -406,8 +407,8 @@ def run_matmul(shapes=None, ms=None, dtypes=("bf16",), blocksize: int = 64, doub
                     case = f"{dname} k{k} n{n} m{m}"
                     progress.step(case)
                     x = torch.randn(m, k, device=device, dtype=dt)
-                    fns = {OURS: lambda: nf4_ops.matmul_impl(x, p), CUBLAS: lambda: F.linear(x, dense),
-                           peer: lambda: w4_ops.matmul_impl(x, w4)}
+                    fns = {OURS: lambda: nf4_ops.matmul_impl(x, p, workspace=ws), CUBLAS: lambda: F.linear(x, dense),
+                           peer: lambda: w4_ops.matmul_impl(x, w4, workspace=ws)}
                     if bnb is not None:
                         fns[BNB] = lambda: bnb.matmul_4bit(x, packed_t, quant_state=state)
                     refs = {OURS: w_ref, BNB: w_ref, peer: w4_ref}
@@ -464,14 +465,14 @@ def host_cost_note(k: int = 4096, n: int = 4096, dtype: torch.dtype = torch.bflo
 
     from .. import nf4
     from ..nn import NF4Linear
-    from .timing import host_overhead_paired_us
+    from .timing import host_overhead_paired_us, w4a16_workspace
 
     dense = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=dtype)
     layer = NF4Linear.from_linear(dense, blocksize=blocksize, double_quant=double_quant)
     p = nf4.prepare(nf4.quantize(dense.weight, blocksize=blocksize, double_quant=double_quant), dtype)
     x = torch.randn(1, k, device="cuda", dtype=dtype)
     fns = {"F.linear": lambda: F.linear(x, dense.weight), "NF4Linear": lambda: layer(x),
-           "nf4.matmul": lambda: nf4.matmul(x, p)}
+           "nf4.matmul": lambda: nf4.matmul(x, p, workspace=w4a16_workspace(x.device))}
     bnb = _bnb_module()
     if bnb is not None:
         bnb_layer = bnb.nn.Linear4bit(k, n, bias=False, compute_dtype=dtype, quant_type="nf4",

@@ -9,6 +9,18 @@ from dataclasses import dataclass
 import torch
 
 _flush_buffers: dict[int, torch.Tensor] = {}
+_workspaces: dict[int, object] = {}
+
+
+def w4a16_workspace(device: torch.device):
+    """One W4A16 Workspace per device for the benchmarks' functional calls: the tile counters a
+    layer owns, so a timed call never includes the memset of fresh ones."""
+    from ..w4a16 import Workspace
+
+    index = torch.device(device).index or 0
+    if index not in _workspaces:
+        _workspaces[index] = Workspace(torch.device("cuda", index))
+    return _workspaces[index]
 _SPIN_CYCLES = 100_000  # ~50 us at H200 clocks
 # Before its timed calls every callable runs back to back for WARM_MS (at most WARM_MAX_CALLS
 # calls), so it is timed at its own sustained clocks. The H200's power controller takes 30-60 ms

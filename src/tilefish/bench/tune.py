@@ -101,10 +101,12 @@ def _resolved(plan, m, n, k, sm_count, clusters, group):
 
 def _call(x, w, plan):
     from ..ops.w4a16 import matmul_impl
+    from .timing import w4a16_workspace
 
+    ws = w4a16_workspace(x.device)  # the tile counters a layer owns: no timed call zero-fills fresh ones
     if plan.cfg.streamk:
-        return lambda: matmul_impl(x, w, cfg=plan.cfg, ctas=plan.ctas)
-    return lambda: matmul_impl(x, w, cfg=plan.cfg, slices=plan.slices)
+        return lambda: matmul_impl(x, w, cfg=plan.cfg, ctas=plan.ctas, workspace=ws)
+    return lambda: matmul_impl(x, w, cfg=plan.cfg, slices=plan.slices, workspace=ws)
 
 
 def tune(shapes=None, models=None, ms=DEFAULT_TUNE_M, dtypes=("fp16", "bf16"), groups=(128, -1),

@@ -9,7 +9,7 @@ import torch
 from . import shapes as model_shapes
 from .ceilings import copy_bandwidth_gbps
 from .report import Report, Row
-from .timing import host_overhead_paired_us, time_cuda, time_paired
+from .timing import host_overhead_paired_us, time_cuda, time_paired, w4a16_workspace
 
 # (k, n) of Llama-3 8B and 70B linears: the union of shapes.DEFAULT_MODELS' weights (tests check the two agree)
 DEFAULT_KN = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (8192, 8192),
@@ -113,6 +113,7 @@ def sweep(shapes=None, ms=None, dtype: str = "fp16", group: int = 128, reps: int
 
     dt = DTYPES[dtype]
     report = Report(f"W4A16 config sweep ({dtype}, group {group})")
+    ws = w4a16_workspace(torch.device("cuda"))
     kn, _, skipped = select_shapes(shapes, models) if shapes or models else (DEFAULT_KN[:4], {}, [])
     _skip_notes(report, skipped)
     for k, n in kn:
@@ -128,10 +129,10 @@ def sweep(shapes=None, ms=None, dtype: str = "fp16", group: int = 128, reps: int
                 for slices in (1, 2, 3, 4, 6, 8, 12, 16):
                     if slices > k // 128:
                         continue
-                    t = time_cuda(lambda: ops.matmul_impl(x, p, cfg=cfg, slices=slices), reps=reps).median_ms
+                    t = time_cuda(lambda: ops.matmul_impl(x, p, cfg=cfg, slices=slices, workspace=ws), reps=reps).median_ms
                     rows.append((t, cfg, slices))
             rows.sort(key=lambda r: r[0])
-            auto = time_cuda(lambda: ops.matmul_impl(x, p), reps=reps).median_ms
+            auto = time_cuda(lambda: ops.matmul_impl(x, p, workspace=ws), reps=reps).median_ms
             for t, cfg, slices in rows[:3]:
                 report.add(Row("w4a16", f"k{k} n{n} m{m}", f"{cfg.label()} x{slices}", t * 1e3, 0.0, "-", None,
                                {"cuBLAS": t_cublas / t}))
@@ -161,6 +162,7 @@ def run(shapes=None, ms=None, groups=(128, -1), dtypes=("fp16", "bf16"), reps: i
     print(warm_note, flush=True)
     copy = copy_bandwidth_gbps()
     report = Report("W4A16 GEMM vs cuBLAS (ratio = cuBLAS time / tilefish time)", {"copy GB/s": copy})
+    ws = w4a16_workspace(torch.device("cuda"))  # the tile counters a layer owns (no per-call memset)
     report.notes.append(f"tilefish and cuBLAS timed in alternating rounds (time_paired); {COOLDOWN_S} s idle "
                         f"after each case whose cuBLAS time passes {HEAVY_MS} ms")
     _skip_notes(report, skipped)
@@ -183,13 +185,13 @@ def run(shapes=None, ms=None, groups=(128, -1), dtypes=("fp16", "bf16"), reps: i
                     # the GPU (m >= 1024 on the big weights draws full power), a pause lets the
                     # clocks recover: else the next shape's m = 1 ran at throttled clocks (k28672
                     # n8192: 58-64 us in the table against 41 us in the sweeps).
-                    ours, cublas = time_paired(lambda: ops.matmul_impl(x, p),
+                    ours, cublas = time_paired(lambda: ops.matmul_impl(x, p, workspace=ws),
                                                lambda: torch.nn.functional.linear(x, dense), reps=reps)
                     t_ours, t_cublas = ours.median_ms, cublas.median_ms
                     ratios = {"cuBLAS": t_cublas / t_ours}
                     marlin_extra = {}
                     if marlin_w is not None:
-                        ours2, theirs = time_paired(lambda: ops.matmul_impl(x, p),
+                        ours2, theirs = time_paired(lambda: ops.matmul_impl(x, p, workspace=ws),
                                                     lambda: marlin.matmul(x, marlin_w.B, marlin_w.s,
                                                                           marlin_w.workspace), reps=reps)
                         ratios["Marlin"] = theirs.median_ms / ours2.median_ms
@@ -262,10 +264,11 @@ def host_cost_note(k: int = 4096, n: int = 4096, dtype: torch.dtype = torch.floa
     dense = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=dtype)
     layer = W4A16Linear.from_linear(dense, group_size=128)
     w = layer.weight4
-    x = torch.randn(1, k, device="cuda", dtype=dtype)
+    ws = w4a16.Workspace(x_device := torch.device("cuda"))
+    x = torch.randn(1, k, device=x_device, dtype=dtype)
     with torch.inference_mode():
         us = host_overhead_paired_us({"F.linear": lambda: F.linear(x, dense.weight), "W4A16Linear": lambda: layer(x),
-                                      "w4a16.matmul": lambda: w4a16.matmul(x, w)}, calls=400)
+                                      "w4a16.matmul": lambda: w4a16.matmul(x, w, workspace=ws)}, calls=400)
     return (f"host time per eager call (m=1, k={k}, n={n}, wrapper + launch, alternating rounds): "
             f"W4A16Linear {us['W4A16Linear']:.1f} us ({us['W4A16Linear'] / us['F.linear']:.2f}x F.linear), "
             f"w4a16.matmul {us['w4a16.matmul']:.1f} us, F.linear {us['F.linear']:.1f} us")

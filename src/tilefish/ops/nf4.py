@@ -282,8 +282,9 @@ def prepare(q: NF4Weight, dtype: torch.dtype | None = None) -> NF4MatmulWeight:
     return NF4MatmulWeight(kernel, q.blocksize, q.dtype, q.absmax, q.absmax_q, q.code2, q.absmax2, q.offset)
 
 
-def matmul_impl(x: torch.Tensor, w: NF4MatmulWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """CUDA: the W4A16 kernels with NF4 codes; CPU: bitsandbytes' dequantization then a float64 matmul."""
+def matmul_impl(x: torch.Tensor, w: NF4MatmulWeight, bias: torch.Tensor | None = None, workspace=None) -> torch.Tensor:
+    """CUDA: the W4A16 kernels with NF4 codes; CPU: bitsandbytes' dequantization then a float64 matmul.
+    workspace: as in ops.w4a16.matmul_impl."""
     if not isinstance(w, NF4MatmulWeight):
         if isinstance(w, NF4Weight):
             raise TypeError("nf4.matmul takes a prepared weight: w = tilefish.nf4.prepare(nf4_weight) once, then "
@@ -298,4 +299,4 @@ def matmul_impl(x: torch.Tensor, w: NF4MatmulWeight, bias: torch.Tensor | None =
         return dense_matmul(x.reshape(-1, w.k), dense, bias).reshape(*x.shape[:-1], w.n)
     from .w4a16 import matmul_impl as w4a16_matmul_impl
 
-    return w4a16_matmul_impl(x, w.kernel, bias)
+    return w4a16_matmul_impl(x, w.kernel, bias, workspace=workspace)

@@ -10,7 +10,9 @@
   dispatch.py    choose_plan / choose_config and the rules behind them: which kernel, configuration
                  and split
   tuned.py       measured plans per GPU (`tilefish tune`'s tables), which choose_plan takes first
-  launch.py      the op: matmul_impl, LaunchPlan, the launchers, workspaces; the A/B switches
+  launch.py      the op: matmul_impl, LaunchPlan, the launchers; the A/B switches
+  workspace.py   the launches' scratch: fp32 partials per call, tile counters owned by the caller
+                 (Workspace, a layer's buffer) and taken in turn by streams
 
 This package re-exports the names other code uses, so `ops.w4a16.X` keeps working. To patch or
 switch something for the op (tests, A/B scripts), set it on the module that reads it, e.g.
@@ -28,17 +30,18 @@ from .dispatch import (HOPPER_MIN_M, HOPPER_SLICES, MAX_HOPPER_SLICES, MIN_K_TIL
                        SKINNY_WIDE_N, SMALL_WEIGHT_NK, STREAMK_MAX_M, TINY_WEIGHT_NK, _fit_n, choose_config, choose_plan,
                        choose_hopper_config, choose_hopper_plan, choose_hopper_slices, choose_mma_config,
                        choose_skinny_config, choose_slices, dispatch_specs, skinny_fixup_trips)
-from .launch import (LaunchPlan, _device_clusters, _kernel, _separate_tail, _validate, _workspace,
-                     hopper_split_uses_clusters, matmul_impl, plan_for)
+from .launch import (LaunchPlan, _device_clusters, _kernel, _separate_tail, _validate, hopper_split_uses_clusters,
+                     matmul_impl, plan_for)
 from .layout import (BK, CODEBOOKS, DTYPES, NF4_NIBBLE_ORDER, W4A16Weight, _strip_permute, check_perm, check_shape,
                      pack, unpack)
 from .tuned import Plan, TunedTable, gpu_key
+from .workspace import LAYER_COUNTERS, Workspace, new_counters
 from .time_model import (FIXUP_PER_WAVE, HOPPER_TIME_MODEL, MODEL_LARGE_M, hopper_model_regime, hopper_plan_features,
                          hopper_plan_load, hopper_time_model, predicted_hopper_us, split_fits_clusters)
 
 # The launch path's switches and caches, not re-exported: a copy bound here would take a patch
 # that launch.py never sees.
-_LAUNCH_STATE = ("HOPPER_DSMEM_SPLIT", "HOPPER_SEPARATE_TAIL", "_kernels", "_workspaces", "_clusters_by_device", "_tables_by_device")
+_LAUNCH_STATE = ("HOPPER_DSMEM_SPLIT", "HOPPER_SEPARATE_TAIL", "_kernels", "_clusters_by_device", "_tables_by_device")
 
 
 def __getattr__(name: str):

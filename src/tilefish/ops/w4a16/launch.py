@@ -1,9 +1,9 @@
 """The W4A16 op: validate -> pick a plan (dispatch.py) -> get the kernel -> launch.
 
 matmul_impl is the op (CPU tensors: the float64 reference). A LaunchPlan holds every launch of one
-(weight, bias, m, device, stream), decided once: the configuration, grid, shared memory, workspace
-and every argument but x and the output; the launchers (_mma_launches, _hopper_launches,
-_skinny_launches) build it for each kernel.
+(weight, bias, m, device), decided once: the configuration, grid, shared memory, the scratch it needs
+(workspace.py) and every argument but x, the output and that scratch; the launchers (_mma_launches,
+_hopper_launches, _skinny_launches) build it for each kernel.
 
 Switches for A/Bs and sweeps live here, where they are read: set them on this module
 (tilefish.ops.w4a16.launch), not on the package, which only re-exports names.
@@ -22,26 +22,11 @@ from .configs import (HOPPER_BK, MAX_CLUSTER_SLICES, ONE_CTA_PER_SM_SMEM, SKINNY
 from .dispatch import choose_hopper_slices, choose_plan, choose_slices
 from .tuned import TunedTable, gpu_key, table_for
 from .layout import BK, CODEBOOKS, DTYPES, W4A16Weight, check_shape, unpack
+from .workspace import _lock as _workspace_lock
+from .workspace import check_counters, hand_over
 
 HOPPER_DSMEM_SPLIT = True  # False: every k split sums through the global workspace (A/B, sweeps)
 HOPPER_SEPARATE_TAIL = "rule"  # _separate_tail: "rule"; "never" / "always" (any partial wave that fits) for A/Bs
-
-
-# ---- workspace: per (device, stream) so concurrent streams never share counters ------------------------------
-
-_workspaces: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _workspace(device: torch.device, floats: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    key = (device.index, current_stream_handle(device.index))
-    ws = _workspaces.get(key)
-    if ws is None or ws[0].numel() < floats or ws[1].numel() < tiles:
-        old_f = 0 if ws is None else ws[0].numel()
-        old_t = 0 if ws is None else ws[1].numel()
-        ws = (torch.empty(max(floats, old_f, 1 << 20), dtype=torch.float32, device=device),
-              torch.zeros(max(tiles, old_t, 4096), dtype=torch.int32, device=device))
-        _workspaces[key] = ws
-    return ws
 
 
 # ---- the op ---------------------------------------------------------------------------------------------------
@@ -88,16 +73,18 @@ def _validate(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None) -> Non
 
 def matmul_impl(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = None,
                 cfg: GemmConfig | HopperConfig | SkinnyConfig | None = None, slices: int | None = None,
-                ctas: int | None = None) -> torch.Tensor:
+                ctas: int | None = None, workspace=None) -> torch.Tensor:
     """cfg: a configuration to force (sweeps, tests); None: the dispatcher's. slices: the k split of
     a tile kernel (mma.sync, wgmma tile mode); ctas: the grid of a stream-K one (skinny, wgmma
     streamk); None: the dispatcher's choice. Giving the one the plan's kernel does not take is a
-    ValueError (on CUDA, where the plan is made)."""
+    ValueError (on CUDA, where the plan is made). workspace: a workspace.Workspace, or the int32
+    tile counters a layer owns; None: fresh zeroed counters where the plan needs them."""
     _validate(x, w, bias)
     if slices is not None:
         _check_count("slices", slices)
     if ctas is not None:
         _check_count("ctas", ctas)
+    counters = getattr(workspace, "counters", workspace)
     flat = x.dim() == 2  # the common case: no reshape in or out (~2 us each)
     lead = x.shape[:-1]
     x2 = x if flat else x.reshape(-1, w.k)
@@ -111,6 +98,8 @@ def matmul_impl(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = Non
         return dense_matmul(x2, w.dequantize(torch.float64), bias).reshape(*lead, w.n)
     if x.device.type != "cuda":
         raise ValueError(f"W4A16 runs on CUDA or CPU tensors, not {x.device}")
+    if counters is not None:
+        check_counters(counters, x.device)
     x2 = x2.contiguous()
     if bias is not None:
         bias = bias.contiguous()  # the kernel reads bias[col] by pointer: a strided view gets an explicit copy
@@ -120,7 +109,7 @@ def matmul_impl(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = Non
         return out.reshape(*lead, w.n)
     if x2.data_ptr() % 16:  # an offset view: the kernels read x in 16-byte (TMA: aligned) pieces
         x2 = x2.clone()
-    LaunchPlan.build(w, bias, m, x.device, cfg, slices, ctas).launch(x2.data_ptr(), out.data_ptr())
+    LaunchPlan.build(w, bias, m, x.device, cfg, slices, ctas, counters).launch(x2.data_ptr(), out.data_ptr())
     return out if flat else out.reshape(*lead, w.n)
 
 
@@ -130,23 +119,31 @@ def _check_count(name: str, v) -> None:
 
 
 class LaunchPlan:
-    """The kernel launches of one (weight, bias, m, device, stream): the configuration, grid, shared
-    memory, workspace and every argument but x and the output, decided once. The op builds one a
-    call; W4A16Linear keeps one per input shape and stream, so an eager call only allocates the
-    output and launches (the per-call checks and choices were most of its host time)."""
+    """The kernel launches of one (weight, bias, m, device): the configuration, grid, shared memory,
+    the scratch they need and every argument but x, the output and that scratch, decided once. The
+    op builds one a call; W4A16Linear keeps one per input shape and stream, so an eager call only
+    allocates the output (and the plan's fp32 partials, if it has any) and launches.
 
-    __slots__ = ("launches", "keep", "m", "k", "dtype", "device_index")
+    Scratch (workspace.py): `partials` fp32 sums, allocated per launch; `tiles` counters, the
+    owner's `counters` when given and large enough (taken in turn by streams), else fresh zeros."""
 
-    def __init__(self, launches: list[tuple], keep: tuple, m: int, k: int, dtype: torch.dtype, device_index: int):
-        self.launches = launches  # (kernel, launch config, TMA box of x or None: x by pointer, args before out, after)
-        self.keep = keep          # tensors the arguments point into (weight, bias, workspace): kept alive
-        self.m, self.k, self.dtype, self.device_index = m, k, dtype, device_index
+    __slots__ = ("launches", "keep", "m", "k", "dtype", "device", "partials", "tiles", "counters")
+
+    def __init__(self, launches: list[tuple], keep: tuple, m: int, k: int, dtype: torch.dtype, device: torch.device,
+                 partials: int, tiles: int, counters: torch.Tensor | None):
+        self.launches = launches  # (kernel, launch config, TMA box of x or None: x by pointer, args before out,
+        #                            args after out and the two scratch pointers)
+        self.keep = keep          # tensors the arguments point into (weight, bias): kept alive
+        self.m, self.k, self.dtype, self.device = m, k, dtype, device
+        self.partials, self.tiles = partials, tiles  # fp32 partial sums, tile counters the launches need
+        self.counters = counters if counters is not None and tiles <= counters.numel() else None
 
     @classmethod
     def build(cls, w: W4A16Weight, bias: torch.Tensor | None, m: int, device: torch.device,
-              cfg=None, slices: int | None = None, ctas: int | None = None) -> "LaunchPlan":
+              cfg=None, slices: int | None = None, ctas: int | None = None,
+              counters: torch.Tensor | None = None) -> "LaunchPlan":
         """w and bias already validated (_validate), on `device` and contiguous; m >= 1. slices / ctas:
-        matmul_impl's."""
+        matmul_impl's; counters: owned tile counters (checked), or None."""
         for name, t in (("packed", w.packed), ("scales", w.scales), ("zeros", w.zeros)):
             if t is not None and (t.data_ptr() % 16 or not t.is_contiguous()):
                 raise ValueError(f"{name} must be contiguous and 16-byte aligned for the CUDA kernel")
@@ -162,18 +159,33 @@ class LaunchPlan:
         if not cfg.streamk and ctas is not None:
             raise ValueError(f"config {cfg.label()} splits k: it takes slices, not ctas (a stream-K grid)")
         if isinstance(cfg, HopperConfig):
-            launches, ws = _hopper_launches(cfg, m, w, bias, slices, ctas, info)
+            launches, partials, tiles = _hopper_launches(cfg, m, w, bias, slices, ctas, info)
         elif isinstance(cfg, SkinnyConfig):
-            launches, ws = _skinny_launches(cfg, m, w, bias, ctas, info)
+            launches, partials, tiles = _skinny_launches(cfg, m, w, bias, ctas, info)
         else:
-            launches, ws = _mma_launches(cfg, m, w, bias, slices, info)
-        return cls(launches, (w.packed, w.scales, w.zeros, bias) + ws, m, w.k, w.dtype, info.index)
+            launches, partials, tiles = _mma_launches(cfg, m, w, bias, slices, info)
+        return cls(launches, (w.packed, w.scales, w.zeros, bias), m, w.k, w.dtype, torch.device("cuda", info.index),
+                   partials, tiles, counters)
 
     def launch(self, x_ptr: int, out_ptr: int) -> None:
         """x_ptr: x as [m, k] contiguous, 16-byte aligned, on the plan's device; out_ptr: [m, n] contiguous."""
+        partials = torch.empty(self.partials, dtype=torch.float32, device=self.device) if self.partials else None
+        ws = 0 if partials is None else partials.data_ptr()
+        if not self.tiles:
+            self._enqueue(x_ptr, out_ptr, ws, 0)
+        elif self.counters is None:
+            fresh = torch.zeros(self.tiles, dtype=torch.int32, device=self.device)
+            self._enqueue(x_ptr, out_ptr, ws, fresh.data_ptr())
+        else:
+            index = self.device.index
+            with _workspace_lock:
+                hand_over(self.counters, index, current_stream_handle(index))
+                self._enqueue(x_ptr, out_ptr, ws, self.counters.data_ptr())
+
+    def _enqueue(self, x_ptr: int, out_ptr: int, ws_ptr: int, counters_ptr: int) -> None:
         for kern, config, box, head, tail in self.launches:
-            xa = x_ptr if box is None else tensor_map_rows(x_ptr, self.m, self.k, self.dtype, self.device_index, *box)
-            launch_prepared(kern, config, xa, *head, out_ptr, *tail)
+            xa = x_ptr if box is None else tensor_map_rows(x_ptr, self.m, self.k, self.dtype, self.device.index, *box)
+            launch_prepared(kern, config, xa, *head, out_ptr, ws_ptr, counters_ptr, *tail)
 
 
 def _weight_args(w: W4A16Weight, bias: torch.Tensor | None) -> tuple[int, int, int, int]:
@@ -192,12 +204,12 @@ def _mma_launches(cfg: GemmConfig, m: int, w: W4A16Weight, bias, slices: int | N
     tiles = n_tiles * m_tiles
     slices = slices or choose_slices(tiles, k_tiles, info.sm_count)
     slices = max(1, min(slices, k_tiles))
-    device = w.packed.device
-    ws, counters = _workspace(device, tiles * slices * cfg.bm * cfg.bn if slices > 1 else 0, tiles)
-    kern = _kernel(w.dtype, cfg, w.group_size, asym, device.index, w.codebook)
+    split = slices > 1
+    kern = _kernel(w.dtype, cfg, w.group_size, asym, w.packed.device.index, w.codebook)
     config = prepare_launch(kern, (m_tiles, n_tiles, slices), THREADS, _smem_bytes(cfg, w.group_size, asym))
-    tail = (ws.data_ptr(), counters.data_ptr(), i32(m), i32(w.n), i32(w.k), i32(slices))
-    return [(kern, config, None, _weight_args(w, bias), tail)], (ws, counters)
+    tail = (i32(m), i32(w.n), i32(w.k), i32(slices))
+    return ([(kern, config, None, _weight_args(w, bias), tail)], tiles * slices * cfg.bm * cfg.bn if split else 0,
+            tiles if split else 0)
 
 
 def _device_clusters(info) -> tuple[tuple[int, int], ...]:
@@ -279,23 +291,23 @@ def _hopper_launches(cfg: HopperConfig, m: int, w: W4A16Weight, bias, slices: in
     # through distributed shared memory, when all the clusters fit at once (a cluster must sit
     # inside one GPC; else the rest run as a second wave) and with one CTA an SM (a cluster whose
     # CTAs double up on SMs leaves others idle, much slower). Otherwise, for stream-K
-    # and for splits wider than a portable cluster, the slices sum through the global workspace.
-    device = w.packed.device
-    kern = _kernel(w.dtype, cfg, w.group_size, asym, device.index, w.codebook)
+    # and for splits wider than a portable cluster, the slices sum through fp32 partials in global memory.
+    kern = _kernel(w.dtype, cfg, w.group_size, asym, w.packed.device.index, w.codebook)
     smem = _smem_bytes(cfg, w.group_size, asym)
     cluster = 1
     if _split_runs_as_clusters(cfg, kern, tiles, slices, smem):
         grid, ws_floats, cluster, smem = (m_tiles * slices, n_tiles, 1), 0, slices, max(smem, ONE_CTA_PER_SM_SMEM)
-    ws, counters = _workspace(device, ws_floats, tiles)
+    counted = cfg.streamk or (slices > 1 and cluster == 1)  # the fixups that meet at a tile counter
     box = (cfg.mt, HOPPER_BK)
-    tail = (ws.data_ptr(), counters.data_ptr(), i32(m), i32(w.n), i32(w.k), i32(slices), i32(int(cluster > 1)))
+    tail = (i32(m), i32(w.n), i32(w.k), i32(slices), i32(int(cluster > 1)))
     head = _weight_args(w, bias)
+    scratch = (ws_floats, tiles if counted else 0)
     split = _separate_tail(cfg, tiles, slices, cluster, w.group_size, asym, info.sm_count)
     if split:
         return [(kern, prepare_launch(kern, tiles - split, cfg.threads, smem), box, head, tail + (i32(0),)),
                 (kern, prepare_launch(kern, split, cfg.threads, smem), box, head, tail + (i32(tiles - split),))], \
-            (ws, counters)
-    return [(kern, prepare_launch(kern, grid, cfg.threads, smem, cluster), box, head, tail + (i32(0),))], (ws, counters)
+            *scratch
+    return [(kern, prepare_launch(kern, grid, cfg.threads, smem, cluster), box, head, tail + (i32(0),))], *scratch
 
 
 def _separate_tail(cfg: HopperConfig, tiles: int, slices: int, cluster: int, group_size: int, asym: bool,
@@ -355,9 +367,7 @@ def _skinny_launches(cfg: SkinnyConfig, m: int, w: W4A16Weight, bias, ctas: int 
     tiles = w.n // cfg.bn
     units = tiles * -(-w.k // SKINNY_BK)  # k % 128 == 64: each tile's last stage is a half one
     ctas = max(1, min(ctas or info.sm_count * cfg.ctas_per_sm, units, 2**31 - 1))
-    device = w.packed.device
-    ws, counters = _workspace(device, ctas * 2 * cfg.mt * cfg.bn, tiles)
-    kern = _kernel(w.dtype, cfg, w.group_size, asym, device.index, w.codebook)
+    kern = _kernel(w.dtype, cfg, w.group_size, asym, w.packed.device.index, w.codebook)
     config = prepare_launch(kern, ctas, cfg.threads, _smem_bytes(cfg, w.group_size, asym))
-    tail = (ws.data_ptr(), counters.data_ptr(), i32(m), i32(w.n), i32(w.k))
-    return [(kern, config, (cfg.mt, 64), _weight_args(w, bias), tail)], (ws, counters)
+    tail = (i32(m), i32(w.n), i32(w.k))
+    return [(kern, config, (cfg.mt, 64), _weight_args(w, bias), tail)], ctas * 2 * cfg.mt * cfg.bn, tiles
