@@ -265,20 +265,28 @@ def fuse_projections(model: nn.Module, report: ConversionReport | None = None,
             setattr(parent, fused_name, fused)
             for i, p in enumerate(part_names):
                 setattr(parent, p, W4A16Slice(fused, i))
+            W4A16Slice.share_within(parent)
             report.fused[where] = full
     return report
 
 
-def dequantize_model(model: nn.Module) -> int:
+def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> int:
     """The inverse of quantize_model, in place: every W4A16Linear, NF4Linear and W4A16Slice becomes an
-    nn.Linear holding its exactly dequantized weight (in the original input order) and bias, in the
-    layer's dtype; fused layers are dropped. For export, and for telling the kernels' error from the
-    4-bit weights' (a quantized model against its dense twin). An NF4Linear gives bitsandbytes' exact
-    dequantization (fp32 value times fp32 block absmax, rounded once), which differs from what the
-    kernels multiply by (the absmax rounded to the activation dtype) by at most an ulp or so per
-    weight; a fused nf4 slice has only the latter. Returns how many layers it replaced."""
+    nn.Linear holding its exactly dequantized weight (in the original input order) and bias; fused
+    layers are dropped. For export, and for telling the kernels' error from the 4-bit weights' (a
+    quantized model against its dense twin). An NF4Linear gives bitsandbytes' exact dequantization
+    (fp32 value times fp32 block absmax, rounded once), which differs from what the kernels multiply
+    by (the absmax rounded to the activation dtype) by at most an ulp or so per weight; a fused nf4
+    slice has only the latter.
+
+    dtype: the new layers' dtype. Default: the dtype of the model's other floating-point parameters
+    (a quantized fp32 model's twin is fp32, so its forward runs as before), or each layer's own 16-bit
+    dtype where the model has no other. Returns how many layers it replaced."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
+    dtype = dtype or _dense_dtype(model)
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -290,7 +298,7 @@ def dequantize_model(model: nn.Module) -> int:
                 continue
             weight = child.weight.dequantize()
             linear = nn.Linear(child.in_features, child.out_features, bias=owner.bias is not None,
-                               device=weight.device, dtype=weight.dtype)
+                               device=weight.device, dtype=dtype or weight.dtype)
             with torch.no_grad():
                 linear.weight.copy_(weight)
                 if owner.bias is not None:
@@ -298,7 +306,14 @@ def dequantize_model(model: nn.Module) -> int:
             setattr(parent, name, linear)
             replaced += 1
     for parent in list(model.modules()):
+        W4A16Slice.stop_sharing(parent)
         for name, child in list(parent.named_children()):
             if isinstance(child, FusedW4A16Linear):
                 delattr(parent, name)
     return replaced
+
+
+def _dense_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype of the first floating-point parameter outside the 4-bit layers, or None."""
+    quantized = {id(t) for m in model.modules() if isinstance(m, W4A16Linear) for t in m.parameters()}
+    return next((p.dtype for p in model.parameters() if p.is_floating_point() and id(p) not in quantized), None)

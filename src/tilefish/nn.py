@@ -8,7 +8,7 @@ from torch import nn
 from . import nf4 as _nf4
 from . import w4a16 as _w4a16
 from .ops.nf4 import MATMUL_DTYPES, NF4MatmulWeight, check_matmul_shape, prepare
-from .ops.w4a16 import CODEBOOKS, W4A16Weight, check_perm, check_shape
+from .ops.w4a16 import CODEBOOKS, LAYER_COUNTERS, W4A16Weight, check_perm, check_shape, new_counters
 from .quant import nf4 as _nf4_format
 from .quant.nf4 import NF4Weight
 from .runtime import current_stream_handle
@@ -75,7 +75,7 @@ class _LayerPlan:
         self.out_shape = x.shape[:-1] + (w.n,)
         self.dtype, self.device, self.perm = x.dtype, x.device, w.perm
         bias = None if layer.bias is None else layer.bias.detach().contiguous()
-        self.plan = LaunchPlan.build(w, bias, self.m, x.device) if self.m else None
+        self.plan = LaunchPlan.build(w, bias, self.m, x.device, counters=layer.tile_counters) if self.m else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
@@ -93,6 +93,14 @@ class W4A16Linear(nn.Module):
       floating dtype (e.g. fp32) is cast to the layer's dtype and the result back.
     - Eager CUDA calls keep a launch plan per input shape and stream: the checks and the kernel
       choice happen on the first call, later calls only allocate the output and launch.
+    - The layer owns its scratch: `tile_counters` (a non-persistent buffer, made when the weight is
+      set or moved, never inside a call; ops/w4a16/workspace.py). Nothing it allocates inside a call
+      outlives the call, so eager, torch.compile in every mode (CUDA graph trees included) and
+      manual CUDA graphs all work.
+    - Casting (`.half()`, `.bfloat16()`, `.to(dtype)`) changes the activation dtype between fp16 and
+      bf16. A cast to any other dtype (`.float()`, `.double()`, `model.to(torch.float32)`) leaves the
+      layer's 16-bit tensors as they are: the kernels take 16-bit activations, and inputs of other
+      float dtypes are cast in and the result back.
     - Gradients flow to x (through the dequantized weight); the 4-bit weight itself is frozen.
     - `.weight` is a WeightInfo (dtype, device, shape, dequantize()), not a tensor.
     - codebook: what a 4-bit code means, "int4" ((q - zero) x scale) or "nf4" (NF4 value x scale,
@@ -115,6 +123,8 @@ class W4A16Linear(nn.Module):
         self.register_buffer("zeros", None if symmetric else torch.full((groups, out_features), 8, dtype=dtype, device=device))
         self.register_buffer("perm", torch.arange(in_features, device=device) if act_order else None)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        self.register_buffer("tile_counters", None, persistent=False)
+        self._sync_counters()
 
     # -- the weight ---------------------------------------------------------------------------------------------
     @property
@@ -130,10 +140,34 @@ class W4A16Linear(nn.Module):
         super().__setattr__(name, value)
         if name in _WEIGHT_FIELDS and "_plans" in self.__dict__:
             self._plans = {}  # the plans point into the replaced tensors
+            if name == "packed":
+                self._sync_counters()
+
+    def _sync_counters(self) -> None:
+        """The layer's tile counters live where its weight is: LAYER_COUNTERS zeroed int32 on a CUDA
+        device (taken in turn by the streams that call the layer), none elsewhere. Made here, when the
+        weight is set or moved, so a call never allocates scratch that outlives it."""
+        packed, counters = self._buffers.get("packed"), self._buffers.get("tile_counters")
+        if packed is None:
+            return
+        if packed.is_cuda:
+            if counters is None or counters.device != packed.device or counters.numel() != LAYER_COUNTERS:
+                self._buffers["tile_counters"] = new_counters(packed.device)
+        elif counters is None or counters.numel() or counters.device != packed.device:
+            self._buffers["tile_counters"] = torch.empty(0, dtype=torch.int32, device=packed.device)
 
     def _apply(self, fn, *args, **kwargs):
         self._plans = {}
-        return super()._apply(fn, *args, **kwargs)
+        old = self.scales.dtype
+        probe = fn(torch.empty(0, dtype=old, device=self.scales.device))
+        if probe.dtype != old and probe.dtype not in MATMUL_DTYPES:  # .float(), .double(): 16-bit tensors stay
+            move, device = fn, probe.device
+
+            def fn(t):
+                return t.to(device) if t.is_floating_point() else move(t)
+        result = super()._apply(fn, *args, **kwargs)
+        self._sync_counters()
+        return result
 
     def _set(self, w: W4A16Weight, bias: torch.Tensor | None) -> "W4A16Linear":
         if w.codebook != self.codebook:  # the codes would be read with the wrong table
@@ -221,13 +255,15 @@ class W4A16Linear(nn.Module):
         return self._forward_any(x)
 
     def _forward_any(self, x: torch.Tensor) -> torch.Tensor:
-        """Any input: other float dtypes are cast to the layer's and back; CPU runs the reference."""
+        """Any input, and every call under torch.compile (the custom op): other float dtypes are cast
+        to the layer's and back; CPU runs the reference."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"W4A16Linear expects a torch.Tensor, got {type(x).__name__}")
         dtype = self.scales.dtype
+        counters = self.tile_counters if self.tile_counters is not None and self.tile_counters.numel() else None
         if x.dtype != dtype and x.is_floating_point():
-            return _w4a16.matmul(x.to(dtype), self.weight4, self.bias).to(x.dtype)
-        return _w4a16.matmul(x, self.weight4, self.bias)
+            return _w4a16.matmul_with_counters(x.to(dtype), self.weight4, self.bias, counters).to(x.dtype)
+        return _w4a16.matmul_with_counters(x, self.weight4, self.bias, counters)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, codebook={self.codebook}, "
@@ -278,8 +314,8 @@ class NF4Linear(W4A16Linear):
       Linear4bit keys (weight, bias, weight.absmax, weight.quant_map, [weight.nested_absmax,
       weight.nested_quant_map,] weight.quant_state.bitsandbytes__nf4) and load_state_dict reads them.
     - `.weight.dequantize()` is bitsandbytes' exact dequantization. `.to(torch.float16 / bfloat16)`
-      rebuilds the kernel scales from the exact block scales; other dtypes are refused (the kernels
-      take 16-bit activations; fp32 inputs are cast in and out, as in W4A16Linear).
+      rebuilds the kernel scales from the exact block scales; a cast to another dtype (`.float()`)
+      keeps the kernel dtype, as in W4A16Linear (fp32 inputs are cast in and the result back).
     - The kernels tile out_features by 64 and in_features by 64 (and by the scale group, min(blocksize,
       128)): other shapes are a ValueError.
     """
@@ -361,13 +397,11 @@ class NF4Linear(W4A16Linear):
         # nn.Module.to / half / cuda apply `fn` to every tensor. The fp32 block scales must only move
         # (a 16-bit absmax would no longer be bitsandbytes' weight), and a new activation dtype
         # rebuilds the kernel scales from them (converting the old 16-bit scales would round twice).
+        # Another dtype than fp16 / bf16 (.float(), .double()) keeps the kernel dtype, as in W4A16Linear.
         old = self.scales.dtype
         target = fn(torch.empty(0, dtype=old, device=self.scales.device)).dtype
-        if target != old and target not in MATMUL_DTYPES:
-            raise TypeError(f"an NF4Linear runs float16 or bfloat16 activations (its kernel scales' dtype); it "
-                            f"cannot become {target}. Inputs of another float dtype need no conversion: they are "
-                            f"cast to {old} and the result back")
-        scales = self.matmul_weight.to(target).kernel.scales if target != old and not self.scales.is_meta else None
+        rebuild = target != old and target in MATMUL_DTYPES and not self.scales.is_meta
+        scales = self.matmul_weight.to(target).kernel.scales if rebuild else None
         state = {name: self._buffers.pop(name) for name in _NF4_STATE}
         try:
             result = super()._apply(fn, *args, **kwargs)
@@ -504,10 +538,13 @@ class FusedW4A16Linear(W4A16Linear):
     side along out_features, so one launch streams all of them. Each original module is replaced by a
     W4A16Slice that returns its columns of the shared result.
 
-    The parts of one input share one launch: the first part called on a tensor computes the whole
-    output, the others take their slices of it; once every part has taken its slice the result is
-    released. A part called on another tensor (or on the same one after an in-place change, in
-    eager mode) recomputes, so the answer never depends on call order."""
+    The parts share one launch while the module that holds them (the attention, the MLP: the slices'
+    parent, see W4A16Slice.share_within) runs its forward: the first part called on a tensor computes
+    the whole output, the others take their slices of it; the shared result is dropped when that
+    forward returns, so no tensor is carried from one call to the next (CUDA graph trees and
+    torch.compile see none; after a forward that raised, the next one starts afresh). A part called on another tensor (or on the same one after an in-place
+    change, in eager mode), or called outside its parent's forward, computes the whole output itself,
+    so the answer never depends on call order."""
 
     def __init__(self, in_features: int, split_sizes: list[int], **kwargs):
         super().__init__(in_features, sum(split_sizes), **kwargs)
@@ -517,21 +554,36 @@ class FusedW4A16Linear(W4A16Linear):
             bounds.append((a, a + s))
             a += s
         self.bounds = bounds
-        self._shared = None  # (input, its version, output, parts still to take their slice)
+        self._scope = None  # None: outside the parent's forward; True: inside, nothing computed; else (x, version, y)
 
     def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
-        shared = self._shared
-        compiling = torch.compiler.is_compiling()
-        if shared is None or shared[0] is not x or shared[3] == 0 or (not compiling and shared[1] != x._version):
-            y = self(x)
-            shared = (x, 0 if compiling else x._version, y, len(self.bounds))
-        left = shared[3] - 1
-        self._shared = None if left == 0 else (shared[0], shared[1], shared[2], left)
         a, b = self.bounds[index]
-        return shared[2][..., a:b]
+        scope = self._scope
+        if scope is None:
+            return self(x)[..., a:b]
+        compiling = torch.compiler.is_compiling()
+        if scope is True or scope[0] is not x or (not compiling and scope[1] != x._version):
+            scope = self._scope = (x, 0 if compiling else x._version, self(x))
+        return scope[2][..., a:b]
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", split_sizes={self.split_sizes}"
+
+
+def _open_shared_results(module: nn.Module, args) -> None:
+    """Forward pre-hook of a module holding W4A16Slices: its fused layers may share results from now (and
+    drop any result a forward that raised left behind)."""
+    for child in module.children():
+        if isinstance(child, W4A16Slice):
+            child.fused._scope = True
+
+
+def _close_shared_results(module: nn.Module, args, output) -> None:
+    """Forward hook: the shared results are dropped. (Not registered always_call: torch.compile guards on
+    that set's hook ids, so every decoder layer compiled on its own would compile again.)"""
+    for child in module.children():
+        if isinstance(child, W4A16Slice):
+            child.fused._scope = None
 
 
 class W4A16Slice(nn.Module):
@@ -544,6 +596,23 @@ class W4A16Slice(nn.Module):
         self.index = index
         self.in_features = fused.in_features
         self.out_features = fused.split_sizes[index]
+
+    @staticmethod
+    def share_within(parent: nn.Module) -> None:
+        """Let the slices that are `parent`'s children share one launch of their fused layer while
+        parent's forward runs (two forward hooks on parent, added once)."""
+        if _open_shared_results not in parent._forward_pre_hooks.values():
+            parent.register_forward_pre_hook(_open_shared_results)
+            parent.register_forward_hook(_close_shared_results)
+
+    @staticmethod
+    def stop_sharing(parent: nn.Module) -> None:
+        """Remove share_within's hooks from parent (its slices are gone)."""
+        for hooks, fn in ((parent._forward_pre_hooks, _open_shared_results),
+                          (parent._forward_hooks, _close_shared_results)):
+            for key in [key for key, hook in hooks.items() if hook is fn]:
+                del hooks[key]
+                parent._forward_hooks_always_called.pop(key, None)
 
     @property
     def weight(self) -> WeightInfo:
