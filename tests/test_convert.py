@@ -280,3 +280,44 @@ def test_dequantize_model_is_the_dense_twin():
     for a, b in zip(want, model(h)):
         assert rel_err(b, a) < 2e-3
 
+
+
+@pytest.mark.parametrize("cast", ["float", "double", "to_float32"])
+def test_cast_to_another_dtype_keeps_the_16bit_tensors(cast):
+    """.float() / .double() / .to(torch.float32) on a quantized model: the 4-bit layers keep their fp16
+    kernel dtype (a W4A16Linear and an NF4Linear alike), the rest of the model takes the cast, and the
+    model still runs, fp32 inputs cast in and out of the 4-bit layers."""
+    model = _model()
+    quantize_model(model, fuse=False)
+    nf4_layer = tilefish.nn.NF4Linear.from_linear(nn.Linear(256, 128).half())
+    before = {n: t.clone() for n, t in list(model.named_buffers()) + list(nf4_layer.named_buffers())}
+    for m in (model, nf4_layer):
+        getattr(m, cast)() if cast != "to_float32" else m.to(torch.float32)
+    target = torch.float64 if cast == "double" else torch.float32
+    assert model.lm_head.weight.dtype == target  # the dense layers follow the cast
+    q = model.layers[0].self_attn.q_proj
+    assert q.weight.dtype == torch.float16 and q.scales.dtype == torch.float16 and nf4_layer.scales.dtype == torch.float16
+    for n, t in list(model.named_buffers()) + list(nf4_layer.named_buffers()):
+        assert t.dtype == before[n].dtype and torch.equal(t, before[n]), n
+    h = torch.randn(2, 3, 256, dtype=target)
+    out = model(h)
+    assert out[0].dtype == target
+    x = torch.randn(4, 256, dtype=torch.float16)
+    assert torch.equal(q(x), W4A16Linear.from_weight(q.weight4)(x))  # the same layer as before the cast
+    assert nf4_layer(x).dtype == torch.float16
+
+
+def test_dequantize_model_of_an_fp32_model_stays_fp32():
+    """A quantized fp32 model (16-bit 4-bit layers inside): its dense twin is fp32 and runs."""
+    model = _model(dtype=torch.float32)
+    quantize_model(model, group_size=64)
+    h = torch.randn(2, 3, 256)
+    want = model(h)
+    dequantize_model(model)
+    assert model.layers[0].self_attn.q_proj.weight.dtype == torch.float32
+    for a, b in zip(want, model(h)):
+        assert a.dtype == b.dtype == torch.float32 and rel_err(b, a) < 5e-3
+    twin16 = _model(dtype=torch.float32)
+    quantize_model(twin16, group_size=64)
+    dequantize_model(twin16, dtype=torch.float16)
+    assert twin16.layers[0].self_attn.q_proj.weight.dtype == torch.float16
