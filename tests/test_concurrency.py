@@ -1,6 +1,6 @@
 """Concurrency: Python threads, each on its own CUDA stream, running different ops and shapes at once
 (W4A16 plans sharing one Workspace's tile counters, which the streams take in turn, or fresh counters;
-k splits and stream-K, the skinny kernel, a shared W4A16Linear's counters and per-stream plan cache,
+k splits and stream-K, the skinny kernel, the layers' shared counters, a shared W4A16Linear's plan cache,
 NF4, HGEMM, SGEMM): every output bit-identical to a serial run of
 the same calls, a hang fails the test (threads joined with a timeout). And CUDA-graph capture of a
 sequence of different ops on a side stream, replayed with new inputs, equal to eager results.
@@ -181,7 +181,7 @@ def test_threads_own_streams_bit_identical_to_serial(rep):
 
     _run_threads(worker, THREADS)
     torch.cuda.synchronize()
-    for counters in (_shared_workspace().counters, layer.tile_counters):
+    for counters in (_shared_workspace().counters, w4ops.layer_counters(layer.packed.device)):
         assert int(counters.abs().sum()) == 0, "tile counters must be back at zero after every launch"
 
 
@@ -209,7 +209,7 @@ def test_threads_shared_layer_plan_cache_new_streams(rep):
 
     _run_threads(worker, 8)
     torch.cuda.synchronize()
-    assert int(layer.tile_counters.abs().sum()) == 0, "the layer's tile counters must be back at zero"
+    assert int(w4ops.layer_counters(layer.packed.device).abs().sum()) == 0, "the layers' tile counters must be back at zero"
 
 
 @pytest.mark.parametrize("rep", range(REPEAT))

@@ -131,7 +131,7 @@ def test_oom_inside_ops_under_fraction_cap_then_recovers():
 def test_oom_allocating_a_calls_scratch_then_recovers():
     """A small-m call's fp32 partial sums (allocated per call, MiBs for the skinny / stream-K plans)
     cannot be allocated: OutOfMemoryError before anything launches, for the functional op and for a
-    layer; the layer's own tile counters stay zero, and later calls on that stream are correct."""
+    layer; the layers' tile counters stay zero, and later calls on that stream are correct."""
     g, q, p, _, _ = _setup(1)
     x = _rand(g, 8, 4096)
     ws = w4ops.Workspace("cuda")
@@ -151,7 +151,7 @@ def test_oom_allocating_a_calls_scratch_then_recovers():
             with pytest.raises(torch.OutOfMemoryError):
                 layer(x)
         s.synchronize()
-    assert int(layer.tile_counters.abs().sum()) == 0 and int(ws.counters.abs().sum()) == 0
+    assert int(w4ops.layer_counters(x.device).abs().sum()) == 0 and int(ws.counters.abs().sum()) == 0
     with torch.cuda.stream(s):
         again = w4a16.matmul(x, p, workspace=ws)
         via_layer = layer(x)

@@ -469,7 +469,7 @@ def _build_layer(name: str, tensors: dict[str, torch.Tensor], fmt: QuantFormat, 
     bias = None if bias is None else bias.to(dtype)
     if fmt.method == "gptq":
         return W4A16Linear.from_gptq(tensors["qweight"], tensors["qzeros"], scales, tensors.get("g_idx"), bias,
-                                     zero_convention=fmt.zero_convention)
+                                     zero_convention=fmt.zero_convention, group_size=fmt.group_size)
     return W4A16Linear.from_awq(tensors["qweight"], tensors["qzeros"], scales, bias, group_size=fmt.group_size)
 
 

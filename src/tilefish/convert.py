@@ -265,7 +265,7 @@ def fuse_projections(model: nn.Module, report: ConversionReport | None = None,
             setattr(parent, fused_name, fused)
             for i, p in enumerate(part_names):
                 setattr(parent, p, W4A16Slice(fused, i))
-            W4A16Slice.share_within(parent)
+            W4A16Slice.share_within(parent, part_names[0])
             report.fused[where] = full
     return report
 

@@ -8,12 +8,13 @@ from torch import nn
 from . import nf4 as _nf4
 from . import w4a16 as _w4a16
 from .ops.nf4 import MATMUL_DTYPES, NF4MatmulWeight, check_matmul_shape, prepare
-from .ops.w4a16 import CODEBOOKS, LAYER_COUNTERS, W4A16Weight, check_perm, check_shape, new_counters
+from .ops.w4a16 import CODEBOOKS, W4A16Weight, check_perm, check_shape, layer_counters, make_layer_counters
 from .quant import nf4 as _nf4_format
 from .quant.nf4 import NF4Weight
 from .runtime import current_stream_handle
 
 _WEIGHT_FIELDS = ("packed", "scales", "zeros", "perm", "bias")
+_KERNEL_CONSTANTS = ("group_size", "out_features", "in_features", "codebook")  # the op's non-tensor arguments
 MAX_PLANS = 64  # launch plans a layer keeps (one per input shape and stream); past this it starts afresh
 
 
@@ -75,7 +76,7 @@ class _LayerPlan:
         self.out_shape = x.shape[:-1] + (w.n,)
         self.dtype, self.device, self.perm = x.dtype, x.device, w.perm
         bias = None if layer.bias is None else layer.bias.detach().contiguous()
-        self.plan = LaunchPlan.build(w, bias, self.m, x.device, counters=layer.tile_counters) if self.m else None
+        self.plan = LaunchPlan.build(w, bias, self.m, x.device, counters=layer_counters(x.device)) if self.m else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
@@ -93,9 +94,9 @@ class W4A16Linear(nn.Module):
       floating dtype (e.g. fp32) is cast to the layer's dtype and the result back.
     - Eager CUDA calls keep a launch plan per input shape and stream: the checks and the kernel
       choice happen on the first call, later calls only allocate the output and launch.
-    - The layer owns its scratch: `tile_counters` (a non-persistent buffer, made when the weight is
-      set or moved, never inside a call; ops/w4a16/workspace.py). Nothing it allocates inside a call
-      outlives the call, so eager, torch.compile in every mode (CUDA graph trees included) and
+    - Scratch: the tile counters of split plans are shared by the layers of a device and made when a
+      weight is set on or moved to it, never inside a call (ops/w4a16/workspace.py). Nothing a call
+      allocates outlives it, so eager, torch.compile in every mode (CUDA graph trees included) and
       manual CUDA graphs all work.
     - Casting (`.half()`, `.bfloat16()`, `.to(dtype)`) changes the activation dtype between fp16 and
       bf16. A cast to any other dtype (`.float()`, `.double()`, `model.to(torch.float32)`) leaves the
@@ -123,8 +124,8 @@ class W4A16Linear(nn.Module):
         self.register_buffer("zeros", None if symmetric else torch.full((groups, out_features), 8, dtype=dtype, device=device))
         self.register_buffer("perm", torch.arange(in_features, device=device) if act_order else None)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
-        self.register_buffer("tile_counters", None, persistent=False)
-        self._sync_counters()
+        self._kernel_constants = (group_size, out_features, in_features, codebook)
+        make_layer_counters(self.packed.device)
 
     # -- the weight ---------------------------------------------------------------------------------------------
     @property
@@ -140,21 +141,17 @@ class W4A16Linear(nn.Module):
         super().__setattr__(name, value)
         if name in _WEIGHT_FIELDS and "_plans" in self.__dict__:
             self._plans = {}  # the plans point into the replaced tensors
-            if name == "packed":
-                self._sync_counters()
+            if name == "packed" and isinstance(value, torch.Tensor):
+                make_layer_counters(value.device)
+        elif name in _KERNEL_CONSTANTS and "_kernel_constants" in self.__dict__:
+            self._kernel_constants = tuple(getattr(self, n) for n in _KERNEL_CONSTANTS)
 
-    def _sync_counters(self) -> None:
-        """The layer's tile counters live where its weight is: LAYER_COUNTERS zeroed int32 on a CUDA
-        device (taken in turn by the streams that call the layer), none elsewhere. Made here, when the
-        weight is set or moved, so a call never allocates scratch that outlives it."""
-        packed, counters = self._buffers.get("packed"), self._buffers.get("tile_counters")
-        if packed is None:
-            return
-        if packed.is_cuda:
-            if counters is None or counters.device != packed.device or counters.numel() != LAYER_COUNTERS:
-                self._buffers["tile_counters"] = new_counters(packed.device)
-        elif counters is None or counters.numel() or counters.device != packed.device:
-            self._buffers["tile_counters"] = torch.empty(0, dtype=torch.int32, device=packed.device)
+    def __getstate__(self):
+        # copy.deepcopy / pickle: launch plans hold loaded kernels and raw pointers into this layer's
+        # tensors; a copy builds its own on its first call.
+        state = self.__dict__.copy()
+        state["_plans"] = {}
+        return state
 
     def _apply(self, fn, *args, **kwargs):
         self._plans = {}
@@ -166,7 +163,7 @@ class W4A16Linear(nn.Module):
             def fn(t):
                 return t.to(device) if t.is_floating_point() else move(t)
         result = super()._apply(fn, *args, **kwargs)
-        self._sync_counters()
+        make_layer_counters(self.packed.device)
         return result
 
     def _set(self, w: W4A16Weight, bias: torch.Tensor | None) -> "W4A16Linear":
@@ -230,8 +227,11 @@ class W4A16Linear(nn.Module):
 
     @classmethod
     def from_gptq(cls, qweight, qzeros, scales, g_idx=None, bias=None, *, zero_convention: str = "v1",
-                  dtype: torch.dtype | None = None) -> "W4A16Linear":
-        w = _w4a16.from_gptq(qweight, qzeros, scales, g_idx, zero_convention=zero_convention, dtype=dtype)
+                  group_size: int | None = None, dtype: torch.dtype | None = None) -> "W4A16Linear":
+        """group_size: the checkpoint's (None: inferred from the scales; one scale row reads as per-channel,
+        which a layer whose in_features is one group of 128 also has)."""
+        w = _w4a16.from_gptq(qweight, qzeros, scales, g_idx, zero_convention=zero_convention, group_size=group_size,
+                             dtype=dtype)
         return cls.from_weight(w, bias)
 
     @classmethod
@@ -260,9 +260,20 @@ class W4A16Linear(nn.Module):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"W4A16Linear expects a torch.Tensor, got {type(x).__name__}")
         dtype = self.scales.dtype
-        counters = self.tile_counters if self.tile_counters is not None and self.tile_counters.numel() else None
         if x.dtype != dtype and x.is_floating_point():
-            return _w4a16.matmul_with_counters(x.to(dtype), self.weight4, self.bias, counters).to(x.dtype)
+            return self._matmul(x.to(dtype)).to(x.dtype)
+        return self._matmul(x)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        counters = layer_counters(self.packed.device)
+        if torch.compiler.is_compiling():
+            # The op straight from the layer's tensors and one tuple of constants: everything read here
+            # is guarded at every call of the compiled graph (a W4A16Weight would add a guard a field).
+            from .ops.library import w4a16_matmul_op
+
+            group_size, n, k, codebook = self._kernel_constants
+            return w4a16_matmul_op(x, self.packed, self.scales, self.zeros, self.perm, self.bias, group_size, n, k,
+                                   codebook, counters)
         return _w4a16.matmul_with_counters(x, self.weight4, self.bias, counters)
 
     def extra_repr(self) -> str:
@@ -538,13 +549,12 @@ class FusedW4A16Linear(W4A16Linear):
     side along out_features, so one launch streams all of them. Each original module is replaced by a
     W4A16Slice that returns its columns of the shared result.
 
-    The parts share one launch while the module that holds them (the attention, the MLP: the slices'
-    parent, see W4A16Slice.share_within) runs its forward: the first part called on a tensor computes
-    the whole output, the others take their slices of it; the shared result is dropped when that
-    forward returns, so no tensor is carried from one call to the next (CUDA graph trees and
-    torch.compile see none; after a forward that raised, the next one starts afresh). A part called on another tensor (or on the same one after an in-place
-    change, in eager mode), or called outside its parent's forward, computes the whole output itself,
-    so the answer never depends on call order."""
+    The parts of one input share one launch: the first part called on a tensor computes the whole
+    output, the others take their columns of it, and once every part has taken its columns the result
+    is dropped; the forward of the module holding the parts also drops whatever is left when it
+    returns (W4A16Slice.share_within), so no tensor is carried from one forward to the next (CUDA
+    graph trees and torch.compile see none). A part called on another tensor (or on the same one after
+    an in-place change, in eager mode) recomputes, so the answer never depends on call order."""
 
     def __init__(self, in_features: int, split_sizes: list[int], **kwargs):
         super().__init__(in_features, sum(split_sizes), **kwargs)
@@ -554,36 +564,57 @@ class FusedW4A16Linear(W4A16Linear):
             bounds.append((a, a + s))
             a += s
         self.bounds = bounds
-        self._scope = None  # None: outside the parent's forward; True: inside, nothing computed; else (x, version, y)
+        self._shared = _SharedResult()
 
-    def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
-        a, b = self.bounds[index]
-        scope = self._scope
-        if scope is None:
-            return self(x)[..., a:b]
+    def __getstate__(self):
+        state = super().__getstate__()
+        state["_shared"] = _SharedResult()  # a copy shares no result with the original
+        return state
+
+    @property
+    def holds_result(self) -> bool:
+        """Whether a result is held for parts still to take their columns (never between forwards)."""
+        return self._shared.y is not None
+
+    def part(self, x: torch.Tensor, columns: tuple[int, int]) -> torch.Tensor:
+        """Columns [a, b) of this layer's output for x, computed once for all parts."""
+        shared = self._shared
         compiling = torch.compiler.is_compiling()
-        if scope is True or scope[0] is not x or (not compiling and scope[1] != x._version):
-            scope = self._scope = (x, 0 if compiling else x._version, self(x))
-        return scope[2][..., a:b]
+        if not shared.left or shared.x is not x or (not compiling and shared.version != x._version):
+            shared.x, shared.version, shared.y = x, 0 if compiling else x._version, self(x)
+            shared.left = len(self.split_sizes)
+        y = shared.y
+        shared.left -= 1
+        if not shared.left:
+            shared.clear()
+        a, b = columns
+        return y[..., a:b]
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", split_sizes={self.split_sizes}"
 
 
-def _open_shared_results(module: nn.Module, args) -> None:
-    """Forward pre-hook of a module holding W4A16Slices: its fused layers may share results from now (and
-    drop any result a forward that raised left behind)."""
-    for child in module.children():
-        if isinstance(child, W4A16Slice):
-            child.fused._scope = True
+class _SharedResult:
+    """A fused layer's result while its parts take their columns. A plain object, not module state:
+    torch.compile replays the updates of a compiled call after it, and a module's __setattr__ is
+    Python (slow at every decode step), a slot's is not."""
+
+    __slots__ = ("x", "version", "y", "left")
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self) -> None:
+        self.x = self.y = None
+        self.version = self.left = 0
 
 
-def _close_shared_results(module: nn.Module, args, output) -> None:
-    """Forward hook: the shared results are dropped. (Not registered always_call: torch.compile guards on
-    that set's hook ids, so every decoder layer compiled on its own would compile again.)"""
-    for child in module.children():
-        if isinstance(child, W4A16Slice):
-            child.fused._scope = None
+def _drop_shared_results(module: nn.Module, args, output) -> None:
+    """Forward hook of a module holding W4A16Slices: what its fused layers still hold is dropped (parts
+    the forward did not call). Reached through the slices it names, the paths the forward itself took,
+    so torch.compile adds no guard for another path to the same modules."""
+    for name in module._w4a16_slices:
+        getattr(module, name).fused._shared.clear()
 
 
 class W4A16Slice(nn.Module):
@@ -594,33 +625,34 @@ class W4A16Slice(nn.Module):
         super().__init__()
         object.__setattr__(self, "fused", fused)  # not a submodule: the parent registers it once
         self.index = index
+        self.columns = tuple(fused.bounds[index])
         self.in_features = fused.in_features
         self.out_features = fused.split_sizes[index]
 
     @staticmethod
-    def share_within(parent: nn.Module) -> None:
-        """Let the slices that are `parent`'s children share one launch of their fused layer while
-        parent's forward runs (two forward hooks on parent, added once)."""
-        if _open_shared_results not in parent._forward_pre_hooks.values():
-            parent.register_forward_pre_hook(_open_shared_results)
-            parent.register_forward_hook(_close_shared_results)
+    def share_within(parent: nn.Module, slice_name: str) -> None:
+        """After parent's forward, drop what the fused layer of parent's slice `slice_name` still holds
+        (one forward hook on parent, added once; one slice name per fused layer)."""
+        names = getattr(parent, "_w4a16_slices", ())
+        if slice_name not in names:
+            parent._w4a16_slices = names + (slice_name,)
+        if _drop_shared_results not in parent._forward_hooks.values():
+            parent.register_forward_hook(_drop_shared_results)
 
     @staticmethod
     def stop_sharing(parent: nn.Module) -> None:
-        """Remove share_within's hooks from parent (its slices are gone)."""
-        for hooks, fn in ((parent._forward_pre_hooks, _open_shared_results),
-                          (parent._forward_hooks, _close_shared_results)):
-            for key in [key for key, hook in hooks.items() if hook is fn]:
-                del hooks[key]
-                parent._forward_hooks_always_called.pop(key, None)
+        """Remove share_within's hook from parent (its slices are gone)."""
+        for key in [key for key, hook in parent._forward_hooks.items() if hook is _drop_shared_results]:
+            del parent._forward_hooks[key]
+        parent.__dict__.pop("_w4a16_slices", None)
 
     @property
     def weight(self) -> WeightInfo:
-        return WeightInfo(self.fused, tuple(self.fused.bounds[self.index]))
+        return WeightInfo(self.fused, self.columns)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fused.part(x, self.index)
+        return self.fused.part(x, self.columns)
 
     def extra_repr(self) -> str:
-        a, b = self.fused.bounds[self.index]
+        a, b = self.columns
         return f"columns {a}:{b} of a FusedW4A16Linear, in_features={self.in_features}, out_features={self.out_features}"

@@ -35,7 +35,7 @@ from .launch import (LaunchPlan, _device_clusters, _kernel, _separate_tail, _val
 from .layout import (BK, CODEBOOKS, DTYPES, NF4_NIBBLE_ORDER, W4A16Weight, _strip_permute, check_perm, check_shape,
                      pack, unpack)
 from .tuned import Plan, TunedTable, gpu_key
-from .workspace import LAYER_COUNTERS, Workspace, new_counters
+from .workspace import LAYER_COUNTERS, Workspace, layer_counters, make_layer_counters, new_counters
 from .time_model import (FIXUP_PER_WAVE, HOPPER_TIME_MODEL, MODEL_LARGE_M, hopper_model_regime, hopper_plan_features,
                          hopper_plan_load, hopper_time_model, predicted_hopper_us, split_fits_clusters)
 

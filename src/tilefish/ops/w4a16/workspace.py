@@ -7,10 +7,13 @@ the skinny kernel) needs two kinds of scratch:
   caching allocator: a temporary like any other, so stream order, CUDA-graph pools and graph trees
   handle it (eager, `torch.cuda.graph` capture and `torch.compile(mode="reduce-overhead")` alike).
 - tile counters (int32, one per output tile) that must read zero when the launch starts; every
-  kernel leaves them zero (kernels/w4a16/fixup.cuh). They belong to the caller: a W4A16Linear
-  allocates its own when its weight is set or moved (a buffer, never inside a call), and a
-  `Workspace` does the same for callers of the functional op. A call without counters of its own,
-  or whose plan needs more than it has, zero-fills fresh ones (one memset more).
+  kernel leaves them zero (kernels/w4a16/fixup.cuh). They belong to the caller: the layers of a
+  device share one set, made when the first layer's weight is set on or moved to that device
+  (`layer_counters`, never inside a call), and a `Workspace` is the same for callers of the
+  functional op. A call without counters, or whose plan needs more than they have, zero-fills fresh
+  ones (one memset more). One shared set, not one per layer: under torch.compile every tensor a
+  layer reads is a graph input whose guards are checked at every call (a decode step of a 32-layer
+  model checked 128 more tensors), and layers on one stream never overlap anyway.
 
 Nothing here is allocated lazily and kept: no tensor outlives the call that made it, except the
 counters, which their owner made before any call.
@@ -37,12 +40,29 @@ _lock = threading.Lock()
 _owners: dict[int, tuple[int, torch.cuda.Stream]] = {}
 
 
+_layer_counters: dict[int, torch.Tensor] = {}  # CUDA device index -> the counters its layers share
+
+
 def new_counters(device, slots: int = LAYER_COUNTERS) -> torch.Tensor:
-    """Zeroed tile counters on `device`, for a caller to own (a layer, a Workspace)."""
+    """Zeroed tile counters on `device`, for a caller to own (a Workspace, the layers of a device)."""
     counters = torch.zeros(slots, dtype=torch.int32, device=device)
     if counters.is_cuda:
         weakref.finalize(counters, _owners.pop, counters.data_ptr(), None)
     return counters
+
+
+def make_layer_counters(device: torch.device) -> None:
+    """Make the counters the layers on CUDA `device` share, if not made yet: called when a layer's
+    weight is set on or moved to the device, never inside a call."""
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        if index not in _layer_counters:
+            _layer_counters[index] = new_counters(torch.device("cuda", index))
+
+
+def layer_counters(device: torch.device) -> torch.Tensor | None:
+    """The counters the layers on `device` share, or None (not a CUDA device, or none made)."""
+    return _layer_counters.get(device.index) if device.type == "cuda" else None
 
 
 class Workspace:
