@@ -8,7 +8,8 @@ import importlib as _importlib
 
 _LAZY = ("nf4", "w4a16", "nn", "reference", "runtime", "ops", "quant", "bench", "convert", "checkpoint", "models")
 # Functions re-exported lazily: name -> submodule.
-_FUNCTIONS = {"quantize_model": "convert", "ConversionReport": "convert", "load_quantized": "checkpoint"}
+_FUNCTIONS = {"quantize_model": "convert", "ConversionReport": "convert", "load_quantized": "checkpoint",
+              "save_quantized": "export"}
 
 
 def __getattr__(name):  # submodules load on first use: `import tilefish` stays light
@@ -28,4 +29,4 @@ def __getattr__(name):  # submodules load on first use: `import tilefish` stays 
 
 
 __all__ = ["__version__", "nf4", "w4a16", "nn", "sgemm", "hgemm", "quantize_model", "load_quantized",
-           "ConversionReport"]
+           "save_quantized", "ConversionReport"]
