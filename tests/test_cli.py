@@ -6,9 +6,11 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,6 +83,122 @@ def test_compile_fails_a_hot_kernel_without_ptxas_report(monkeypatch, capsys):
     assert rc == 1 and "1 failure(s)" in out and "NO PTXAS REPORT" in out
 
 
+# ---- the command line itself: usage errors, the top-level help, and what the README says about it ---------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """name -> parser of every subcommand registered on the top-level parser."""
+    action, = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+@pytest.mark.parametrize("kind, content, why", [
+    ("missing", None, "No such file or directory"),
+    ("directory", None, "Is a directory"),
+    ("not JSON", "name,value\n1,2\n", "not JSON"),
+    ("binary", b"\x89PNG\r\n\x1a\n\xff\xfe\x00", "not a text file"),
+    ("JSON, not a report", '{"gpu": "H100", "rows": []}', "not a tilefish benchmark report (no 'title' field"),
+    ("a JSON list", "[1, 2]", "not a tilefish benchmark report"),
+    ("rows of another format", '{"title": "t", "rows": [{"shape": "4096"}]}', "not a tilefish benchmark report"),
+])
+def test_table_names_the_file_and_the_problem(tmp_path, capsys, kind, content, why):
+    """`tilefish table PATH` on something that is not a benchmark report: one line on stderr naming the file
+    and the problem, exit 2 (the usage-error status), nothing on stdout, no traceback."""
+    path = tmp_path / "run.json"
+    if kind == "directory":
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    assert cli.main(["table", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"tilefish table: {path}: ") and why in err, err
+
+
+def test_table_checks_every_file_before_printing(tmp_path, capsys):
+    good = tmp_path / "good.json"
+    rep = Report("a title")
+    rep.add(Row("nf4", "4096x4096", "tilefish", 10.0, 2000.0, "GB/s"))
+    rep.to_json(good, env={"gpu": "GPU0", "commit": "abc", "date": "2026-01-01"})
+    assert cli.main(["table", str(good)]) == 0
+    assert "**a title** — GPU0" in capsys.readouterr().out
+    assert cli.main(["table", str(good), str(tmp_path / "missing.json")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"tilefish table: {tmp_path / 'missing.json'}: No such file or directory\n"
+
+
+def test_table_error_through_the_entry_point(tmp_path):
+    r = run("table", str(tmp_path / "nowhere.json"), env=no_gpu_env())
+    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr
+    assert r.stderr.strip() == f"tilefish table: {tmp_path / 'nowhere.json'}: No such file or directory"
+
+
+def test_help_lists_every_subcommand_on_one_line(monkeypatch, capsys):
+    """`tilefish --help` names every registered subcommand with its one-line help (at 80 columns), and every
+    cmd_* function of the CLI is registered as one."""
+    monkeypatch.setenv("COLUMNS", "80")
+    action, = (a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {a.dest: a.help for a in action._choices_actions}
+    assert set(helps) == set(action.choices) and all(helps.values()), helps
+    assert {name[len("cmd_"):] for name in dir(cli) if name.startswith("cmd_")} == set(action.choices)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    for name, text in helps.items():
+        assert re.search(rf"^ +{name} +{re.escape(text)}$", out, re.M), (name, out)
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "two"])
+def test_jobs_must_be_a_positive_integer(monkeypatch, capsys, value):
+    """Every subcommand with --jobs / -j rejects 0, negatives and non-integers at parsing (exit 2), naming the
+    rule; a positive count parses to an int."""
+    with_jobs = [name for name, sp in subcommands(cli.build_parser()).items()
+                 if any("--jobs" in a.option_strings for a in sp._actions)]
+    assert with_jobs  # compile has it
+    for name in dir(cli):  # no command runs, whatever parses
+        if name.startswith("cmd_"):
+            monkeypatch.setattr(cli, name, lambda args: 0)
+    for cmd in with_jobs:
+        for argv in ([cmd, "--jobs", value], [cmd, f"--jobs={value}"], [cmd, "-j", value]):
+            with pytest.raises(SystemExit) as e:
+                cli.main(argv)
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and "--jobs" in err and "positive integer" in err and repr(value) in err, err
+        assert cli.build_parser().parse_args([cmd, "-j", "3"]).jobs == 3
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_quick_run_time_is_said_the_same_everywhere(monkeypatch, capsys):
+    """`tilefish bench --help` and the README give the quick run's time in the same words (cli.QUICK_RUN_TIME)."""
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    bench_help = _words(capsys.readouterr().out)
+    assert cli.QUICK_RUN_TIME in bench_help and "2 minutes" not in bench_help
+    assert cli.QUICK_RUN_TIME in _words((ROOT / "README.md").read_text())
+
+
+def test_readme_set_up_matches_ci():
+    """The README's first part stays short, shows both set-up commands, and its test command is what .ci/run
+    installs and runs."""
+    readme = (ROOT / "README.md").read_text()
+    first, sep, _ = readme.partition("\n## Set up\n")
+    assert sep and len(first.split()) < 200, len(first.split())
+    assert '```bash\npip install -e ".[bench,peers]" && tilefish bench\n```' in readme
+    extras, = re.findall(r'^pip install -e "\.\[([a-z,]+)\]" && pytest$', readme, re.M)
+    ci = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines() if ln.strip()
+          and not ln.lstrip().startswith("#")]
+    assert any(f'-e ".[{extras}]"' in ln for ln in ci) and ci[-1] == "pytest"
+
+
 # ---- `tilefish bench nf4`: flags, the suite's mapping, the matmul rows, the summary against the targets ----------
 
 
@@ -95,7 +213,7 @@ def parse(monkeypatch, *argv) -> argparse.Namespace:
 def test_bench_nf4_flags(monkeypatch):
     a = parse(monkeypatch, "bench", "nf4")
     assert (a.only, a.quick, a.m, a.dtypes, a.blocksize, a.single_quant) == (None, False, None, None, 64, False)
-    assert a.impls == ",".join(cli.E2E_IMPLS) and "tilefish-nf4" in a.impls.split(",")
+    assert a.impls is None and a.loops == "harness,generate"  # every variant of each loop
     a = parse(monkeypatch, "bench", "nf4", "--only", "matmul", "--quick", "--m", "1,16", "--dtypes", "bf16,fp16",
               "--blocksize", "128", "--single-quant", "--shapes", "4096x4096,8192x28672")
     assert (a.only, a.quick, a.m, a.dtypes, a.blocksize, a.single_quant) == ("matmul", True, "1,16", "bf16,fp16",
@@ -114,9 +232,25 @@ def test_bench_rejects_bad_flags(monkeypatch, capsys, argv):
 
 
 def test_cli_e2e_impls_match_the_bench():
-    from tilefish.bench import e2e
+    from tilefish.bench import e2e, e2e_generate
 
     assert cli.E2E_IMPLS == e2e.IMPLS and set(e2e.LABELS) == set(e2e.IMPLS)
+    assert cli.E2E_GENERATE_IMPLS == e2e_generate.IMPLS and set(e2e_generate.LABELS) == set(e2e_generate.IMPLS)
+
+
+def test_bench_e2e_loop_flags(monkeypatch):
+    a = parse(monkeypatch, "bench", "e2e", "--loops", "generate", "--new-tokens", "64", "--generate-batches", "1,8",
+              "--impls", "bf16,tinygemm")
+    assert (a.loops, a.new_tokens, a.generate_batches, a.impls) == ("generate", 64, "1,8", "bf16,tinygemm")
+
+
+@pytest.mark.parametrize("argv", [["--loops", "harness,bogus"], ["--new-tokens", "0"], ["--generate-batches", "0"],
+                                  ["--impls", "int3"]])
+def test_bench_e2e_rejects_bad_loop_flags(monkeypatch, capsys, argv):
+    monkeypatch.setattr(cli, "cmd_bench", lambda args: 0)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "e2e", *argv])
+    assert e.value.code == 2 and argv[0] in capsys.readouterr().err
 
 
 @pytest.fixture
@@ -374,9 +508,9 @@ def test_run_matmul_flags_a_wrong_result_and_a_failing_peer(cpu_matmul_bench, mo
     import tilefish.ops.w4a16
 
     real = tilefish.ops.nf4.matmul_impl
-    monkeypatch.setattr(tilefish.ops.nf4, "matmul_impl", lambda x, w, bias=None: real(x, w, bias) * 1.1)
+    monkeypatch.setattr(tilefish.ops.nf4, "matmul_impl", lambda x, w, bias=None, **kw: real(x, w, bias, **kw) * 1.1)
 
-    def broken(x, w, bias=None):
+    def broken(x, w, bias=None, **kw):
         raise RuntimeError("no kernel\nfor this")
 
     monkeypatch.setattr(tilefish.ops.w4a16, "matmul_impl", broken)

@@ -1,10 +1,15 @@
-"""tilefish command line: info | compile | bench | table | demo."""
+"""tilefish command line: info | compile | bench | tune | table | demo (`tilefish --help` lists them from the
+parser, with one line each)."""
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 from pathlib import Path
+
+# How long `tilefish bench` (no family, the quick run) takes: `tilefish bench --help` says it, and the README
+# states the same words (tests/test_cli.py checks both). Measured: 58 s wall on an H100 from a cold kernel cache.
+QUICK_RUN_TIME = "about a minute on an H100, compilation included"
 
 
 def _dir_size(path: Path) -> tuple[int, int]:
@@ -108,9 +113,22 @@ def cmd_compile(args) -> int:
     return 1 if failures else 0
 
 
-# bench e2e's variants (bench/e2e.py IMPLS; tests/test_cli.py checks that the two agree): kept here so that
-# parsing the command line imports no torch.
+# bench e2e's variants, of the harness loop (bench/e2e.py IMPLS) and of the generate() loop (bench/e2e_generate.py
+# IMPLS); tests/test_cli.py checks that they agree: kept here so that parsing the command line imports no torch.
 E2E_IMPLS = ("fp16", "w4a16", "nf4", "tilefish-nf4")
+E2E_GENERATE_IMPLS = ("fp16", "bf16", "w4a16", "w4a16-bf16", "tilefish-nf4", "nf4", "tinygemm")
+E2E_LOOPS = ("harness", "generate")
+
+
+def _positive_int(text: str) -> int:
+    """An int of 1 or more (compile --jobs)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer (1 or more), got {text!r}")
+    return value
 
 
 def _int_list(text: str) -> str:
@@ -257,11 +275,36 @@ def cmd_tune(args) -> int:
     return 0
 
 
-def cmd_table(args) -> int:
+def _load_report(path: str):
+    """(the Report in the benchmark JSON at path, None), or (None, a one-line reason it is not one: missing,
+    unreadable, not JSON, not a tilefish report)."""
+    import json
+
     from .bench.report import Report
 
-    for path in args.paths:
-        rep = Report.from_json(path)
+    try:
+        return Report.from_json(path), None
+    except OSError as e:  # missing, a directory, no permission
+        return None, e.strerror or e.__class__.__name__
+    except UnicodeDecodeError:
+        return None, "not a text file (expected a benchmark JSON, as `tilefish bench --json PATH` writes)"
+    except json.JSONDecodeError as e:
+        return None, f"not JSON ({e.msg} at line {e.lineno}, column {e.colno})"
+    except (KeyError, TypeError, AttributeError, ValueError) as e:  # JSON, but not the report's fields
+        what = f"no {e} field; " if isinstance(e, KeyError) else ""
+        return None, (f"not a tilefish benchmark report ({what}expected the JSON object `tilefish bench --json PATH` "
+                      f"writes, with 'title' and 'rows')")
+
+
+def cmd_table(args) -> int:
+    reports = []
+    for path in args.paths:  # every file read before anything is printed: a bad one is an error on its own
+        rep, why = _load_report(path)
+        if rep is None:
+            print(f"tilefish table: {path}: {why}", file=sys.stderr)
+            return 2
+        reports.append(rep)
+    for rep in reports:
         if args.plot:
             rep.plot(args.plot)
         env = getattr(rep, "environment", {})
@@ -290,19 +333,22 @@ def cmd_demo(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="tilefish", description=__doc__)
-    sub = p.add_subparsers(dest="cmd", required=True)
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line (main parses with it; the tests read its subcommands off it)."""
+    p = argparse.ArgumentParser(
+        prog="tilefish", description="Hand-written CUDA 4-bit matmul kernels for LLM inference, driven from "
+        "PyTorch: the command line.", epilog="`tilefish COMMAND --help` lists a command's flags.")
+    sub = p.add_subparsers(dest="cmd", required=True, title="commands", metavar="COMMAND")
     sub.add_parser("info", help="GPU, versions, kernel cache").set_defaults(fn=cmd_info)
     c = sub.add_parser("compile", help="compile every kernel variant (no GPU needed); print resources")
     c.add_argument("--arch", action="append", choices=["sm_80", "sm_86", "sm_89", "sm_90"],
                    help="target (repeatable); default sm_80 and sm_90")
     c.add_argument("--all", action="store_true", help="also the benchmark-only design-space variants")
-    c.add_argument("--jobs", "-j", type=int, default=1, help="parallel compile processes")
+    c.add_argument("--jobs", "-j", type=_positive_int, default=1, help="parallel compile processes (default 1)")
     c.set_defaults(fn=cmd_compile)
     b = sub.add_parser("bench", help="benchmark against peers and ceilings (needs a GPU)",
-                       description="Without a family: a quick run of every family (about 2 minutes on an H100, "
-                       "kernel compilation included) with a progress bar, then one summary screen; the JSON and "
+                       description=f"Without a family: a quick run of every family ({QUICK_RUN_TIME}) "
+                       "with a progress bar, then one summary screen; the JSON and "
                        "PNG of every family go to --out (default ./tilefish-results/<gpu>-<date>/). Ctrl-C "
                        "writes what was measured and exits 130. --full runs every family's complete sweep.")
     b.add_argument("family", nargs="?", choices=["nf4", "w4a16", "sgemm", "hgemm", "e2e"],
@@ -348,9 +394,18 @@ def main(argv=None) -> int:
                    "with --tp compiled)")
     e.add_argument("--model", default="auto", choices=["auto", "hf", "builtin"],
                    help="transformers' LlamaForCausalLM or tilefish.models.llama (default: hf when importable)")
-    e.add_argument("--impls", default=",".join(E2E_IMPLS), type=_choice_list(E2E_IMPLS),
-                   help="variants to time: fp16, w4a16 (tilefish), nf4 (bitsandbytes Linear4bit), tilefish-nf4 "
-                   f"(tilefish NF4, fused) (default {','.join(E2E_IMPLS)})")
+    e.add_argument("--impls", type=_choice_list(tuple(dict.fromkeys(E2E_IMPLS + E2E_GENERATE_IMPLS))),
+                   help="variants to time: fp16, bf16 (dense), w4a16 / w4a16-bf16 (tilefish), nf4 (bitsandbytes "
+                   "Linear4bit), tilefish-nf4 (tilefish NF4, fused), tinygemm (torch's int4 kernel, bf16); each loop "
+                   f"runs the ones it has (default: all; harness {','.join(E2E_IMPLS)}, generate "
+                   f"{','.join(E2E_GENERATE_IMPLS)})")
+    e.add_argument("--loops", default=",".join(E2E_LOOPS), type=_choice_list(E2E_LOOPS),
+                   help="harness: tilefish's own decode loop (each layer compiled, one CUDA graph a step); generate: "
+                   "Hugging Face's model.generate with the static cache and its own compile, as users run it "
+                   "(default both)")
+    e.add_argument("--new-tokens", type=_positive_int, default=128,
+                   help="generate loop: tokens generated per call (default 128)")
+    e.add_argument("--generate-batches", type=_int_list, help="generate loop: batch sizes (default 1,16)")
     e.add_argument("--tp", type=_int_list,
                    help="tensor-parallel sizes, e.g. 1,2: run under torchrun with one process per GPU "
                    "(torchrun --nproc_per_node 2 -m tilefish.cli bench e2e --tp 1,2); times fp16, w4a16 and "
@@ -360,13 +415,9 @@ def main(argv=None) -> int:
     b.add_argument("--json", help="write the report as JSON here (all families: the summary report, besides --out)")
     b.add_argument("--plot", help="write a PNG plot here (all families: the summary report's)")
     b.set_defaults(fn=cmd_bench)
-    t = sub.add_parser("table", help="print a benchmark JSON (bench/results/...) as a markdown table")
-    t.add_argument("paths", nargs="+")
-    t.add_argument("--plot", help="also draw the (last) JSON as a PNG here")
-    t.set_defaults(fn=cmd_table)
-    sub.add_parser("demo", help="a short worked example").set_defaults(fn=cmd_demo)
-    u = sub.add_parser("tune", help="measure the W4A16 plans of your model's weights on this GPU and keep the "
-                                    "fastest (the dispatcher then takes them on this GPU)")
+    u = sub.add_parser("tune", help="time your weights' W4A16 plans on this GPU, keep the fastest",
+                       description="Measure the W4A16 plans of your model's weights on this GPU and keep the "
+                       "fastest (the dispatcher then takes them on this GPU).")
     u.add_argument("--models", type=_model_names,
                    help="comma-separated models of `tilefish bench w4a16 --list-models`, or 'all' "
                         "(default: the Llama-3 set)")
@@ -380,7 +431,18 @@ def main(argv=None) -> int:
     u.add_argument("--cublas", action="store_true", help="also time cuBLAS on each case (printed ratio)")
     u.add_argument("--out", help="write the table here instead of the kernel cache's per-GPU table")
     u.set_defaults(fn=cmd_tune)
-    args = p.parse_args(argv)
+    t = sub.add_parser("table", help="print a benchmark JSON (bench/results/...) as markdown")
+    t.add_argument("paths", nargs="+", metavar="PATH",
+                   help="a benchmark JSON (`tilefish bench --json`, bench/results/<gpu>/*.json)")
+    t.add_argument("--plot", help="also draw the (last) JSON as a PNG here")
+    t.set_defaults(fn=cmd_table)
+    sub.add_parser("demo", help="a short worked example: NF4 round trip of a 4096x4096 weight").set_defaults(
+        fn=cmd_demo)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     args.shapes = _parse_shapes(getattr(args, "shapes", None))
     return args.fn(args)
 
