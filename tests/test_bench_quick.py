@@ -16,6 +16,7 @@ import torch
 
 from tilefish import cli
 from tilefish.bench import e2e as bench_e2e
+from tilefish.bench import e2e_generate as bench_e2e_generate
 from tilefish.bench import nf4 as bench_nf4
 from tilefish.bench import progress, quick, suites
 from tilefish.bench import w4a16 as bench_w4a16
@@ -44,9 +45,9 @@ def test_quick_plan_is_small_covers_every_family_and_fits_two_minutes():
     cases = [c for s in steps for c in s.cases]
     assert {s.family for s in steps} == FAMILIES
     assert all(s.cases for s in steps) and 20 <= len(cases) <= 60
-    # the estimate the ETA starts from: measurements, plus compiling ~40 kernels on 16 cores, inside 2 minutes
-    # with room for the process start and the writing of the results
-    assert sum(c.weight for c in cases) + quick.compile_s(40, 16) < 90
+    # the estimate the ETA starts from: measurements (the e2e step's two generate() compiles the largest part),
+    # plus compiling ~40 kernels on 16 cores, inside 2 minutes with room for the process start and the writing
+    assert sum(c.weight for c in cases) + quick.compile_s(40, 16) < 110
     full = quick.full_plan(parse("--full"))
     by_family = lambda plan: {f: sum(len(s.cases) for s in plan if s.family == f) for f in FAMILIES}  # noqa: E731
     assert all(by_family(full)[f] >= by_family(steps)[f] for f in FAMILIES)
@@ -220,6 +221,14 @@ def fake_bench(monkeypatch):
                         {"fp16": 1.8}))
         return rep
 
+    def generate_run(layers, batches, impls, new_tokens, report, **kw):
+        calls.append(("e2e-generate", dict(layers=layers, batches=batches, impls=impls, new_tokens=new_tokens)))
+        for b in batches:
+            report.add(Row("e2e", f"generate decode b{b}", "fp16", 2500.0, 400.0, "tok/s", None, {}))
+            report.add(Row("e2e", f"generate decode b{b}", "tilefish w4a16", 1400.0, 700.0, "tok/s", None,
+                           {"fp16": 1.7}))
+        return report
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr("tilefish.bench.report.environment", lambda: {"gpu": H100.name, "commit": "test"})
     monkeypatch.setattr("tilefish.runtime.device_info", lambda *a: H100)
@@ -229,6 +238,7 @@ def fake_bench(monkeypatch):
     monkeypatch.setattr(quick, "sgemm_auto", gemm("sgemm"))
     monkeypatch.setattr(quick, "hgemm_auto", gemm("hgemm"))
     monkeypatch.setattr(bench_e2e, "run", e2e_run)
+    monkeypatch.setattr(bench_e2e_generate, "run", generate_run)
     # the kernels: a fake list, "compiled" by a fake warm-up that reports each one
     monkeypatch.setattr(quick, "w4a16_kernels", lambda info, shapes, ms, dtypes, group, codebooks=("int4",):
                         [("w4a16", d, k, n, m, cb) for d in dtypes for k, n in shapes for m in ms for cb in codebooks])
@@ -252,7 +262,7 @@ def test_quick_run_end_to_end(fake_bench, tmp_path, capsys):
     assert cli.main(["bench", "--out", str(out)]) == 0
     screen, err = capsys.readouterr()
     fams = [c[0] for c in fake_bench.calls]
-    assert fams == ["w4a16", "nf4", "nf4_matmul", "sgemm", "hgemm", "e2e"]
+    assert fams == ["w4a16", "nf4", "nf4_matmul", "sgemm", "hgemm", "e2e", "e2e-generate"]
     assert fake_bench.warmed and len(fake_bench.warmed[0]) > 10  # every step's kernels, once, before timing
     # progress: one line per case on stderr (not a terminal), counting across families up to the total
     total = sum(len(s.cases) for s in quick.quick_plan(parse()))
@@ -270,6 +280,7 @@ def test_quick_run_end_to_end(fake_bench, tmp_path, capsys):
     assert "matmul vs W4A16 (int4, same group), m>=256" in screen
     assert "auto (best ladder step) vs cuBLAS" in screen and "auto vs cuBLAS, LLM projections" in screen
     assert "tilefish w4a16 vs fp16, compiled decode b1" in screen and "1.80x  900 tok/s" in screen
+    assert "tilefish w4a16 vs fp16, generate decode b1" in screen and "1.70x  700 tok/s" in screen  # the user's loop
     assert "checks: no failed output check" in screen and "INTERRUPTED" not in screen
     # the results: a JSON per family, summary.json with the headlines, tables.txt
     for fam in FAMILIES:
@@ -386,7 +397,7 @@ def test_a_failing_family_costs_neither_the_others_nor_its_rows(fake_bench, tmp_
     monkeypatch.setattr(quick, "sgemm_auto", broken)
     assert cli.main(["bench", "--out", str(tmp_path)]) == 1
     screen = capsys.readouterr().out
-    assert [c[0] for c in fake_bench.calls][-2:] == ["hgemm", "e2e"]  # the families after it still ran
+    assert [c[0] for c in fake_bench.calls][-3:] == ["hgemm", "e2e", "e2e-generate"]  # the families after it ran
     assert "SGEMM auto vs cuBLAS FAILED (RuntimeError: no kernel image)" in screen
     assert len(json.loads((tmp_path / "sgemm.json").read_text())["rows"]) == 1
     assert "RuntimeError: no kernel image" in (tmp_path / "log.txt").read_text()

@@ -337,3 +337,23 @@ def test_run_on_gpu(kind):
     assert len(rep.rows) == 2 * 3 * impls, rep.notes
     assert not [n for n in rep.notes if "FAILED" in n or "LARGE" in n], rep.notes
     assert all(r.time_us > 0 and r.metric > 0 for r in rep.rows)
+
+
+@pytest.mark.gpu
+def test_generate_client_on_gpu():
+    """The generate() client on a tiny config: every variant that can run here gives a row per batch
+    size with its wall / GPU / host split, the 4-bit ones a ratio to their dense dtype, nothing fails."""
+    pytest.importorskip("transformers")
+    from tilefish.bench import e2e_generate
+
+    impls = [i for i in e2e_generate.IMPLS if e2e_generate.unavailable(i) is None]
+    rep = e2e_generate.run(batches=(1, 3), impls=impls, new_tokens=6, prompt=5, reps=1, config=TINY)
+    assert not [n for n in rep.notes if "FAILED" in n], rep.notes
+    assert sorted((r.extra["impl_key"], r.extra["batch"]) for r in rep.rows) == sorted(
+        (i, b) for i in impls for b in (1, 3))
+    for r in rep.rows:
+        assert r.extra["ms_per_token"] > 0 and r.extra["gpu_ms_per_token"] is not None, r
+        dense = e2e_generate.LABELS[e2e_generate.DENSE[e2e_generate.DTYPES[r.extra["impl_key"]]]]
+        assert r.impl == dense or dense in r.ratios, (r.impl, r.ratios)
+    errs = [r.extra["logits_rel_err_vs_dense"] for r in rep.rows if r.extra["logits_rel_err_vs_dense"] is not None]
+    assert errs and max(errs) < 0.5, errs  # two layers of 4-bit rounding, far from unrelated logits (~1.4)

@@ -2,7 +2,8 @@
 
 The default is the quick run: a representative handful of cases per family (QUICK_* below), each through
 the family's own bench function (bench/w4a16.py, nf4.py, hgemm.py's comparison, e2e.py; SGEMM's auto rows
-with bench/sgemm.py's helpers), sized to finish in about 2 minutes on an H100, kernel compilation included.
+with bench/sgemm.py's helpers), sized to finish in cli.QUICK_RUN_TIME (about a minute on an H100, compilation
+included: the words `tilefish bench --help` and the README use).
 `--full` runs each family's complete default sweep instead (what `tilefish bench` ran before: suites.FAMILIES
 with no family named). Either way:
 
@@ -53,8 +54,12 @@ QUICK_SGEMM_SIZES = (1024, 2048, 4096)
 QUICK_HGEMM = [((4096, 4096, 4096), False, ""), ((8192, 8192, 8192), False, ""), ((16, 14336, 4096), True, "llm ")]
 QUICK_HGEMM_DTYPE = "fp16"
 # e2e: the Llama-3-8B-shaped decoder at 8 layers, fp16 against tilefish W4A16, compiled (torch.compile per
-# layer + CUDA graph), decode batch 1.
+# layer + CUDA graph), decode batch 1; and the same model through HF's generate() (static cache, its own
+# compile: the user's loop), 64 new tokens at batch 1.
 QUICK_E2E = dict(layers=8, batches=[1], prefill=[], modes=["compiled"], impls=["fp16", "w4a16"])
+QUICK_GENERATE = dict(batches=[1], impls=["fp16", "w4a16"], new_tokens=64)
+GENERATE_REPS = 3         # generate() calls timed per length (each is a whole generation)
+GENERATE_COMPILE_S = 1.5
 
 FAMILY_ORDER = ("w4a16", "nf4", "sgemm", "hgemm", "e2e")
 FAMILY_NAMES = {"w4a16": "W4A16 GEMM (int4 weights, fp16/bf16 activations)", "nf4": "NF4 (bitsandbytes-format weights)",
@@ -329,8 +334,9 @@ def _gemm_kernels(info, family: str, shapes, steps=("auto",), dtype: str = "fp16
 E2E_LINEARS = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
 
 
-def _e2e_step(args, layers, batches, prefill, modes, impls, title_note, reps) -> Step:
-    from . import e2e
+def _e2e_step(args, layers, batches, prefill, modes, impls, title_note, reps, generate=None) -> Step:
+    """generate: e2e_generate.run's batches / impls / new_tokens for its rows in the same report, or None."""
+    from . import e2e, e2e_generate
 
     timed = [i for i in e2e.IMPLS if i in impls]
     cases, first = [], True
@@ -343,6 +349,11 @@ def _e2e_step(args, layers, batches, prefill, modes, impls, title_note, reps) ->
             for impl in timed:
                 cases.append(Case(f"{mode} {'decode b' if size in batches else 'prefill '}{size} {impl}",
                                   per_impl[impl] / (len(modes) * (len(batches) + len(prefill)))))
+    for batch in (generate or {}).get("batches", []):
+        for impl in generate["impls"]:
+            calls = 2 + 2 * GENERATE_REPS + 2  # warm-ups, timed N and 1 tokens, the profiled pair
+            cases.append(Case(f"generate b{batch} {impl}", 1.0 + 0.25 * layers + GENERATE_COMPILE_S * layers
+                              + calls * generate["new_tokens"] * (layers * 250e-6 + 1.5e-3)))
 
     def kernels(info):
         ms = sorted(set(batches) | set(prefill) | {e2e.CHECK_TOKENS})
@@ -353,10 +364,14 @@ def _e2e_step(args, layers, batches, prefill, modes, impls, title_note, reps) ->
             specs += w4a16_kernels(info, E2E_LINEARS, ms, ["fp16"], 64, ("nf4",))
         return specs
 
-    return Step("e2e", "End-to-end decoder", cases,
-                lambda: e2e.run(layers=layers, batches=batches, prefill=prefill, modes=modes, impls=impls,
-                                model=args.model, reps=reps, title_note=title_note),
-                kernels, lambda r: True)
+    def run():
+        report = e2e.run(layers=layers, batches=batches, prefill=prefill, modes=modes, impls=impls,
+                         model=args.model, reps=reps, title_note=title_note)
+        if generate and e2e._has_transformers():
+            e2e_generate.run(layers=layers, report=report, reps=GENERATE_REPS, **generate)
+        return report
+
+    return Step("e2e", "End-to-end decoder", cases, run, kernels, lambda r: True)
 
 
 def quick_plan(args) -> list[Step]:
@@ -379,7 +394,7 @@ def quick_plan(args) -> list[Step]:
     q = QUICK_E2E
     steps.append(_e2e_step(args, q["layers"], q["batches"], q["prefill"], q["modes"], q["impls"],
                            f" [quick: {q['layers']} layers, decode b{','.join(map(str, q['batches']))}, compiled; "
-                           "`tilefish bench e2e` runs the full set]", reps))
+                           "`tilefish bench e2e` runs the full set]", reps, QUICK_GENERATE))
     return steps
 
 
@@ -394,7 +409,7 @@ def full_plan(args) -> list[Step]:
     reduced, as the all-families run always had them), with its cases estimated for the progress bar."""
     import importlib
 
-    from . import e2e, hgemm, nf4, sgemm, suites, w4a16
+    from . import e2e, e2e_generate, hgemm, nf4, sgemm, suites, w4a16
 
     reps = args.reps
     fam = lambda name: (lambda: suites.FAMILIES[name](args))  # noqa: E731
@@ -442,7 +457,8 @@ def full_plan(args) -> list[Step]:
                       + _gemm_kernels(info, "hgemm", [((m, n, k), True) for k, n in hgemm.LLM_KN for m in hgemm.LLM_MS],
                                       ["auto", hg_ops.AUTO_STEP], dname)))
     # e2e: suites._e2e's reduced run (8 layers, decode b1 / b16, compiled, every variant)
-    es = _e2e_step(args, 8, [1, 16], [], ["compiled"], list(e2e.IMPLS), "", reps)
+    es = _e2e_step(args, 8, [1, 16], [], ["compiled"], list(e2e.IMPLS), "", reps,
+                   dict(batches=[1, 16], impls=list(e2e_generate.IMPLS), new_tokens=e2e_generate.NEW_TOKENS))
     es.run = fam("e2e")
     steps.append(es)
     # The rows of the hgemm steps that are not sm_90's (step 07) do not come on other GPUs: end_phase settles them.

@@ -58,25 +58,41 @@ def _hgemm(args):
 
 
 def _e2e(args):
-    from . import e2e
+    """The harness's loop (e2e.py) and the user's loop (e2e_generate.py: HF generate with the static cache)
+    in one report; --loops picks them, --impls the variants (each loop runs the ones it knows)."""
+    from . import e2e, e2e_generate
 
     ints = lambda text: [int(v) for v in text.split(",") if v]  # noqa: E731
+    loops = (getattr(args, "loops", None) or "harness,generate").split(",")
+    generate = "generate" in loops and args.model != "builtin" and e2e._has_transformers()
     if args.family is None:  # the all-families run stays quick: a reduced e2e that says so in its title
-        return e2e.run(layers=8, batches=[1, 16], prefill=[], modes=["compiled"], impls=list(e2e.IMPLS),
-                       model=args.model, reps=args.reps,
-                       title_note=" [reduced for the all-families run: 8 layers, decode b1/b16, compiled only; "
-                                  "`tilefish bench e2e` runs the full set]")
+        report = e2e.run(layers=8, batches=[1, 16], prefill=[], modes=["compiled"], impls=list(e2e.IMPLS),
+                         model=args.model, reps=args.reps,
+                         title_note=" [reduced for the all-families run: 8 layers, decode b1/b16, compiled only; "
+                                    "`tilefish bench e2e` runs the full set]")
+        return e2e_generate.run(layers=8, report=report) if generate else report
     if getattr(args, "tp", None):  # tensor-parallel, under torchrun (bench/e2e_tp.py)
         from . import e2e_tp
 
-        return e2e_tp.run(ints(args.tp), impls=args.impls.split(","),
+        return e2e_tp.run(ints(args.tp), impls=args.impls.split(",") if args.impls else list(e2e.IMPLS),
                           layers=args.layers, batches=ints(args.batches or ",".join(map(str, e2e_tp.TP_BATCHES))),
                           context=args.context, modes=(args.modes or "compiled").split(","), model=args.model,
                           reps=args.reps)
     batches = args.batches or ",".join(map(str, e2e.DEFAULT_BATCHES))
-    return e2e.run(layers=args.layers, batches=ints(batches), prefill=ints(args.prefill), context=args.context,
-                   modes=(args.modes or "compiled,eager").split(","), impls=args.impls.split(","), model=args.model,
-                   int4_lm_head=args.int4_lm_head, reps=args.reps)
+    impls = args.impls.split(",") if args.impls else list(dict.fromkeys(e2e.IMPLS + e2e_generate.IMPLS))
+    report = None
+    if "harness" in loops:
+        report = e2e.run(layers=args.layers, batches=ints(batches), prefill=ints(args.prefill), context=args.context,
+                         modes=(args.modes or "compiled,eager").split(","), impls=[i for i in impls if i in e2e.IMPLS],
+                         model=args.model, int4_lm_head=args.int4_lm_head, reps=args.reps)
+    if generate and (chosen := [i for i in impls if i in e2e_generate.IMPLS]):
+        report = e2e_generate.run(layers=args.layers, batches=ints(getattr(args, "generate_batches", None) or "1,16"),
+                                  impls=chosen, new_tokens=getattr(args, "new_tokens", None) or e2e_generate.NEW_TOKENS,
+                                  int4_lm_head=args.int4_lm_head, report=report)
+    if report is None:
+        raise ValueError(f"bench e2e: nothing to run (loops {loops}, impls {impls}; the generate loop needs "
+                         "transformers and --model hf or auto)")
+    return report
 
 
 def _w4a16_summary(report) -> str:
