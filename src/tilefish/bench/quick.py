@@ -2,7 +2,7 @@
 
 The default is the quick run: a representative handful of cases per family (QUICK_* below), each through
 the family's own bench function (bench/w4a16.py, nf4.py, hgemm.py's comparison, e2e.py; SGEMM's auto rows
-with bench/sgemm.py's helpers), sized to finish in cli.QUICK_RUN_TIME (about a minute on an H100, compilation
+with bench/sgemm.py's helpers), sized to finish in cli.QUICK_RUN_TIME (under two minutes on an H100, compilation
 included: the words `tilefish bench --help` and the README use).
 `--full` runs each family's complete default sweep instead (what `tilefish bench` ran before: suites.FAMILIES
 with no family named). Either way:
