@@ -108,3 +108,25 @@ def test_opcheck_w4a16_op_on_the_cpu_reference():
     x = torch.randn(3, 128, dtype=torch.float16)
     torch.library.opcheck(library.w4a16_matmul_op, (x, p.packed, p.scales, p.zeros, p.perm, None, p.group_size, p.n, p.k,
                                                    p.codebook))
+
+
+def test_workspace_arguments_are_checked_before_any_launch():
+    """A Workspace is validated where it is made and where it is passed: a wrong type, size or device is a
+    clear error naming the rule (the CUDA check of its device is in test_w4a16_gpu's workspace users)."""
+    import tilefish
+    from tilefish.ops.w4a16.workspace import check_counters
+
+    w = tilefish.w4a16.quantize(torch.randn(128, 256), 128, clip_search=False)
+    x = torch.randn(3, 256, dtype=torch.float16)
+    with pytest.raises(TypeError, match="tilefish.w4a16.Workspace"):
+        tilefish.w4a16.matmul(x, w, workspace=torch.zeros(16, dtype=torch.int32))
+    for slots in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="slots must be a positive int"):
+            tilefish.w4a16.Workspace("cpu", slots)
+    ws = tilefish.w4a16.Workspace("cpu", 64)
+    assert ws.counters.dtype == torch.int32 and int(ws.counters.abs().sum()) == 0 and "64 tile counters" in repr(ws)
+    assert torch.equal(tilefish.w4a16.matmul(x, w, workspace=ws), tilefish.w4a16.matmul(x, w))  # CPU: unused
+    with pytest.raises(ValueError, match="the workspace is on cpu"):
+        check_counters(ws.counters, torch.device("cuda", 0))
+    with pytest.raises(TypeError, match="1-D int32"):
+        check_counters(torch.zeros(4), torch.device("cpu"))
