@@ -1294,30 +1294,18 @@ def estimate(plans: list[Plan], tools, jobs: int) -> dict:
     return {"per_tool_plan_s": per_tool, "batches": len(batches), "process_s": cpu, "wall_s": cpu / max(1, jobs)}
 
 
-def _compile_one(job):
-    spec, arch, lineinfo = job
-    apply_compile_patches(lineinfo)
-    from tilefish.runtime import compile_kernel
-
-    t0 = time.perf_counter()
-    try:
-        ck = compile_kernel(spec, arch)
-        return spec.name, ck.from_cache, time.perf_counter() - t0, None
-    except Exception as e:  # noqa: BLE001
-        return spec.name, False, time.perf_counter() - t0, f"{type(e).__name__}: {e}"[:2000]
-
-
 def warm_cache(specs, arch: str, lineinfo: bool, jobs: int) -> dict:
-    from concurrent.futures import ProcessPoolExecutor
+    from tilefish.runtime import compile_many, is_cached
 
     apply_compile_patches(lineinfo)
-    todo = [(s, arch, lineinfo) for s in specs if s.supports(arch)]
+    todo = [s for s in specs if s.supports(arch)]
+    uncached = sum(not is_cached(s, arch) for s in todo)
     t0 = time.perf_counter()
-    with ProcessPoolExecutor(max(1, jobs)) as pool:
-        results = list(pool.map(_compile_one, todo, chunksize=2))
-    errors = [(n, e) for n, _, _, e in results if e]
-    return {"kernels": len(todo), "compiled": sum(1 for _, hit, _, e in results if not hit and not e),
-            "errors": errors, "secs": time.perf_counter() - t0}
+    results = compile_many([(s, arch) for s in todo], max(1, jobs), initializer=apply_compile_patches,
+                           initargs=(lineinfo,))
+    errors = [(s.name, f"CompileError: {log}"[:2000]) for s, (_, log) in zip(todo, results) if log is not None]
+    return {"kernels": len(todo), "compiled": uncached - len(errors), "errors": errors,
+            "secs": time.perf_counter() - t0}
 
 
 def read_results(path: Path) -> list[dict]:

@@ -46,7 +46,7 @@ def test_compile_prints_resources(compile_all):
 
     r = compile_all("sm_90")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    specs = [(fam, s) for fam, s in kernel_specs() if s.supports("sm_90")]
+    specs = kernel_specs(arch="sm_90")
     rows = [ln.split() for ln in r.stdout.splitlines() if ln.startswith(("sm_90 ", "sm_90a "))]
     assert len(rows) == len(specs) and f"{len(specs)} kernel(s), 0 failure(s)" in r.stdout
     assert [row[1] for row in rows] == [fam for fam, _ in specs]  # the table follows kernel_specs()' order
@@ -75,8 +75,9 @@ def test_compile_fails_a_hot_kernel_without_ptxas_report(monkeypatch, capsys):
     hot = KernelSpec("nf4/dequantize.cu", "hot_kernel", hot=True)
     cold = KernelSpec("nf4/dequantize.cu", "cold_kernel", hot=False)
     monkeypatch.setenv("CUDA_CACHE_DISABLE", "1")  # cmd_compile sets it for its process: undone after the test
-    monkeypatch.setattr(tilefish.ops, "kernel_specs", lambda include_variants=False: [("nf4", hot), ("nf4", cold)])
-    monkeypatch.setattr(tilefish.runtime, "compile_kernel",
+    monkeypatch.setattr(tilefish.ops, "kernel_specs",
+                        lambda include_variants=False, arch=None: [("nf4", hot), ("nf4", cold)])
+    monkeypatch.setattr(tilefish.runtime.compiler, "compile_kernel",
                         lambda spec, arch, use_cache=None: CompiledKernel(spec, arch, b"", spec.name, "", Resources()))
     rc = cli.cmd_compile(argparse.Namespace(arch=["sm_90"], all=False, jobs=1))
     out = capsys.readouterr().out
@@ -567,3 +568,33 @@ def test_warm_kernel_cache_compiles_the_runs_kernels_once(monkeypatch, tmp_path)
         "kernel cache: all 2 kernels of the run were cached"
     monkeypatch.setenv("TILEFISH_CACHE", "0")
     assert "disabled" in bench_nf4.warm_kernel_cache([(4096, 4096)], [1], ["bf16"], 64)
+
+
+def test_compile_arch_accepts_the_listed_gpus_only(capsys):
+    """--arch takes the archs of the GPUs tilefish runs on, repeated; anything else is a usage error (exit 2)
+    naming the accepted list."""
+    parser = cli.build_parser()
+    assert parser.parse_args(["compile", "--arch", "sm_100", "--arch", "sm_120"]).arch == ["sm_100", "sm_120"]
+    for bad in ("sm_75", "sm_90a", "sm_121", "90"):
+        with pytest.raises(SystemExit) as e:
+            parser.parse_args(["compile", "--arch", bad])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "--arch" in err and repr(bad) in err, err
+        assert all(arch in err for arch in cli.COMPILE_ARCHS), err
+
+
+def test_compile_builds_the_kernels_of_each_arch(monkeypatch, capsys):
+    """`tilefish compile --arch A --arch B`: one row for each kernel the dispatchers launch on that arch, in
+    kernel_specs(arch=...)'s order (NVRTC replaced: no compile runs); no sm_90a kernel off sm_90."""
+    import tilefish.runtime.compiler
+    from tilefish.ops import kernel_specs
+    from tilefish.runtime.compiler import CompiledKernel, Resources
+
+    monkeypatch.setattr(tilefish.runtime.compiler, "compile_kernel", lambda spec, arch, use_cache=None: CompiledKernel(
+        spec, arch, b"", spec.name, "", Resources(registers=32)))
+    rc = cli.main(["compile", "--arch", "sm_120", "--arch", "sm_90"])
+    out = capsys.readouterr().out
+    rows = [ln.split()[:2] for ln in out.splitlines() if ln.startswith("sm_")]
+    want = [[s.target(a), fam] for a in ("sm_120", "sm_90") for fam, s in kernel_specs(arch=a)]
+    assert rc == 0 and rows == want and f"{len(want)} kernel(s), 0 failure(s)" in out
+    assert {r[0] for r in rows} == {"sm_120", "sm_90", "sm_90a"}

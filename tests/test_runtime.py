@@ -136,7 +136,7 @@ def test_compile_all_dispatchable_kernels(arch, compiled_cache):
     """Every kernel the library can dispatch compiles (`tilefish compile`, once per session: conftest's
     compile_all), is in the cache that run left, and no hot kernel spills or uses a stack frame."""
     compiled_cache(arch)
-    specs = [s for _, s in kernel_specs() if s.supports(arch)]
+    specs = [s for _, s in kernel_specs(arch=arch)]
     assert specs
     for spec in specs:
         ck = compile_kernel(spec, arch)
@@ -247,3 +247,67 @@ def test_bench_warm_ms_env_is_checked(monkeypatch):
         monkeypatch.setenv("TILEFISH_BENCH_WARM_MS", bad)
         with pytest.raises(ValueError, match="TILEFISH_BENCH_WARM_MS"):
             timing._warm_ms_from_env()
+
+
+OTHER_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_100", "sm_120")
+
+
+def test_arch_specific_kernels_are_supported_on_sm90_only():
+    """wgmma / TMA / setmaxnreg kernels (built for sm_90a) exist on Hopper alone: never supported, never
+    compiled, for any other arch, newer ones included; a plain kernel of the same min_sm is."""
+    hopper = [s for _, s in kernel_specs() if s.arch_specific]
+    assert hopper
+    for spec in hopper:
+        assert spec.supports("sm_90") and spec.supports("sm_90a") and spec.target("sm_90") == "sm_90a"
+        assert not any(spec.supports(arch) for arch in OTHER_ARCHS), spec.name
+    assert all(KernelSpec("x.cu", "k", min_sm=90).supports(a) for a in ("sm_90", "sm_100", "sm_120"))
+    with pytest.raises(ValueError, match="sm_90"):
+        compile_kernel(hopper[0], "sm_100")  # refused before NVRTC runs
+
+
+def test_kernel_specs_per_arch():
+    """kernel_specs(arch): the kernels the dispatchers launch on that GPU. No arch-specific kernel off
+    sm_90, the wgmma ones on it; every HGEMM plan `select` makes for the GPU's cc and shared memory is
+    among them, and none needs more shared memory than the GPU gives a block."""
+    from tilefish.ops import hgemm
+    from tilefish.runtime.device import SMEM_PER_BLOCK_BY_CC
+
+    every = {s for _, s in kernel_specs()}
+    for arch in OTHER_ARCHS:
+        specs = [s for _, s in kernel_specs(arch=arch)]
+        assert specs and not any(s.arch_specific for s in specs) and set(specs) <= every, arch
+    sm90 = [s for _, s in kernel_specs(arch="sm_90")]
+    assert any(s.name.startswith("hgemm_wgmma") for s in sm90)
+    assert any(s.arch_specific and s.source.startswith("w4a16/") for s in sm90)
+    for arch in OTHER_ARCHS + ("sm_90",):
+        cc, smem = int(arch[3:]), SMEM_PER_BLOCK_BY_CC[int(arch[3:])]
+        specs = set(hgemm.dispatch_specs(arch))
+        steps = ("auto",) + tuple(k for k in hgemm.KERNELS if cc == 90 or not hgemm.STEPS[k].hopper)
+        for m, n in ((1, 4096), (64, 64), (1024, 1024), (4096, 4096), (16384, 14336)):
+            for kernel in steps:
+                cfg = hgemm.select(m, n, kernel, 84, cc, smem)
+                assert cfg.spec() in specs and cfg.spec(b_transposed=True) in specs, (arch, m, n, kernel)
+        tables = (hgemm.TUNED, hgemm.TUNED_SMALL, hgemm.TUNED_LOW_SMEM)
+        assert all(c.smem_bytes <= smem for t in tables for c in t.values() if c.spec() in specs), arch
+
+
+def test_compile_many_keeps_job_order_and_returns_compile_logs(tmp_cache, tmp_path, monkeypatch):
+    """Jobs compiled in two processes come back in job order: resources for a kernel that builds, the
+    compile log (not an exception) for one NVRTC rejects; on_done sees each job once; the kernels land in
+    the disk cache; CUDA_CACHE_DISABLE is set for the compiles and undone afterwards."""
+    from tilefish.runtime import compile_many, is_cached
+
+    monkeypatch.delenv("CUDA_CACHE_DISABLE", raising=False)
+    (tmp_path / "good.cu").write_text("template <int N> __global__ void scale(float* x) { x[threadIdx.x] *= N; }\n")
+    (tmp_path / "bad.cu").write_text('extern "C" __global__ void broken(float* x) { x[0] = undefined_name; }\n')
+    good = [KernelSpec(str(tmp_path / "good.cu"), f"scale<{n}>") for n in (1, 2)]
+    jobs = [(good[0], "sm_80"), (KernelSpec(str(tmp_path / "bad.cu"), "broken"), "sm_90"), (good[1], "sm_120")]
+    seen = {}
+    results = compile_many(jobs, processes=2, on_done=lambda i, r: seen.setdefault(i, r))
+    assert [r is None for r, _ in results] == [False, True, False]
+    assert results[0][0].registers > 0 and results[2][0].registers > 0 and results[0][1] is None
+    assert "undefined_name" in results[1][1]
+    assert seen == dict(enumerate(results))
+    assert is_cached(*jobs[0]) and is_cached(*jobs[2]) and not is_cached(*jobs[1])
+    assert "CUDA_CACHE_DISABLE" not in os.environ
+    assert compile_many(jobs[:1]) == results[:1]  # in process, from the cache

@@ -21,6 +21,10 @@ def __getattr__(name):  # submodules load on first use: `import tilefish` stays 
         from .ops.hgemm import hgemm
 
         return hgemm
+    if name == "GpuSpec":
+        from .runtime.device import GpuSpec
+
+        return GpuSpec
     if name in _FUNCTIONS:
         return getattr(_importlib.import_module(f".{_FUNCTIONS[name]}", __name__), name)
     if name in _LAZY:
@@ -28,5 +32,5 @@ def __getattr__(name):  # submodules load on first use: `import tilefish` stays 
     raise AttributeError(f"module 'tilefish' has no attribute {name!r}")
 
 
-__all__ = ["__version__", "nf4", "w4a16", "nn", "sgemm", "hgemm", "quantize_model", "load_quantized",
+__all__ = ["__version__", "GpuSpec", "nf4", "w4a16", "nn", "sgemm", "hgemm", "quantize_model", "load_quantized",
            "save_quantized", "ConversionReport"]

@@ -64,37 +64,14 @@ def cmd_info(args) -> int:
     return 0
 
 
-def _compile_one(job):
-    from .runtime import CompileError, compile_kernel
-
-    spec, arch = job
-    try:
-        ck = compile_kernel(spec, arch)
-        if ck.resources.registers < 0 and ck.from_cache:  # an entry stored without a ptxas report
-            ck = compile_kernel(spec, arch, use_cache=False)
-        return ck.resources, None
-    except CompileError as e:
-        return None, e.log
-
-
 def cmd_compile(args) -> int:
     from .ops import kernel_specs
+    from .runtime import compile_many
 
-    # With a CUDA driver present NVRTC serves repeated compiles from the driver's JIT cache
-    # (~/.nv/ComputeCache) and ptxas then prints no -v report: the registers / spill check below
-    # would see nothing (195 of 1291 kernels on the H200 in a second compile-all). Set before the
-    # first compile and inherited by the worker processes.
-    os.environ.setdefault("CUDA_CACHE_DISABLE", "1")
     archs = args.arch or ["sm_80", "sm_90"]
-    jobs = [(fam, spec, arch) for arch in archs for fam, spec in kernel_specs(include_variants=args.all)
+    jobs = [(fam, spec, arch) for arch in archs for fam, spec in kernel_specs(include_variants=args.all, arch=arch)
             if spec.supports(arch)]
-    if args.jobs > 1:  # NVRTC is single-threaded: compile in parallel processes (results land in the disk cache)
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(args.jobs) as pool:
-            results = list(pool.map(_compile_one, [(s, a) for _, s, a in jobs], chunksize=4))
-    else:
-        results = [_compile_one((s, a)) for _, s, a in jobs]
+    results = compile_many([(s, a) for _, s, a in jobs], args.jobs)
     failures = 0
     print(f"{'arch':7s} {'family':7s} {'kernel':74s} {'regs':>5s} {'smem':>7s} {'stack':>6s} {'spill':>9s}")
     for (fam, spec, arch), (r, log) in zip(jobs, results):
@@ -112,6 +89,10 @@ def cmd_compile(args) -> int:
     print(f"{len(jobs)} kernel(s), {failures} failure(s)")
     return 1 if failures else 0
 
+
+# `tilefish compile --arch`: the GPUs a user may have (A100, RTX 30xx / A10 / A40, RTX 40xx / L4 / L40,
+# H100 / H200, B200, RTX 50xx).
+COMPILE_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
 
 # bench e2e's variants, of the harness loop (bench/e2e.py IMPLS) and of the generate() loop (bench/e2e_generate.py
 # IMPLS); tests/test_cli.py checks that they agree: kept here so that parsing the command line imports no torch.
@@ -341,8 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True, title="commands", metavar="COMMAND")
     sub.add_parser("info", help="GPU, versions, kernel cache").set_defaults(fn=cmd_info)
     c = sub.add_parser("compile", help="compile every kernel variant (no GPU needed); print resources")
-    c.add_argument("--arch", action="append", choices=["sm_80", "sm_86", "sm_89", "sm_90"],
-                   help="target (repeatable); default sm_80 and sm_90")
+    c.add_argument("--arch", action="append", choices=COMPILE_ARCHS,
+                   help=f"target (repeatable: --arch sm_86 --arch sm_120), one of {', '.join(COMPILE_ARCHS)}; "
+                   "the kernels the dispatchers launch on that GPU; default sm_80 and sm_90")
     c.add_argument("--all", action="store_true", help="also the benchmark-only design-space variants")
     c.add_argument("--jobs", "-j", type=_positive_int, default=1, help="parallel compile processes (default 1)")
     c.set_defaults(fn=cmd_compile)

@@ -291,12 +291,9 @@ def _plan_label(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> str:
 # context (fork) nor re-run the caller's main script (spawn).
 _WARM_CODE = """
 import pickle, sys
-from concurrent.futures import ProcessPoolExecutor
-from tilefish.cli import _compile_one
+from tilefish.runtime import compile_many
 jobs, processes = pickle.loads(sys.stdin.buffer.read())
-with ProcessPoolExecutor(processes) as pool:
-    failed = [r is None for r, _ in pool.map(_compile_one, jobs)]
-sys.stdout.buffer.write(pickle.dumps(failed))
+sys.stdout.buffer.write(pickle.dumps([r is None for r, _ in compile_many(jobs, processes)]))
 """
 
 
@@ -310,10 +307,9 @@ def warm_kernel_cache(shapes, ms, dtypes, group: int, processes: int | None = No
     import sys
 
     from ..ops import w4a16 as ops
-    from ..runtime import device_info
-    from ..runtime.compiler import _cache_enabled, _load_cached, cache_key
+    from ..runtime import cache_enabled, device_info, is_cached
 
-    if not _cache_enabled():
+    if not cache_enabled():
         return "kernel cache disabled (TILEFISH_CACHE=0): kernels compile on first use, inside the run"
     t0 = time.perf_counter()
     info = device_info()
@@ -325,7 +321,7 @@ def warm_kernel_cache(shapes, ms, dtypes, group: int, processes: int | None = No
                     cfg = ops.choose_config(m, n, k, info.sm_count, info.cc, group, ops._device_clusters(info),
                                             DTYPES[d], codebook)
                     specs[ops.kernel_spec(DTYPES[d], cfg, group, False, codebook)] = None
-    todo = [s for s in specs if _load_cached(s, info.arch, cache_key(s, info.arch)) is None]
+    todo = [s for s in specs if not is_cached(s, info.arch)]
     if not todo:
         return f"kernel cache: all {len(specs)} kernels of the run were cached"
     processes = processes or max(1, min(16, os.cpu_count() or 1, len(todo)))

@@ -270,25 +270,22 @@ def make_display(tracker: Tracker, stream=None, rich: bool | None = None):
 # compile on stdout ("ok" or "failed"), so the caller can count them as they come.
 _WARM_CODE = """
 import pickle, sys
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from tilefish.cli import _compile_one
+from tilefish.runtime import compile_many
 jobs, processes = pickle.loads(sys.stdin.buffer.read())
-with ProcessPoolExecutor(processes) as pool:
-    for f in as_completed([pool.submit(_compile_one, j) for j in jobs]):
-        print("ok" if f.result()[0] is not None else "failed", flush=True)
+compile_many(jobs, processes, on_done=lambda i, r: print("ok" if r[0] is not None else "failed", flush=True))
 """
 
 
 def uncached(specs, arch: str) -> list:
     """The specs (deduplicated, in order) whose kernel for `arch` is not in the disk cache yet."""
-    from ..runtime.compiler import _load_cached, cache_key
+    from ..runtime import is_cached
 
     seen, todo = set(), []
     for s in specs:
         if s in seen or not s.supports(arch):
             continue
         seen.add(s)
-        if _load_cached(s, arch, cache_key(s, arch)) is None:
+        if not is_cached(s, arch):
             todo.append(s)
     return todo
 
@@ -302,9 +299,9 @@ def warm_kernels(specs, arch: str, on_done=None, processes: int | None = None, t
     import subprocess
     import tempfile
 
-    from ..runtime.compiler import _cache_enabled
+    from ..runtime import cache_enabled
 
-    if not _cache_enabled():
+    if not cache_enabled():
         return "kernel cache disabled (TILEFISH_CACHE=0): kernels compile on first use, inside the run"
     specs = list(dict.fromkeys(specs))
     todo = uncached(specs, arch)

@@ -2,22 +2,26 @@
 from __future__ import annotations
 
 
-def kernel_specs(include_variants: bool = False):
+def kernel_specs(include_variants: bool = False, arch: str | None = None):
     """Every kernel variant the library can dispatch, as (family, KernelSpec) pairs.
 
     include_variants adds the benchmark-only design-space variants (tilefish bench --variants).
+    arch ("sm_86"): only the variants the dispatchers can launch on a GPU of that arch (None: every arch).
     """
     import importlib
+    import inspect
 
     nf4 = importlib.import_module(".nf4", __name__)
     w4a16 = importlib.import_module(".w4a16", __name__)
     sgemm = importlib.import_module(".sgemm", __name__)
     hgemm = importlib.import_module(".hgemm", __name__)
 
-    specs = [("nf4", s) for s in nf4.dispatch_specs()]
-    specs += [("w4a16", s) for s in w4a16.dispatch_specs()]
-    specs += [("sgemm", s) for s in sgemm.dispatch_specs()]
-    specs += [("hgemm", s) for s in hgemm.dispatch_specs()]
+    # W4A16's dispatch_specs may not take arch: then its specs are filtered by supports(arch) below
+    w4_arch = {"arch": arch} if "arch" in inspect.signature(w4a16.dispatch_specs).parameters else {}
+    specs = [("nf4", s) for s in nf4.dispatch_specs(arch=arch)]
+    specs += [("w4a16", s) for s in w4a16.dispatch_specs(**w4_arch)]
+    specs += [("sgemm", s) for s in sgemm.dispatch_specs(arch=arch)]
+    specs += [("hgemm", s) for s in hgemm.dispatch_specs(arch=arch)]
     if include_variants:
         import torch
 
@@ -27,7 +31,7 @@ def kernel_specs(include_variants: bool = False):
         specs += [("hgemm", s) for s in hgemm.variant_specs()]
     seen, out = set(), []
     for fam, s in specs:
-        if s not in seen:
+        if s not in seen and (arch is None or s.supports(arch)):
             seen.add(s)
             out.append((fam, s))
     return out

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime import KernelSpec, device_info, get_kernel, i32, launch, tensor_map_2d
+from ..runtime.device import SMEM_PER_BLOCK_BY_CC
 
 _INT_MAX = 2**31 - 1
 _STATIC_SMEM_LIMIT = 48 * 1024
@@ -278,11 +279,12 @@ TUNED: dict[str, HgemmConfig] = {
     # (same-process A/B on the H200, docs/hgemm.md, "Clusters of 2 with multicast").
     "07_wgmma_tma": _cfg("07_wgmma_tma", 128, 256, 4, 8, 1, 0, 1),
 }
-# Used instead of TUNED[step] on GPUs whose per-block shared memory is below TUNED's (sm_86 / sm_89
-# allow 99 KB; TUNED 05-06 take 144 KB): the tuned tile before the 128 x 256 one, 96 KB.
+# Used instead of TUNED[step] on GPUs whose per-block shared memory is below TUNED's (sm_86 / sm_89 /
+# sm_120 allow 99 KB; TUNED 05-06 take 144 KB): 128 x 128 x 32, 48 KB (two blocks an SM there).
+# BK 32, not 64: 128x128x64 spills 16 B on sm_120 (B [N, K]); BK 32 spills on no arch, 2% behind it on the H200.
 TUNED_LOW_SMEM: dict[str, HgemmConfig] = {
-    "05_multistage": _cfg("05_multistage", 128, 128, 64, 64, 64, 3),
-    "06_rasterized": _cfg("06_rasterized", 128, 128, 64, 64, 64, 3, 8),
+    "05_multistage": _cfg("05_multistage", 128, 128, 32, 64, 64, 3),
+    "06_rasterized": _cfg("06_rasterized", 128, 128, 32, 64, 64, 3, 8),
 }
 # Used instead of TUNED[step] when TUNED's tile gives fewer blocks than SMs (small M x N, decode).
 TUNED_SMALL: dict[str, HgemmConfig] = {
@@ -346,11 +348,16 @@ def variant_specs() -> list[KernelSpec]:
     return _all_specs(variant_configs(sm90=True))
 
 
-def dispatch_specs() -> list[KernelSpec]:
+def dispatch_specs(arch: str | None = None) -> list[KernelSpec]:
     """Every KernelSpec `hgemm` can launch: TUNED + TUNED_SMALL of every step (+ TUNED_LOW_SMEM of
-    steps 05-06, step 07's mid, narrow and short tiles) x dtype x B layout."""
-    cfgs = (list(TUNED.values()) + list(TUNED_SMALL.values()) + list(TUNED_LOW_SMEM.values())
-            + [WGMMA_MID, WGMMA_NARROW, WGMMA_SHORT])
+    steps 05-06, step 07's mid, narrow and short tiles) x dtype x B layout. arch ("sm_86"): those `select`
+    can pick on that GPU (step 07 on sm_90 only; TUNED_LOW_SMEM where TUNED's tile does not fit)."""
+    cfgs = list(TUNED.values()) + list(TUNED_SMALL.values()) + [WGMMA_MID, WGMMA_NARROW, WGMMA_SHORT]
+    if arch is None:
+        cfgs += list(TUNED_LOW_SMEM.values())
+    else:
+        cc = int(arch.rstrip("a").split("_")[1])
+        cfgs = [_fit_smem(c, SMEM_PER_BLOCK_BY_CC.get(cc)) for c in cfgs if cc == 90 or not c.info.hopper]
     return _all_specs(cfgs + [_direct_store(c) for c in cfgs if c.info.hopper])
 
 
@@ -466,9 +473,13 @@ def select(m: int, n: int, kernel="auto", sm_count: int = 132, cc: int = 90,
     if isinstance(kernel, HgemmConfig):
         return kernel
     step = auto_step(cc) if kernel == "auto" else kernel
-    cfg = _tuned_for(step, m, n, sm_count)
-    if smem_limit is not None and cfg.smem_bytes > smem_limit and step in TUNED_LOW_SMEM:
-        cfg = TUNED_LOW_SMEM[step]
+    return _fit_smem(_tuned_for(step, m, n, sm_count), smem_limit)
+
+
+def _fit_smem(cfg: HgemmConfig, smem_limit: int | None) -> HgemmConfig:
+    """TUNED_LOW_SMEM's tile for a step whose tile needs more than smem_limit bytes a block (None: no limit)."""
+    if smem_limit is not None and cfg.smem_bytes > smem_limit and cfg.step in TUNED_LOW_SMEM:
+        return TUNED_LOW_SMEM[cfg.step]
     return cfg
 
 

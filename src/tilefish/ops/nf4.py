@@ -64,8 +64,11 @@ def variant_configs() -> list[DequantConfig]:
     return out
 
 
-def dispatch_specs() -> list[KernelSpec]:
-    return [kernel_spec(dt, dq) for dt in OUT_DTYPES for dq in (True, False)]
+def dispatch_specs(arch: str | None = None) -> list[KernelSpec]:
+    """The dequantize kernels: the same on every arch (sm_80 and newer, no arch-specific code); arch
+    ("sm_86", None: any) filters by KernelSpec.supports all the same."""
+    specs = [kernel_spec(dt, dq) for dt in OUT_DTYPES for dq in (True, False)]
+    return [s for s in specs if arch is None or s.supports(arch)]
 
 
 def _check_out(out: torch.Tensor, q: NF4Weight, dtype: torch.dtype) -> None:
@@ -217,7 +220,8 @@ class NF4MatmulWeight:
         return out
 
 
-def _matmul_group(blocksize: int) -> int:
+def scale_group(blocksize: int) -> int:
+    """The fused matmul's scale group of an NF4 weight of `blocksize`: blocks above 128 split to 128."""
     return min(blocksize, 128)
 
 
@@ -229,7 +233,7 @@ def check_matmul_shape(shape, blocksize: int) -> None:
     if len(shape) != 2:
         raise ValueError(f"the NF4 matmul needs a 2-D weight [out_features, in_features], got shape {tuple(shape)}")
     n, k = shape
-    group = _matmul_group(blocksize)
+    group = scale_group(blocksize)
     if n % 64 or k % K_MULTIPLE or k % group:
         raise ValueError(f"the NF4 matmul kernels tile n (out_features) by 64 and k (in_features) by {K_MULTIPLE}, "
                          f"and need k % {group} == 0 (the scale group of blocksize {blocksize}); got n={n}, k={k}. "
@@ -277,7 +281,7 @@ def prepare(q: NF4Weight, dtype: torch.dtype | None = None) -> NF4MatmulWeight:
     n, k = q.shape
     c = q.codes
     codes = torch.stack((c >> 4, c & 0xF), dim=1).reshape(n, k)
-    group = _matmul_group(q.blocksize)
+    group = scale_group(q.blocksize)
     kernel = pack(Int4Weight(codes, _group_scales(q, n, k, group, dtype), None, group), codebook="nf4")
     return NF4MatmulWeight(kernel, q.blocksize, q.dtype, q.absmax, q.absmax_q, q.code2, q.absmax2, q.offset)
 

@@ -315,9 +315,11 @@ def variant_specs() -> list[KernelSpec]:
     return _dedup(c.spec for c in variant_configs())
 
 
-def dispatch_specs() -> list[KernelSpec]:
-    """Every KernelSpec `sgemm` can launch: the tuned configuration of every step (+ small-grid ones)."""
-    return _dedup(c.spec for c in list(TUNED.values()) + list(TUNED_SMALL.values()))
+def dispatch_specs(arch: str | None = None) -> list[KernelSpec]:
+    """Every KernelSpec `sgemm` can launch: the tuned configuration of every step (+ small-grid ones).
+    The same on every arch ("sm_86", None: any): no arch-specific step, every tile within 99 KB of smem."""
+    specs = _dedup(c.spec for c in list(TUNED.values()) + list(TUNED_SMALL.values()))
+    return [s for s in specs if arch is None or s.supports(arch)]
 
 
 def _dedup(specs) -> list[KernelSpec]:

@@ -29,7 +29,8 @@ class KernelSpec:
     name:   a name expression ("nf4_dequantize<__nv_bfloat16, 0>") or an extern "C" symbol.
     defines: (NAME, VALUE) pairs passed as -D.
     hot:    a kernel on a hot path: the compile test fails if it spills.
-    arch_specific: needs the "a" target (wgmma, setmaxnreg): sm_90 -> sm_90a.
+    arch_specific: built for sm_90a (wgmma, TMA, setmaxnreg): sm_90 only, since wgmma exists on no
+            other arch (sm_100a / sm_120 have none) and an "a" cubin runs on its own arch alone.
     min_sm: lowest compute capability (as 80, 90) the variant can be built for.
     """
 
@@ -42,10 +43,11 @@ class KernelSpec:
 
     def target(self, arch: str) -> str:
         arch = arch.rstrip("a")
-        return arch + "a" if self.arch_specific and arch in ("sm_90", "sm_100") else arch
+        return arch + "a" if self.arch_specific and arch == "sm_90" else arch
 
     def supports(self, arch: str) -> bool:
-        return int(arch.rstrip("a").split("_")[1]) >= self.min_sm
+        sm = int(arch.rstrip("a").split("_")[1])
+        return sm == 90 if self.arch_specific else sm >= self.min_sm
 
 
 @dataclass
@@ -85,7 +87,8 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TILEFISH_CACHE_DIR", Path.home() / ".cache" / "tilefish"))
 
 
-def _cache_enabled() -> bool:
+def cache_enabled() -> bool:
+    """False under TILEFISH_CACHE=0 (or false / no / off): every compile runs NVRTC."""
     return os.environ.get("TILEFISH_CACHE", "1") not in ("0", "false", "no", "off")
 
 
@@ -194,6 +197,11 @@ def _load_cached(spec: KernelSpec, arch: str, key: str) -> CompiledKernel | None
         return None  # missing or corrupt entry: recompile
 
 
+def is_cached(spec: KernelSpec, arch: str) -> bool:
+    """Whether the disk cache holds a whole entry for the kernel (compile_kernel would not run NVRTC)."""
+    return _load_cached(spec, arch, cache_key(spec, arch)) is not None
+
+
 def _store(ck: CompiledKernel, key: str) -> None:
     base = cache_dir() / f"v{__version__}"
     try:
@@ -211,8 +219,9 @@ def compile_kernel(spec: KernelSpec, arch: str, use_cache: bool | None = None) -
     from cuda.core._utils.cuda_utils import NVRTCError
 
     if not spec.supports(arch):
-        raise ValueError(f"{spec.name} needs sm_{spec.min_sm} or newer, not {arch}")
-    use_cache = _cache_enabled() if use_cache is None else use_cache
+        need = "sm_90 (built for sm_90a)" if spec.arch_specific else f"sm_{spec.min_sm} or newer"
+        raise ValueError(f"{spec.name} needs {need}, not {arch}")
+    use_cache = cache_enabled() if use_cache is None else use_cache
     key = cache_key(spec, arch)
     if use_cache and (hit := _load_cached(spec, arch, key)) is not None:
         return hit
@@ -236,3 +245,55 @@ def compile_kernel(spec: KernelSpec, arch: str, use_cache: bool | None = None) -
     if use_cache:
         _store(ck, key)
     return ck
+
+
+def _compile_job(job: tuple[KernelSpec, str]) -> tuple[Resources | None, str | None]:
+    """One compile_many job, in a worker process or in the caller's."""
+    spec, arch = job
+    try:
+        ck = compile_kernel(spec, arch)
+        if ck.resources.registers < 0 and ck.from_cache:  # an entry stored without a ptxas report
+            ck = compile_kernel(spec, arch, use_cache=False)
+        return ck.resources, None
+    except CompileError as e:
+        return None, e.log
+
+
+def compile_many(jobs: list[tuple[KernelSpec, str]], processes: int = 1, on_done=None, initializer=None,
+                 initargs: tuple = ()) -> list[tuple[Resources | None, str | None]]:
+    """Compile (spec, arch) jobs into the disk cache, in `processes` parallel processes (NVRTC is single-threaded).
+
+    Returns, in job order, (resources, None), or (None, the compile log) for a CompileError; any other
+    exception propagates. on_done(i, result) is called in this process as job i finishes (completion
+    order). initializer(*initargs) runs first in every process that compiles (a caller's compiler patches).
+    """
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    jobs = list(jobs)
+    results: list = [None] * len(jobs)
+    # With a CUDA driver present NVRTC serves repeated compiles from the driver's JIT cache
+    # (~/.nv/ComputeCache) and ptxas then prints no -v report: the registers / spill check would
+    # see nothing (195 of 1291 kernels on the H200 in a second compile-all). Set before the first
+    # compile and inherited by the worker processes; undone on return.
+    unset = "CUDA_CACHE_DISABLE" not in os.environ
+    os.environ.setdefault("CUDA_CACHE_DISABLE", "1")
+    try:
+        if processes <= 1 or len(jobs) <= 1:
+            if initializer is not None:
+                initializer(*initargs)
+            for i, job in enumerate(jobs):
+                results[i] = _compile_job(job)
+                if on_done is not None:
+                    on_done(i, results[i])
+            return results
+        with ProcessPoolExecutor(min(processes, len(jobs)), initializer=initializer, initargs=initargs) as pool:
+            index = {pool.submit(_compile_job, job): i for i, job in enumerate(jobs)}
+            for f in as_completed(index):
+                i = index[f]
+                results[i] = f.result()
+                if on_done is not None:
+                    on_done(i, results[i])
+        return results
+    finally:
+        if unset:
+            os.environ.pop("CUDA_CACHE_DISABLE", None)
