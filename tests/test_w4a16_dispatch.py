@@ -59,7 +59,7 @@ def test_small_m_rules_held_out_on_the_h100_tune():
     other kernels' plans measured per case): each pick was measured there and runs near the best.
     m = 16 is the loosest: on the H100 the wgmma kernel wins more of it than on the H200 (the
     shipped H100 table and lookup_nearby take those, test_w4a16_tuned)."""
-    from tilefish.bench.tune import _resolved
+    from tilefish.bench.tune import resolved_plan
 
     entries = json.loads((RESULTS.parent / "h100" / "tune_w4a16.json").read_text())["entries"]
     for m, bound in ((1, 1.04), (4, 1.04), (8, 1.05), (16, 1.12)):
@@ -68,7 +68,7 @@ def test_small_m_rules_held_out_on_the_h100_tune():
         for e in cases:
             g = 128 if e["scales"] == "grouped" else -1
             dt = torch.float16 if e["dtype"] == "fp16" else torch.bfloat16
-            plan = _resolved(ops.choose_plan(m, e["n"], e["k"], 132, 90, g, ops.H200_CLUSTERS, dt), m, e["n"],
+            plan = resolved_plan(ops.choose_plan(m, e["n"], e["k"], 132, 90, g, ops.H200_CLUSTERS, dt), m, e["n"],
                              e["k"], 132, ops.H200_CLUSTERS, g)
             if plan.label() in e["candidates"]:  # not: plans the tune could not weigh (ragged tiles came later)
                 losses.append(e["candidates"][plan.label()] / min(e["candidates"].values()))

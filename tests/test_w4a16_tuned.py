@@ -174,10 +174,10 @@ RESULTS_H100 = pathlib.Path(__file__).resolve().parents[1] / "bench" / "results"
 
 
 def _measured_loss(plan, e):
-    from tilefish.bench.tune import _resolved
+    from tilefish.bench.tune import resolved_plan
 
     g = 128 if e["scales"] == "grouped" else -1
-    label = _resolved(plan, e["m"], e["n"], e["k"], 132, H200_CLUSTERS, g).label()
+    label = resolved_plan(plan, e["m"], e["n"], e["k"], 132, H200_CLUSTERS, g).label()
     t = e["candidates"].get(label)
     return None if t is None else t / min(e["candidates"].values())
 
@@ -204,7 +204,8 @@ def test_time_model_held_out_on_the_h100_tune():
 
 def test_nearby_weights_predict_held_out_weights_at_small_m():
     """Leave one weight out of the H100 table: at m = 8 / 16 the nearby weights' configuration runs
-    within 6% of that weight's best measured plan on average, and no worse than the model."""
+    within 6% of that weight's best measured plan on average, and no worse than the model, on
+    average and in the worst case (an average hid a 3.5x cliff once)."""
     doc_ = json.loads(RESULTS_H100.read_text())
     entries = doc_["entries"]
     for m in (8, 16):
@@ -220,6 +221,7 @@ def test_nearby_weights_predict_held_out_weights_at_small_m():
                     model_loss.append(b)
         assert len(table_loss) >= 120, m
         assert _geomean(table_loss) < 1.06 and _geomean(table_loss) <= _geomean(model_loss), m
+        assert max(table_loss) <= max(model_loss), m
 
 
 @pytest.mark.parametrize("argv", [["--groups", "100"], ["--groups", "x"], ["--groups", "-1", "--codebook", "nf4"],

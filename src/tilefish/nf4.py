@@ -4,6 +4,7 @@
     w_hat = tilefish.nf4.dequantize(q, torch.bfloat16)               # CUDA kernel (CPU: reference)
     p = tilefish.nf4.prepare(q, torch.bfloat16)                      # once: repack for the fused matmul
     y = tilefish.nf4.matmul(x, p, bias)                              # x [..., k] -> [..., n]
+    tilefish.nf4.plan(16, 4096, 4096, blocksize=64)                  # what a matmul call launches
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from .quant.nf4 import (NF4_TABLE, NF4Weight, SUPPORTED_BLOCKSIZES, from_bnb, fr
 from .ops.nf4 import NF4MatmulWeight, prepare
 
 __all__ = ["NF4_TABLE", "NF4Weight", "NF4MatmulWeight", "SUPPORTED_BLOCKSIZES", "quantize", "dequantize", "prepare",
-           "matmul", "from_bnb", "to_bnb", "from_state_dict", "to_state_dict"]
+           "matmul", "plan", "from_bnb", "to_bnb", "from_state_dict", "to_state_dict"]
 
 
 def dequantize(q: NF4Weight, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -51,3 +52,13 @@ def matmul(x: torch.Tensor, w: NF4MatmulWeight, bias: torch.Tensor | None = None
     from . import w4a16
 
     return w4a16.matmul(x, w.kernel, bias, workspace=workspace)
+
+
+def plan(m: int, n: int, k: int, *, blocksize: int = 64, dtype: torch.dtype = torch.float16, gpu=None):
+    """The launch plan of matmul(x [m, k], w) for an NF4 weight [n, k] of `blocksize` on `gpu` (a
+    tilefish.GpuSpec; default the current GPU): tilefish.w4a16.plan with the NF4 codebook and the
+    group scales prepare() makes (groups of min(blocksize, 128))."""
+    from .ops.nf4 import scale_group
+    from .ops.w4a16.plan import plan as w4a16_plan
+
+    return w4a16_plan(m, n, k, group_size=scale_group(blocksize), dtype=dtype, codebook="nf4", gpu=gpu)

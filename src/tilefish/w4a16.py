@@ -2,15 +2,17 @@
 
     w = tilefish.w4a16.quantize(linear.weight, group_size=128)     # or from_gptq(...) / from_awq(...)
     y = tilefish.w4a16.matmul(x, w, bias)                          # x [..., k] fp16/bf16 -> [..., n]
+    p = tilefish.w4a16.plan(16, 4096, 4096, group_size=128)        # what a call launches (any GPU: gpu=GpuSpec(...))
 """
 from __future__ import annotations
 
 import torch
 
 from .ops.w4a16 import W4A16Weight, Workspace, pack, unpack
+from .ops.w4a16.plan import MatmulPlan, plan
 from .quant import int4 as _int4
 
-__all__ = ["W4A16Weight", "Workspace", "quantize", "matmul", "from_gptq", "from_awq", "pack", "unpack"]
+__all__ = ["W4A16Weight", "Workspace", "MatmulPlan", "plan", "quantize", "matmul", "from_gptq", "from_awq", "pack", "unpack"]
 
 
 def quantize(w: torch.Tensor, group_size: int = 128, symmetric: bool = True, *,

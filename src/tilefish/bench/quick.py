@@ -174,19 +174,21 @@ def _torch_dtype(name: str):
 
 def w4a16_kernels(info, shapes, ms, dtypes, group: int, codebooks=("int4",)) -> list:
     """The kernels the dispatcher picks for these calls on this device (tuned table first, as matmul_impl)."""
-    import importlib
+    import torch
 
+    from .. import w4a16
     from ..ops import w4a16 as ops
+    from ..runtime import GpuSpec
 
-    launch = importlib.import_module("tilefish.ops.w4a16.launch")
-    clusters, table = ops._device_clusters(info), launch._device_table(info)
+    gpu = (GpuSpec.current(info.index) if torch.cuda.is_available()
+           else GpuSpec(info.name, info.sm_count, info.cc, info.smem_per_block_optin or None))
     specs = []
     for d in dtypes:
         dt = _torch_dtype(d)
         for k, n in shapes:
             for m in ms:
                 for cb in codebooks:
-                    cfg = ops.choose_plan(m, n, k, info.sm_count, info.cc, group, clusters, dt, cb, table).cfg
+                    cfg = w4a16.plan(m, n, k, group_size=group, dtype=dt, codebook=cb, gpu=gpu).config
                     specs.append(ops.kernel_spec(dt, cfg, group, False, cb))
     return specs
 

@@ -41,7 +41,7 @@ def tune_candidates(m: int, n: int, k: int, sm_count: int, cc: int, group: int, 
     from ..ops.w4a16.time_model import predicted_hopper_us
     from ..ops.w4a16.tuned import Plan
 
-    plans = [_resolved(d.choose_plan(m, n, k, sm_count, cc, group, clusters, dtype, codebook), m, n, k, sm_count,
+    plans = [resolved_plan(d.choose_plan(m, n, k, sm_count, cc, group, clusters, dtype, codebook), m, n, k, sm_count,
                        clusters, group)]
     if cc == 90:
         grouped = group != -1
@@ -80,7 +80,7 @@ def tune_candidates(m: int, n: int, k: int, sm_count: int, cc: int, group: int, 
     return out
 
 
-def _resolved(plan, m, n, k, sm_count, clusters, group):
+def resolved_plan(plan, m, n, k, sm_count, clusters, group):
     """The plan with the k split its launcher would choose written out (so that it and the same
     split among the candidates are one plan)."""
     from dataclasses import replace

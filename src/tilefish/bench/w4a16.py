@@ -221,16 +221,16 @@ def run(shapes=None, ms=None, groups=(128, -1), dtypes=("fp16", "bf16"), reps: i
 def warm_run_kernels(kn, ms, dtypes, groups, codebook: str = "int4") -> str:
     """Compile the kernels of every plan the run will launch (the dispatcher's, this GPU's tuned
     table included) in parallel processes first, so the timed loop never compiles one at a time."""
-    from ..ops.w4a16 import dispatch, kernel_spec, launch
-    from ..runtime import device_info
+    from .. import w4a16
+    from ..ops.w4a16 import kernel_spec
+    from ..runtime import GpuSpec
     from .progress import warm_kernels
 
-    info = device_info()
-    clusters, table = launch._device_clusters(info), launch._device_table(info)
-    specs = [kernel_spec(DTYPES[d], dispatch.choose_plan(m, n, k, info.sm_count, info.cc, g, clusters, DTYPES[d],
-                                                         codebook, table).cfg, g, False, codebook)
+    gpu = GpuSpec.current()
+    specs = [kernel_spec(DTYPES[d], w4a16.plan(m, n, k, group_size=g, dtype=DTYPES[d], codebook=codebook,
+                                               gpu=gpu).config, g, False, codebook)
              for d in dtypes for k, n in kn for g in groups for m in ms if g < 0 or k % g == 0]
-    return warm_kernels(specs, info.arch)
+    return warm_kernels(specs, gpu.arch)
 
 
 def _marlin_weight(marlin, q, p, dtype, group: int, k: int, n: int, report):

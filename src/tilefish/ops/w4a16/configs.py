@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ...runtime import KernelSpec
+from ...runtime.device import HOPPER_CLUSTERS
 from .layout import BK, DTYPES
 
 SOURCE = "w4a16/gemm.cu"
@@ -33,7 +34,7 @@ ONE_CTA_PER_SM_SMEM = 116 * 1024  # dynamic smem above half an SM's 228 KB: one 
 # Clusters of each size resident at once with one CTA an SM, on the H200 (runtime.cluster_capacity;
 # a cluster sits in one GPC). The default where no device is asked (tests, tables); launches pass
 # their device's.
-H200_CLUSTERS = ((2, 66), (3, 39), (4, 30), (5, 22), (6, 17), (7, 15), (8, 15))
+H200_CLUSTERS = HOPPER_CLUSTERS
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch
 from ...runtime import KernelSpec
 from .configs import (H200_CLUSTERS, HOPPER_BK, HOPPER_CONFIGS, SKINNY_BK, GemmConfig, HopperConfig, SkinnyConfig,
                       column_tiles, kernel_spec, ragged_waste_ok)
-from .layout import DTYPES
+from .layout import BK, DTYPES
 from .time_model import hopper_time_model, predicted_hopper_us
 from .tuned import Plan, TunedTable
 
@@ -265,11 +265,14 @@ def choose_mma_config(m: int, n: int, k: int, sm_count: int) -> GemmConfig:
     """Heuristic fitted to the H200 sweeps (`tilefish bench w4a16 --variants`, docs/w4a16.md).
 
     m <= 8: swapped operands + weights in a register ring, 256-column tiles with 3 stages (128
-    columns with 6 stages when n needs it); m <= 16: 16-row tiles, register ring, 128 columns;
-    larger m: 32-row tiles through shared memory, 256 columns while they give half a tile per SM.
+    columns with 6 stages when n needs it, or when 256-column tiles split as far as k allows
+    would not reach half the SMs: n 1280 x k 8192 gives 80 CTAs of them, 160 of 128 columns);
+    m <= 16: 16-row tiles, register ring, 128 columns; larger m: 32-row tiles through shared
+    memory, 256 columns while they give half a tile per SM.
     """
     if m <= 8:
-        if n % 256 == 0:
+        most_slices = max(1, -(-k // BK) // MIN_K_TILES_PER_SLICE)
+        if n % 256 == 0 and 2 * (n // 256) * most_slices >= sm_count:
             return GemmConfig(1, 4, 2, 3, swap=True, breg=True)
         if n % 128 == 0:
             return GemmConfig(1, 2, 4, 6, swap=True, breg=True)
@@ -298,20 +301,139 @@ def choose_slices(tiles: int, k_tiles: int, sm_count: int) -> int:
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
+# Shared memory a W4A16 kernel declares statically (barriers, hand-off records) besides the dynamic
+# bytes a configuration counts: a plan is legal on a GPU when both fit its opt-in limit per block.
+KERNEL_STATIC_SMEM = 64
+# A nearby weight's configuration (at m <= 16) is taken only while the time model, where it covers
+# both, predicts it within this factor of the model's own plan; else the model's plan runs.
+NEARBY_MAX_PREDICTED_SLOWDOWN = 1.10
+# At m <= COVERAGE_MAX_M a weight of COVERAGE_MIN_BYTES or more is bandwidth-bound: a plan that
+# launches fewer CTAs than SMs leaves bandwidth idle (the H100 m = 16 cliff: 48 CTAs on 132 SMs).
+COVERAGE_MAX_M = 64
+COVERAGE_MIN_BYTES = 4 << 20
+COVERAGE_MIN_FRACTION = 0.75
+
+
+def fits_smem(cfg, group: int | None, zero_points: bool, smem_limit: int | None) -> bool:
+    """Whether cfg's kernel fits `smem_limit` bytes of shared memory per block (None: no limit)."""
+    return smem_limit is None or cfg.smem_bytes(128 if group is None else group, zero_points) \
+        + KERNEL_STATIC_SMEM <= smem_limit
+
+
+def fit_mma_smem(cfg: GemmConfig, group: int | None, zero_points: bool, smem_limit: int | None) -> GemmConfig:
+    """cfg, or the nearest mma.sync configuration that fits the GPU's shared memory per block: fewer
+    stages down to 3 first (the same tiles and grid; three 64-k stages in flight a CTA still cover a
+    consumer GPU's latency), then half the columns with twice the k warps (the same 8 warps)."""
+    c = cfg
+    while not fits_smem(c, group, zero_points, smem_limit):
+        if c.stages > 3:
+            c = replace(c, stages=c.stages - 1)
+        elif c.wn > 1:
+            c = replace(cfg, wn=c.wn // 2, wk=c.wk * 2)
+        elif c.stages > 2:
+            c = replace(c, stages=c.stages - 1)
+        else:
+            raise ValueError(f"no mma.sync configuration of {cfg.bm} rows fits {smem_limit} B of shared memory "
+                             "per block")
+    return c
+
+
+def _legal(plan: Plan, m: int, n: int, cc: int, group, zero_points: bool, smem_limit: int | None) -> bool:
+    """Whether a (tuned) plan can launch here: its kernel exists on this GPU, takes m rows and n
+    columns, and fits the shared memory per block."""
+    return ((cc == 90 or isinstance(plan.cfg, GemmConfig)) and plan.runs_at(m) and ragged_waste_ok(plan.cfg, n)
+            and fits_smem(plan.cfg, group, zero_points, smem_limit))
+
+
+def plan_ctas(plan: Plan, m: int, n: int, k: int, sm_count: int, group, zero_points: bool,
+              clusters: tuple[tuple[int, int], ...] = H200_CLUSTERS) -> int:
+    """CTAs the launcher starts for this plan (its own k split or grid where the plan leaves it None)."""
+    cfg = plan.cfg
+    g = 128 if group is None else group
+    if isinstance(cfg, SkinnyConfig):
+        units = (n // cfg.bn) * -(-k // SKINNY_BK)
+        return max(1, min(plan.ctas or sm_count * cfg.ctas_per_sm, units))
+    tiles = column_tiles(cfg, n) * -(-m // cfg.bm)
+    if isinstance(cfg, HopperConfig):
+        if cfg.streamk:
+            units = tiles * (k // HOPPER_BK)
+            return max(1, min(plan.ctas or sm_count * cfg.ctas_per_sm(g, zero_points), units))
+        slices = plan.slices or choose_hopper_slices(cfg, m, n, k, sm_count, clusters, group != -1)
+        return tiles * max(1, min(slices, k // HOPPER_BK))
+    k_tiles = -(-k // BK)
+    slices = plan.slices or choose_slices(tiles, k_tiles, sm_count)
+    return tiles * max(1, min(slices, k_tiles))
+
+
+def _with_split_for(cfg, m: int, n: int, k: int, sm_count: int, clusters, grouped: bool) -> Plan:
+    """A configuration taken from another weight, with the k split this weight needs: a wgmma tile
+    configuration gets the split of least predicted time for it here (or the rule's); the stream-K
+    kernels and the mma.sync kernel get the launcher's default (one wave; about two CTAs an SM)."""
+    if isinstance(cfg, HopperConfig) and not cfg.streamk:
+        return Plan(cfg, choose_hopper_slices(cfg, m, n, k, sm_count, clusters, grouped))
+    return Plan(cfg)
+
+
+def _predicted_us(plan: Plan, m, n, k, sm_count, clusters, grouped) -> float | None:
+    if not isinstance(plan.cfg, HopperConfig) or m >= MODEL_MAX_M:
+        return None
+    slices = plan.slices
+    if not plan.cfg.streamk and slices is None:
+        slices = choose_hopper_slices(plan.cfg, m, n, k, sm_count, clusters, grouped)
+    return predicted_hopper_us(plan.cfg, None if plan.cfg.streamk else slices, m, n, k, sm_count, clusters, grouped)
+
 
 @functools.lru_cache(maxsize=8192)
+def decide(m: int, n: int, k: int, sm_count: int, cc: int = 80, group: int | None = None,
+           clusters: tuple[tuple[int, int], ...] = H200_CLUSTERS, dtype: torch.dtype | None = None,
+           codebook: str = "int4", table: TunedTable | None = None, smem_limit: int | None = None,
+           zero_points: bool = False) -> tuple[Plan, str]:
+    """(the launch plan of a call, where it came from): "table" (this GPU's tuned table holds the
+    weight and an m near this one), "nearby" (at m <= 16, a nearby weight's tuned configuration with
+    the split this weight needs, kept only while the model predicts it within
+    NEARBY_MAX_PREDICTED_SLOWDOWN of its own plan and it covers the SMs), "model" (the fitted time
+    model's plan: sm_90, wgmma, m < MODEL_MAX_M) or "rule" (the per-kernel rules). Every plan fits
+    smem_limit bytes of shared memory per block (None: no limit) and at m <= COVERAGE_MAX_M a
+    plan from another weight launches at least one CTA an SM on a weight of COVERAGE_MIN_BYTES."""
+    grouped = group != -1
+    default = _rules_plan(m, n, k, sm_count, cc, group, clusters, dtype, codebook, smem_limit, zero_points)
+    if table is None:
+        return default
+    args = (DTYPE_NAMES.get(dtype, "fp16"), grouped, codebook, k, n, m)
+    plan = table.lookup(*args)
+    if plan is not None and _legal(plan, m, n, cc, group, zero_points, smem_limit):
+        return plan, "table"
+    near = table.lookup_nearby(*args)
+    if near is None or not _legal(near, m, n, cc, group, zero_points, smem_limit):
+        return default
+    near = _with_split_for(near.cfg, m, n, k, sm_count, clusters, grouped)
+    if m <= COVERAGE_MAX_M and n * k // 2 >= COVERAGE_MIN_BYTES and \
+            plan_ctas(near, m, n, k, sm_count, group, zero_points, clusters) < COVERAGE_MIN_FRACTION * sm_count:
+        return default
+    near_us = _predicted_us(near, m, n, k, sm_count, clusters, grouped)
+    model_us = _predicted_us(default[0], m, n, k, sm_count, clusters, grouped)
+    if near_us is not None and model_us is not None and near_us > NEARBY_MAX_PREDICTED_SLOWDOWN * model_us:
+        return default
+    return near, "nearby"
+
+
+def _rules_plan(m, n, k, sm_count, cc, group, clusters, dtype, codebook, smem_limit, zero_points) -> tuple[Plan, str]:
+    """The plan without a tuned table: choose_config's configuration (fitted to the shared memory)
+    with the launcher's split."""
+    cfg = choose_config(m, n, k, sm_count, cc, group, clusters, dtype, codebook)
+    if isinstance(cfg, GemmConfig):
+        return Plan(fit_mma_smem(cfg, group, zero_points, smem_limit)), "rule"
+    from_model = (isinstance(cfg, HopperConfig) and m < MODEL_MAX_M and not (codebook == "nf4" and cfg == NF4_TALL_TILE)
+                  and cfg.label() in hopper_time_model(m))
+    return Plan(cfg), "model" if from_model else "rule"  # the launcher's split: the model's where it planned one
+
+
 def choose_plan(m: int, n: int, k: int, sm_count: int, cc: int = 80, group: int | None = None,
                 clusters: tuple[tuple[int, int], ...] = H200_CLUSTERS, dtype: torch.dtype | None = None,
-                codebook: str = "int4", table: TunedTable | None = None) -> Plan:
-    """The launch plan of a call: the tuned table's measured plan where this GPU's table (tuned.py)
-    holds the weight and an m near this one (at m <= 16 also a nearby weight's configuration), else
-    choose_config's configuration with the launcher's default k split / grid (slices, ctas None)."""
-    if table is not None:
-        args = (DTYPE_NAMES.get(dtype, "fp16"), group != -1, codebook, k, n, m)
-        plan = table.lookup(*args) or table.lookup_nearby(*args)
-        if plan is not None and (cc == 90 or isinstance(plan.cfg, GemmConfig)):
-            return plan
-    return Plan(choose_config(m, n, k, sm_count, cc, group, clusters, dtype, codebook))
+                codebook: str = "int4", table: TunedTable | None = None, smem_limit: int | None = None,
+                zero_points: bool = False) -> Plan:
+    """The launch plan of a call (decide's, without where it came from)."""
+    return decide(m, n, k, sm_count, cc, group, clusters, dtype, codebook, table, smem_limit, zero_points)[0]
 
 
 NF4_GROUPS = (32, 64, 128)  # an NF4 weight's scale groups (tilefish.nf4.prepare: min(blocksize, 128))
@@ -328,22 +450,43 @@ def shipped_table_configs() -> set:
     return out
 
 
-def dispatch_specs() -> list[KernelSpec]:
+def dispatch_specs(arch: str | None = None) -> list[KernelSpec]:
+    """The kernels the dispatcher launches (tilefish compile, the warm-ups): on a GPU of `arch`
+    (e.g. "sm_89": the mma.sync kernels fitted to its shared memory; the wgmma and skinny ones on
+    sm_90 only), or on any GPU (None)."""
+    from ...runtime.device import SMEM_PER_BLOCK_BY_CC
+
+    cc = None if arch is None else int(arch.removeprefix("sm_").rstrip("a"))
+    limits = sorted({SMEM_PER_BLOCK_BY_CC.get(cc)} if cc is not None else set(SMEM_PER_BLOCK_BY_CC.values()) | {None},
+                    key=lambda v: v or 0)
+    mma = {choose_mma_config(m, n, 4096, sms) for m in (1, 8, 9, 16, 17, 32, 33, 64, 128, 4096)
+           for n in (64, 128, 256, 1280, 4096, 8192, 14336, 28672, 57344) for sms in (82, 108, 132, 170)}
+    # every format of each configuration (a sanitizer or sweep may run any of them), the
+    # configurations of every format fitted to the shared memory
+    fitted = {fit_mma_smem(c, g, asym, lim) for c in mma for lim in limits
+              for g, asym in [(g, a) for g in (-1, 32, 64, 128) for a in (False, True)]}
     out = []
-    cfgs = {choose_mma_config(m, n, 4096, sms) for m in (1, 8, 9, 16, 17, 32, 33, 64, 128, 4096)
-            for n in (64, 128, 256, 4096, 8192, 14336, 28672, 57344) for sms in (108, 132)}
-    cfgs |= {choose_hopper_config(m, n, 132, k, grouped=g) for m in (9, 16, 17, 32, 33, 64, 65, 128, 256, 512, 1024, 4096)
-             for n in (64, 128, 256, 4096, 6144, 8192, 10240, 14336, 28672, 57344) for k in (4096, 8192, 28672)
-             for g in (True, False)}
-    cfgs |= {c for m in (1, 4, 8, 9, 16) for n in (128, 256, 4096, 6144, 10240, 57344)
-             for k in (4096, 8192, 28672) for g in (-1, 128) for dt in DTYPES
-             if (c := choose_skinny_config(m, n, k, 132, g, dt)) is not None}
-    cfgs |= shipped_table_configs()
     for dt in DTYPES:
-        for cfg in sorted(cfgs, key=lambda c: c.label()):
+        for cfg in sorted(fitted, key=lambda c: c.label()):
             for g in (-1, 32, 64, 128):
                 for asym in (False, True):
                     out.append(kernel_spec(dt, cfg, g, asym))
             for g in NF4_GROUPS:
                 out.append(kernel_spec(dt, cfg, g, False, "nf4"))
-    return out
+    if cc not in (None, 90):
+        return out
+    cfgs = {choose_hopper_config(m, n, 132, k, grouped=g) for m in (9, 16, 17, 32, 33, 64, 65, 128, 256, 512, 1024, 4096)
+            for n in (64, 128, 256, 4096, 6144, 8192, 10240, 14336, 28672, 57344) for k in (4096, 8192, 28672)
+            for g in (True, False)}
+    cfgs |= {c for m in (1, 4, 8, 9, 16) for n in (128, 256, 4096, 6144, 10240, 57344)
+             for k in (4096, 8192, 28672) for g in (-1, 128) for dt in DTYPES
+             if (c := choose_skinny_config(m, n, k, 132, g, dt)) is not None}
+    cfgs |= shipped_table_configs()
+    for dt in DTYPES:
+        for cfg in sorted(cfgs - mma, key=lambda c: c.label()):
+            for g in (-1, 32, 64, 128):
+                for asym in (False, True):
+                    out.append(kernel_spec(dt, cfg, g, asym))
+            for g in NF4_GROUPS:
+                out.append(kernel_spec(dt, cfg, g, False, "nf4"))
+    return list(dict.fromkeys(out))

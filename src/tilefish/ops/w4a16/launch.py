@@ -150,7 +150,7 @@ class LaunchPlan:
         info = device_info(device.index)
         if cfg is None:
             plan = choose_plan(m, w.n, w.k, info.sm_count, info.cc, w.group_size, _device_clusters(info), w.dtype,
-                               w.codebook, _device_table(info))
+                               w.codebook, _device_table(info), info.smem_per_block_optin, w.zeros is not None)
             cfg = plan.cfg
             if slices is None and ctas is None:
                 slices, ctas = plan.slices, plan.ctas
@@ -230,7 +230,7 @@ def plan_for(w: W4A16Weight, m: int, device: torch.device | None = None):
     label their rows with it)."""
     info = device_info(w.packed.device.index if device is None else device.index)
     return choose_plan(m, w.n, w.k, info.sm_count, info.cc, w.group_size, _device_clusters(info), w.dtype,
-                       w.codebook, _device_table(info))
+                       w.codebook, _device_table(info), info.smem_per_block_optin, w.zeros is not None)
 
 
 def _device_table(info) -> TunedTable | None:
