@@ -77,7 +77,7 @@ def test_every_design_variant_is_exact():
     ref = nf4_dequantize_fp32_chain(q, torch.bfloat16)
     for cfg in ops.variant_configs():
         out = poison(torch.empty(q.shape, dtype=torch.bfloat16, device="cuda"))
-        ops._launch(q, out, cfg)
+        ops.launch_dequantize(q, out, cfg)
         assert torch.equal(out, ref), cfg.label()
 
 

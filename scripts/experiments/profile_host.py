@@ -6,7 +6,7 @@ import time
 import torch
 
 from tilefish import nf4
-from tilefish.ops.nf4 import _launch, dequantize_impl
+from tilefish.ops.nf4 import dequantize_impl, launch_dequantize
 
 q = nf4.quantize(torch.randn(64, 64, device="cuda"), blocksize=64)
 out = torch.empty(64, 64, dtype=torch.bfloat16, device="cuda")
@@ -15,7 +15,7 @@ for _ in range(100):
 torch.cuda.synchronize()
 for name, fn in [("public dequantize", lambda: nf4.dequantize(q, torch.bfloat16)),
                  ("impl (validate+alloc+launch)", lambda: dequantize_impl(q, torch.bfloat16)),
-                 ("launch only", lambda: _launch(q, out)),
+                 ("launch only", lambda: launch_dequantize(q, out)),
                  ("validate only", q.validate),
                  ("torch.empty", lambda: torch.empty(64, 64, dtype=torch.bfloat16, device="cuda")),
                  ("torch add (reference op)", lambda: torch.add(out, out))]:

@@ -68,10 +68,10 @@ class _LayerPlan:
     __slots__ = ("plan", "out_shape", "dtype", "device", "perm", "m", "k")
 
     def __init__(self, layer: "W4A16Linear", x: torch.Tensor):
-        from .ops.w4a16 import LaunchPlan, _validate
+        from .ops.w4a16 import LaunchPlan, validate
 
         w = layer.weight4
-        _validate(x, w, layer.bias)
+        validate(x, w, layer.bias)
         self.m, self.k = x.numel() // w.k, w.k
         self.out_shape = x.shape[:-1] + (w.n,)
         self.dtype, self.device, self.perm = x.dtype, x.device, w.perm

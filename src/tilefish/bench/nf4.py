@@ -67,7 +67,7 @@ def run(shapes=None, dtype: str = "bf16", blocksize: int = 64, double_quant: boo
         out = torch.empty(q.shape, dtype=out_dtype, device="cuda")
         configs = ops.variant_configs() if variants else [ops.DEFAULT_CONFIG]
         for cfg in configs:
-            t = time_cuda(lambda: ops._launch(q, out, cfg), reps=reps)
+            t = time_cuda(lambda: ops.launch_dequantize(q, out, cfg), reps=reps)
             gbps = nbytes / (t.median_ms * 1e-3) / 1e9
             impl = "tilefish" if cfg == ops.DEFAULT_CONFIG and not variants else f"tilefish[{cfg.label()}]"
             ratios = {"bitsandbytes": t_bnb / t.median_ms} if t_bnb else {}
@@ -275,13 +275,10 @@ def check_matmul_args(shapes, ms, dtypes) -> None:
 
 def _plan_label(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> str:
     """The dispatcher's configuration for this call, as LaunchPlan.build picks it on this device."""
-    from ..ops import w4a16 as ops
-    from ..runtime import device_info
+    from .. import w4a16
 
     try:
-        info = device_info()
-        return ops.choose_config(m, n, k, info.sm_count, info.cc, group, ops._device_clusters(info), dtype,
-                                 "nf4").label()
+        return w4a16.plan(m, n, k, group_size=group, dtype=dtype, codebook="nf4").label
     except Exception as e:  # noqa: BLE001 - a label only
         return f"? ({type(e).__name__})"
 
@@ -306,20 +303,21 @@ def warm_kernel_cache(shapes, ms, dtypes, group: int, processes: int | None = No
     import subprocess
     import sys
 
+    from .. import w4a16
     from ..ops import w4a16 as ops
-    from ..runtime import cache_enabled, device_info, is_cached
+    from ..runtime import GpuSpec, cache_enabled, device_info, is_cached
 
     if not cache_enabled():
         return "kernel cache disabled (TILEFISH_CACHE=0): kernels compile on first use, inside the run"
     t0 = time.perf_counter()
     info = device_info()
+    gpu = GpuSpec.of(info)
     specs = {}
     for d in dtypes:
         for k, n in shapes:
             for m in ms:
                 for codebook in ("nf4", "int4"):
-                    cfg = ops.choose_config(m, n, k, info.sm_count, info.cc, group, ops._device_clusters(info),
-                                            DTYPES[d], codebook)
+                    cfg = w4a16.plan(m, n, k, group_size=group, dtype=DTYPES[d], codebook=codebook, gpu=gpu).config
                     specs[ops.kernel_spec(DTYPES[d], cfg, group, False, codebook)] = None
     todo = [s for s in specs if not is_cached(s, info.arch)]
     if not todo:

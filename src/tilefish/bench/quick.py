@@ -174,14 +174,11 @@ def _torch_dtype(name: str):
 
 def w4a16_kernels(info, shapes, ms, dtypes, group: int, codebooks=("int4",)) -> list:
     """The kernels the dispatcher picks for these calls on this device (tuned table first, as matmul_impl)."""
-    import torch
-
     from .. import w4a16
     from ..ops import w4a16 as ops
     from ..runtime import GpuSpec
 
-    gpu = (GpuSpec.current(info.index) if torch.cuda.is_available()
-           else GpuSpec(info.name, info.sm_count, info.cc, info.smem_per_block_optin or None))
+    gpu = GpuSpec.of(info)
     specs = []
     for d in dtypes:
         dt = _torch_dtype(d)

@@ -132,7 +132,7 @@ def run(args) -> Report:
         torch.cuda.empty_cache()
 
     if variants:
-        from ..ops.sgemm_autotune import autotune, best, ranking_table
+        from .sgemm_autotune import autotune, best, ranking_table
 
         shape = shapes[0]
         a, b = _operands(shape)

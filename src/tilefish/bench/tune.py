@@ -115,10 +115,9 @@ def tune(shapes=None, models=None, ms=DEFAULT_TUNE_M, dtypes=("fp16", "bf16"), g
     this GPU's user table in the kernel cache). Returns the table document written. cublas: also
     time F.linear of the same shape (written beside each entry: the tuned plan's ratio to it)."""
     from ..ops.w4a16 import pack
-    from ..ops.w4a16.launch import _device_clusters
     from ..ops.w4a16.tuned import gpu_key, user_table_path
     from ..quant.int4 import quantize_rtn
-    from ..runtime import device_info
+    from ..runtime import GpuSpec, device_info
     from .w4a16 import DTYPES, select_shapes
 
     if not torch.cuda.is_available():
@@ -129,7 +128,7 @@ def tune(shapes=None, models=None, ms=DEFAULT_TUNE_M, dtypes=("fp16", "bf16"), g
     kn, _, skipped = select_shapes(shapes, models)
     for line in skipped:
         progress(line)
-    clusters = _device_clusters(info)
+    clusters = GpuSpec.of(info).clusters
     progress(_warm(kn, ms, dtypes, groups, codebook, info, clusters))
     cases = [(dn, g, k, n, m) for dn in dtypes for (k, n) in kn for g in groups for m in ms if g < 0 or k % g == 0]
     total, done, t0 = len(cases), 0, time.perf_counter()
@@ -172,7 +171,6 @@ def _write(path: Path, info, key: str, entries: list[dict]) -> dict:
     """Merge `entries` into the table at path (atomically: a reader never sees half a file) and make
     this process's dispatcher read it again."""
     from .. import __version__
-    from ..ops.w4a16 import launch
     from ..ops.w4a16.tuned import TABLE_FORMAT, forget_tables, read_table_doc
     from .report import environment
 
@@ -188,7 +186,6 @@ def _write(path: Path, info, key: str, entries: list[dict]) -> dict:
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
     tmp.replace(path)
     forget_tables()
-    launch._tables_by_device.clear()
     return doc
 
 

@@ -84,7 +84,7 @@ def _check_out(out: torch.Tensor, q: NF4Weight, dtype: torch.dtype) -> None:
         raise ValueError("out must be contiguous")
 
 
-def _launch(q: NF4Weight, out: torch.Tensor, cfg: DequantConfig = DEFAULT_CONFIG) -> torch.Tensor:
+def launch_dequantize(q: NF4Weight, out: torch.Tensor, cfg: DequantConfig = DEFAULT_CONFIG) -> torch.Tensor:
     """Launch the kernel writing into `out` (contiguous, right dtype and size, same device)."""
     if q.codes.data_ptr() % 16 or out.data_ptr() % 16:
         raise ValueError("the CUDA kernel needs 16-byte aligned codes and output "
@@ -128,7 +128,7 @@ def dequantize_impl(q: NF4Weight, dtype: torch.dtype, out: torch.Tensor | None =
         raise ValueError(f"NF4 dequantize runs on CUDA or CPU tensors, not {q.codes.device}")
     if out is None:
         out = torch.empty(q.shape, dtype=dtype, device=q.codes.device)
-    return _launch(q, out)
+    return launch_dequantize(q, out)
 
 
 # ---- the fused NF4 matmul: bitsandbytes weights repacked once into the W4A16 kernels' layout --------------------
@@ -296,9 +296,9 @@ def matmul_impl(x: torch.Tensor, w: NF4MatmulWeight, bias: torch.Tensor | None =
         raise TypeError(f"w must be an NF4MatmulWeight (tilefish.nf4.prepare), got {type(w).__name__}")
     if isinstance(x, torch.Tensor) and x.device.type == "cpu":
         from ..reference import dense_matmul, nf4_dequantize_fp32_chain
-        from .w4a16 import _validate
+        from .w4a16 import validate
 
-        _validate(x, w.kernel, bias)
+        validate(x, w.kernel, bias)
         dense = nf4_dequantize_fp32_chain(w.to_nf4(), x.dtype)
         return dense_matmul(x.reshape(-1, w.k), dense, bias).reshape(*x.shape[:-1], w.n)
     from .w4a16 import matmul_impl as w4a16_matmul_impl

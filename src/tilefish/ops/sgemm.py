@@ -26,7 +26,7 @@ kernel="auto"
 The fastest tuned step (AUTO_STEP, "09_pipelined") when the vectorized preconditions hold,
 FALLBACK otherwise.  Its tile configuration is TUNED[step], unless the TUNED tile would give
 fewer blocks than the GPU has SMs (small M x N), in which case TUNED_SMALL[step] (a smaller
-tile, more blocks) is used.  TUNED / TUNED_SMALL come from `python -m tilefish.ops.sgemm_autotune`
+tile, more blocks) is used.  TUNED / TUNED_SMALL come from `python -m tilefish.bench.sgemm_autotune`
 on the H200 (see docs/sgemm.md).
 """
 from __future__ import annotations
@@ -226,7 +226,7 @@ def _cfg(step: str, *values: int) -> SgemmConfig:
 # Chosen tile configuration per step: steps 07-09 are the H200 autotune winners
 # (bench/results/h200/sgemm_autotune_07_08.json, sgemm_autotune_09.json; 4096^3 for TUNED,
 # 1024^3 for TUNED_SMALL); 01-06 keep the classic teaching configurations of the worklog.
-# Re-tune with: python -m tilefish.ops.sgemm_autotune --all --shape 4096 --shape 1024 --snippet
+# Re-tune with: python -m tilefish.bench.sgemm_autotune --all --shape 4096 --shape 1024 --snippet
 TUNED: dict[str, SgemmConfig] = {
     "01_naive": _cfg("01_naive", 32),
     "02_coalesced": _cfg("02_coalesced", 32),

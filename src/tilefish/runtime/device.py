@@ -113,6 +113,15 @@ class GpuSpec:
                                "tilefish.GpuSpec('NVIDIA H100 80GB HBM3', 132, 90)")
         return _current_spec(torch.cuda.current_device() if device is None else device)
 
+    @classmethod
+    def of(cls, info) -> "GpuSpec":
+        """The spec of a device_info() answer: GpuSpec.current() where CUDA is up, else built from its
+        fields (cluster capacity: the default), for callers handed a described device."""
+        if torch.cuda.is_available():
+            return _current_spec(info.index)
+        return cls(getattr(info, "name", "") or "unnamed GPU", info.sm_count, info.cc,
+                   getattr(info, "smem_per_block_optin", 0) or None)
+
 
 @functools.lru_cache(maxsize=None)
 def _current_spec(index: int) -> GpuSpec:

@@ -30,7 +30,7 @@ from .dispatch import (HOPPER_MIN_M, HOPPER_SLICES, MAX_HOPPER_SLICES, MIN_K_TIL
                        SKINNY_WIDE_N, SMALL_WEIGHT_NK, STREAMK_MAX_M, TINY_WEIGHT_NK, _fit_n, choose_config, choose_plan,
                        choose_hopper_config, choose_hopper_plan, choose_hopper_slices, choose_mma_config,
                        choose_skinny_config, choose_slices, dispatch_specs, skinny_fixup_trips)
-from .launch import (LaunchPlan, _device_clusters, _kernel, _separate_tail, _validate, hopper_split_uses_clusters,
+from .launch import (LaunchPlan, _device_clusters, _kernel, _separate_tail, validate, hopper_split_uses_clusters,
                      matmul_impl, plan_for)
 from .layout import (BK, CODEBOOKS, DTYPES, NF4_NIBBLE_ORDER, W4A16Weight, _strip_permute, check_perm, check_shape,
                      pack, unpack)
@@ -41,7 +41,7 @@ from .time_model import (FIXUP_PER_WAVE, HOPPER_TIME_MODEL, MODEL_LARGE_M, hoppe
 
 # The launch path's switches and caches, not re-exported: a copy bound here would take a patch
 # that launch.py never sees.
-_LAUNCH_STATE = ("HOPPER_DSMEM_SPLIT", "HOPPER_SEPARATE_TAIL", "_kernels", "_clusters_by_device", "_tables_by_device")
+_LAUNCH_STATE = ("HOPPER_DSMEM_SPLIT", "HOPPER_SEPARATE_TAIL", "_kernels", "_clusters_by_device", "_keys_by_device")
 
 
 def __getattr__(name: str):

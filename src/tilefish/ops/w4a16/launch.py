@@ -31,7 +31,7 @@ HOPPER_SEPARATE_TAIL = "rule"  # _separate_tail: "rule"; "never" / "always" (any
 
 # ---- the op ---------------------------------------------------------------------------------------------------
 
-def _validate(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None) -> None:
+def validate(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if not isinstance(w, W4A16Weight):
@@ -79,7 +79,7 @@ def matmul_impl(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = Non
     streamk); None: the dispatcher's choice. Giving the one the plan's kernel does not take is a
     ValueError (on CUDA, where the plan is made). workspace: a workspace.Workspace, or the int32
     tile counters a layer owns; None: fresh zeroed counters where the plan needs them."""
-    _validate(x, w, bias)
+    validate(x, w, bias)
     if slices is not None:
         _check_count("slices", slices)
     if ctas is not None:
@@ -142,7 +142,7 @@ class LaunchPlan:
     def build(cls, w: W4A16Weight, bias: torch.Tensor | None, m: int, device: torch.device,
               cfg=None, slices: int | None = None, ctas: int | None = None,
               counters: torch.Tensor | None = None) -> "LaunchPlan":
-        """w and bias already validated (_validate), on `device` and contiguous; m >= 1. slices / ctas:
+        """w and bias already validated (validate), on `device` and contiguous; m >= 1. slices / ctas:
         matmul_impl's; counters: owned tile counters (checked), or None."""
         for name, t in (("packed", w.packed), ("scales", w.scales), ("zeros", w.zeros)):
             if t is not None and (t.data_ptr() % 16 or not t.is_contiguous()):
@@ -234,15 +234,16 @@ def plan_for(w: W4A16Weight, m: int, device: torch.device | None = None):
 
 
 def _device_table(info) -> TunedTable | None:
-    """This GPU's tuned plans (tuned.table_for), looked up once per device."""
-    if info.index not in _tables_by_device:
-        _tables_by_device[info.index] = table_for(gpu_key(info.name, info.sm_count))
-    return _tables_by_device[info.index]
+    """This GPU's tuned plans (tuned.table_for: the one cache of tables, which `tilefish tune` resets)."""
+    key = _keys_by_device.get(info.index)
+    if key is None:
+        key = _keys_by_device[info.index] = gpu_key(info.name, info.sm_count)
+    return table_for(key)
 
 
 # Per-call lookups of the launch path, cached (each saved ~1 us of host time a call).
 _clusters_by_device: dict[int, tuple[tuple[int, int], ...]] = {}
-_tables_by_device: dict[int, TunedTable | None] = {}
+_keys_by_device: dict[int, str] = {}  # a device's table key (gpu_key), fixed per device
 _kernels: dict[tuple, object] = {}
 
 

@@ -1,7 +1,7 @@
 """SGEMM autotuner: time every tile configuration of a ladder step on one shape and rank them.
 
-    python -m tilefish.ops.sgemm_autotune --step 09_pipelined --shape 4096
-    python -m tilefish.ops.sgemm_autotune --all --shape 4096 --shape 1024x1024x1024 --json out.json
+    python -m tilefish.bench.sgemm_autotune --step 09_pipelined --shape 4096
+    python -m tilefish.bench.sgemm_autotune --all --shape 4096 --shape 1024x1024x1024 --json out.json
 
 Each variant is compiled (disk-cached), checked against a float64 reference (relative error
 < 1e-5; a wrong variant is reported, never ranked first), then timed with
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .sgemm import KERNELS, SgemmConfig, launch_config, variant_configs, vector_ok
+from ..ops.sgemm import KERNELS, SgemmConfig, launch_config, variant_configs, vector_ok
 
 REL_TOL = 1e-5
 
@@ -73,7 +73,7 @@ def autotune(step: str, shape=(4096,), *, configs: list[SgemmConfig] | None = No
 
     Returns the results fastest first; failed or wrong variants (ok=False) come last.
     """
-    from ..bench.timing import time_cuda
+    from .timing import time_cuda
     from ..runtime import get_kernel
 
     if step not in KERNELS:
@@ -140,7 +140,7 @@ def ranking_table(results: list[TuneResult], top: int | None = None) -> str:
 
 def dump_json(results_by_key: dict[str, list[TuneResult]], path: str | Path, extra: dict | None = None) -> None:
     """Write {"environment", "tuned": {key: best config}, "results": {key: [every result]}}."""
-    from ..bench.report import environment
+    from .report import environment
 
     rec = {
         "environment": environment(),
@@ -166,7 +166,7 @@ def tuned_snippet(results_by_key: dict[str, list[TuneResult]]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tilefish.ops.sgemm_autotune", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tilefish.bench.sgemm_autotune", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--step", action="append", choices=KERNELS, help="ladder step (repeatable)")
     p.add_argument("--all", action="store_true", help="every step from 05 on (01-04 with --all-steps)")
