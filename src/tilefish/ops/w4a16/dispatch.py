@@ -127,10 +127,13 @@ def _rule_slices(cfg: HopperConfig, tiles: int, k: int, sm_count: int) -> int:
     return max(1, min(4, k // HOPPER_BK // 4, round(sm_count / tiles)))
 
 
+@functools.lru_cache(maxsize=4096)
 def choose_hopper_slices(cfg: HopperConfig, m: int, n: int, k: int, sm_count: int,
                          clusters: tuple[tuple[int, int], ...] = H200_CLUSTERS, grouped: bool = True) -> int:
     """k slices for a tile-mode configuration (the dispatcher's plan when it is that config, else
-    the split of least predicted time for it)."""
+    the split of least predicted time for it). Cached: the launcher asks it on every call of a plan
+    that leaves the split to it, and weighing the candidates costs 60-260 us of Python (the NF4 tall
+    tile at m = 256 ran host-bound, 3-6x its kernel time, until this was cached)."""
     plan_cfg, plan_sl = choose_hopper_plan(m, n, k, sm_count, clusters, grouped)
     if plan_cfg == cfg and plan_sl is not None:
         return plan_sl
