@@ -21,20 +21,23 @@ def _package(module: str) -> str:
     return ".".join(module.split(".")[:2])
 
 
-def _imports(path: pathlib.Path):
-    """(imported module, names) of every import in the file, relative imports resolved."""
+def _from_target(path: pathlib.Path, node: ast.ImportFrom) -> str:
+    """The module a `from ... import` names, relative imports resolved."""
     module = _module_name(path)
     base = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    if node.level:
+        return ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else []))
+    return node.module or ""
+
+
+def _imports(path: pathlib.Path):
+    """(imported module, names) of every import in the file, relative imports resolved."""
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield alias.name, ()
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                target = ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
-            yield target, tuple(a.name for a in node.names)
+            yield _from_target(path, node), tuple(a.name for a in node.names)
 
 
 def _sources():
@@ -75,7 +78,7 @@ def test_no_private_name_is_used_across_packages():
             bad += [f"{path.relative_to(SRC)}: from {target} import {n}" for n in names if _private(n)]
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
-                target = next(t for t, _ in _imports_of(path, node))
+                target = _from_target(path, node)
                 for alias in node.names:
                     full = f"{target}.{alias.name}"
                     if full.startswith("tilefish") and _is_module(full) and _package(full) != here:
@@ -90,11 +93,3 @@ def test_no_private_name_is_used_across_packages():
                 bad.append(f"{path.relative_to(SRC)}:{node.lineno}: {modules[node.value.id]}.{node.attr}")
     assert not bad, bad
 
-
-def _imports_of(path: pathlib.Path, node: ast.ImportFrom):
-    module = _module_name(path)
-    base = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-    if node.level:
-        yield ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else [])), ()
-    else:
-        yield node.module or "", ()

@@ -100,6 +100,12 @@ def test_consumer_gpus_fit_the_wide_tile_in_99_kb():
     assert p.config.bn == 256 and p.config.stages == 4
 
 
+def test_nf4_plan_rejects_a_blocksize_bitsandbytes_does_not_make():
+    for bad in (48, 0, "64", True):
+        with pytest.raises(ValueError, match="blocksize"):
+            tilefish.nf4.plan(16, 4096, 4096, blocksize=bad, gpu=GPUS["H100"])
+
+
 def test_nf4_plan_is_the_w4a16_plan_of_its_scale_groups():
     gpu = GPUS["RTX 4090"]
     for blocksize, group in [(64, 64), (256, 128), (32, 32)]:

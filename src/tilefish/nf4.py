@@ -61,4 +61,6 @@ def plan(m: int, n: int, k: int, *, blocksize: int = 64, dtype: torch.dtype = to
     from .ops.nf4 import scale_group
     from .ops.w4a16.plan import plan as w4a16_plan
 
+    if isinstance(blocksize, bool) or blocksize not in SUPPORTED_BLOCKSIZES:
+        raise ValueError(f"blocksize must be one of {SUPPORTED_BLOCKSIZES}, got {blocksize!r}")
     return w4a16_plan(m, n, k, group_size=scale_group(blocksize), dtype=dtype, codebook="nf4", gpu=gpu)

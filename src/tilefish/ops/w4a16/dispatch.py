@@ -18,7 +18,8 @@ from dataclasses import replace
 import torch
 
 from ...runtime import KernelSpec
-from .configs import (H200_CLUSTERS, HOPPER_BK, HOPPER_CONFIGS, SKINNY_BK, GemmConfig, HopperConfig, SkinnyConfig,
+from .configs import (H200_CLUSTERS, HOPPER_BK, HOPPER_CONFIGS, MAX_CLUSTER_SLICES, ONE_CTA_PER_SM_SMEM,
+                      SKINNY_BK, GemmConfig, HopperConfig, SkinnyConfig,
                       column_tiles, kernel_spec, ragged_waste_ok)
 from .layout import BK, DTYPES
 from .time_model import hopper_time_model, predicted_hopper_us
@@ -348,24 +349,39 @@ def _legal(plan: Plan, m: int, n: int, cc: int, group, zero_points: bool, smem_l
             and fits_smem(plan.cfg, group, zero_points, smem_limit))
 
 
-def plan_ctas(plan: Plan, m: int, n: int, k: int, sm_count: int, group, zero_points: bool,
-              clusters: tuple[tuple[int, int], ...] = H200_CLUSTERS) -> int:
-    """CTAs the launcher starts for this plan (its own k split or grid where the plan leaves it None)."""
+def plan_geometry(plan: Plan, m: int, n: int, k: int, sm_count: int, group, zero_points: bool,
+                  clusters: tuple[tuple[int, int], ...] = H200_CLUSTERS) -> tuple[int, int, int, int, int]:
+    """(k slices, CTAs, cluster size, shared memory a CTA, scratch bytes) the launchers (launch.py:
+    _mma_launches, _hopper_launches, _skinny_launches) make for this plan, their own split or grid
+    where the plan leaves it None; the cluster decision from the GPU's capacity."""
     cfg = plan.cfg
     g = 128 if group is None else group
+    smem, cluster, slices = cfg.smem_bytes(g, zero_points), 1, 1
     if isinstance(cfg, SkinnyConfig):
-        units = (n // cfg.bn) * -(-k // SKINNY_BK)
-        return max(1, min(plan.ctas or sm_count * cfg.ctas_per_sm, units))
-    tiles = column_tiles(cfg, n) * -(-m // cfg.bm)
-    if isinstance(cfg, HopperConfig):
+        tiles = n // cfg.bn
+        ctas = max(1, min(plan.ctas or sm_count * cfg.ctas_per_sm, tiles * -(-k // SKINNY_BK)))
+        floats = ctas * 2 * cfg.mt * cfg.bn
+    elif isinstance(cfg, HopperConfig):
+        tiles = column_tiles(cfg, n) * -(-m // cfg.mt)
         if cfg.streamk:
-            units = tiles * (k // HOPPER_BK)
-            return max(1, min(plan.ctas or sm_count * cfg.ctas_per_sm(g, zero_points), units))
-        slices = plan.slices or choose_hopper_slices(cfg, m, n, k, sm_count, clusters, group != -1)
-        return tiles * max(1, min(slices, k // HOPPER_BK))
-    k_tiles = -(-k // BK)
-    slices = plan.slices or choose_slices(tiles, k_tiles, sm_count)
-    return tiles * max(1, min(slices, k_tiles))
+            ctas = max(1, min(plan.ctas or sm_count * cfg.ctas_per_sm(g, zero_points), tiles * (k // HOPPER_BK)))
+            floats = ctas * 2 * cfg.mt * cfg.bn
+        else:
+            slices = plan.slices or choose_hopper_slices(cfg, m, n, k, sm_count, clusters, group != -1)
+            slices = max(1, min(slices, k // HOPPER_BK))
+            ctas = tiles * slices
+            if 1 < slices <= MAX_CLUSTER_SLICES and tiles <= dict(clusters).get(slices, 0):
+                cluster, smem, floats = slices, max(smem, ONE_CTA_PER_SM_SMEM), 0
+            else:
+                floats = tiles * slices * cfg.mt * cfg.bn if slices > 1 else 0
+    else:
+        tiles = (n // cfg.bn) * -(-m // cfg.bm)
+        k_tiles = -(-k // BK)
+        slices = max(1, min(plan.slices or choose_slices(tiles, k_tiles, sm_count), k_tiles))
+        ctas = tiles * slices
+        floats = tiles * slices * cfg.bm * cfg.bn if slices > 1 else 0
+    counted = cfg.streamk or (slices > 1 and cluster == 1)  # the fixups that meet at a tile counter
+    return slices, ctas, cluster, smem, 4 * floats + (4 * tiles if counted else 0)
 
 
 def _with_split_for(cfg, m: int, n: int, k: int, sm_count: int, clusters, grouped: bool) -> Plan:
@@ -411,7 +427,7 @@ def decide(m: int, n: int, k: int, sm_count: int, cc: int = 80, group: int | Non
         return default
     near = _with_split_for(near.cfg, m, n, k, sm_count, clusters, grouped)
     if m <= COVERAGE_MAX_M and n * k // 2 >= COVERAGE_MIN_BYTES and \
-            plan_ctas(near, m, n, k, sm_count, group, zero_points, clusters) < COVERAGE_MIN_FRACTION * sm_count:
+            plan_geometry(near, m, n, k, sm_count, group, zero_points, clusters)[1] < COVERAGE_MIN_FRACTION * sm_count:
         return default
     near_us = _predicted_us(near, m, n, k, sm_count, clusters, grouped)
     model_us = _predicted_us(default[0], m, n, k, sm_count, clusters, grouped)

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from ...runtime.device import GpuSpec
-from .configs import (HOPPER_BK, MAX_CLUSTER_SLICES, ONE_CTA_PER_SM_SMEM, SKINNY_BK, GemmConfig, HopperConfig,
-                      SkinnyConfig, column_tiles)
-from .dispatch import MODEL_MAX_M, choose_hopper_slices, choose_slices, decide
-from .layout import BK, CODEBOOKS, DTYPES, check_shape
+from .configs import GemmConfig, HopperConfig, SkinnyConfig
+from .dispatch import MODEL_MAX_M, decide, plan_geometry
+from .layout import CODEBOOKS, DTYPES, check_shape
 from .time_model import predicted_hopper_us
 from .tuned import gpu_key, table_for
 
@@ -85,37 +84,10 @@ def plan(m: int, n: int, k: int, *, group_size: int = 128, dtype: torch.dtype = 
 
 
 def _geometry(chosen, m, n, k, group, asym, gpu: GpuSpec, source: str) -> MatmulPlan:
-    """The launchers' grid, split and scratch for a chosen plan (launch.py: _mma_launches,
-    _hopper_launches, _skinny_launches), from the GPU's description."""
-    cfg, sms = chosen.cfg, gpu.sm_count
-    smem, cluster, slices, predicted = cfg.smem_bytes(group, asym), 1, 1, None
-    if isinstance(cfg, SkinnyConfig):
-        tiles = n // cfg.bn
-        ctas = max(1, min(chosen.ctas or sms * cfg.ctas_per_sm, tiles * -(-k // SKINNY_BK)))
-        floats = ctas * 2 * cfg.mt * cfg.bn
-    elif isinstance(cfg, HopperConfig):
-        tiles = column_tiles(cfg, n) * -(-m // cfg.mt)
-        if cfg.streamk:
-            ctas = max(1, min(chosen.ctas or sms * cfg.ctas_per_sm(group, asym), tiles * (k // HOPPER_BK)))
-            floats = ctas * 2 * cfg.mt * cfg.bn
-        else:
-            slices = chosen.slices or choose_hopper_slices(cfg, m, n, k, sms, gpu.clusters, group != -1)
-            slices = max(1, min(slices, k // HOPPER_BK))
-            ctas = tiles * slices
-            in_clusters = 1 < slices <= MAX_CLUSTER_SLICES and tiles <= dict(gpu.clusters).get(slices, 0)
-            if in_clusters:
-                cluster, smem, floats = slices, max(smem, ONE_CTA_PER_SM_SMEM), 0
-            else:
-                floats = tiles * slices * cfg.mt * cfg.bn if slices > 1 else 0
-        if m < MODEL_MAX_M:
-            predicted = predicted_hopper_us(cfg, None if cfg.streamk else slices, m, n, k, sms, gpu.clusters,
-                                            group != -1)
-    else:
-        tiles = (n // cfg.bn) * -(-m // cfg.bm)
-        k_tiles = -(-k // BK)
-        slices = max(1, min(chosen.slices or choose_slices(tiles, k_tiles, sms), k_tiles))
-        ctas = tiles * slices
-        floats = tiles * slices * cfg.bm * cfg.bn if slices > 1 else 0
-    counted = cfg.streamk or (slices > 1 and cluster == 1)
-    return MatmulPlan(m, n, k, gpu, cfg, slices, ctas, cluster, smem, 4 * floats + (4 * tiles if counted else 0),
-                      source, predicted)
+    """The chosen plan with the launchers' grid, split and scratch, and the model's prediction."""
+    slices, ctas, cluster, smem, scratch = plan_geometry(chosen, m, n, k, gpu.sm_count, group, asym, gpu.clusters)
+    cfg, predicted = chosen.cfg, None
+    if isinstance(cfg, HopperConfig) and m < MODEL_MAX_M:
+        predicted = predicted_hopper_us(cfg, None if cfg.streamk else slices, m, n, k, gpu.sm_count, gpu.clusters,
+                                        group != -1)
+    return MatmulPlan(m, n, k, gpu, cfg, slices, ctas, cluster, smem, scratch, source, predicted)
