@@ -117,6 +117,31 @@ def test_table_for_reads_package_then_user_tables(tmp_path, monkeypatch):
         tuned.forget_tables()
 
 
+def test_tilefish_tuned_naming_a_file_makes_it_the_only_table(tmp_path, monkeypatch):
+    """A held-out run: the named file replaces the shipped and the user's tables, for the GPU its key names."""
+    key = "test-gpu-7sm"
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / f"{key}.json").write_text(json.dumps(doc([entry(64, "wg-m64n256c2s6/x1"), entry(256, "wg-m128n128c1s4/x2")])))
+    only = tmp_path / "half.json"
+    only.write_text(json.dumps(dict(doc([entry(64, "wg-m64n256c1s6/x2")]), key=key)))
+    monkeypatch.setattr(tuned, "PACKAGE_TABLES", pkg)
+    monkeypatch.setenv("TILEFISH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TILEFISH_TUNED", str(only))
+    tuned.forget_tables()
+    try:
+        t = tuned.table_for(key)
+        assert t.lookup("fp16", True, "int4", 4096, 4096, 64).label() == "wg-m64n256c1s6/x2"
+        assert t.lookup("fp16", True, "int4", 4096, 4096, 256) is None  # the shipped entry is not read
+        assert tuned.table_for("another-gpu-1sm") is None  # the file is another GPU's
+        monkeypatch.setenv("TILEFISH_TUNED", str(tmp_path / "missing.json"))
+        tuned.forget_tables()
+        with pytest.warns(RuntimeWarning, match="no such table file"):
+            assert tuned.table_for(key) is None
+    finally:
+        tuned.forget_tables()
+
+
 @pytest.mark.parametrize("text", ["{not json", json.dumps({"format": 99, "entries": []}),
                                   json.dumps(doc([entry(64, "wg-m64n999c2s6")])), json.dumps(doc([{"m": 1}]))])
 def test_an_unusable_table_warns_and_leaves_the_model_in_charge(tmp_path, monkeypatch, text):

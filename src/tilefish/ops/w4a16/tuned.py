@@ -10,7 +10,9 @@ plan otherwise:
   "nvidia-h100-80gb-hbm3-132sm"). A user's own table (`tilefish tune`, written to
   <kernel cache>/tuned/w4a16-<key>.json) comes first, then the table shipped in the package
   (ops/w4a16/tuned/<key>.json) for the GPUs this project measured. Entries of the user's table
-  replace the shipped entries of the same case. TILEFISH_TUNED=0 turns tables off (A/Bs).
+  replace the shipped entries of the same case. TILEFISH_TUNED=0 turns tables off (A/Bs);
+  TILEFISH_TUNED=<path of a table file> makes that file the only table (held-out runs: a table
+  tuned on some models' weights, evaluated on others'), for the GPU its "key" names.
 - For a weight the table does not hold, at m <= 16 (decode), the configuration tuned for the
   nearest weight is taken (lookup_nearby); elsewhere the model decides.
 - A call's m is matched to the tuned m nearest in log2 (ties to the larger m, whose tiles the
@@ -165,20 +167,30 @@ def tables_enabled() -> bool:
     return os.environ.get("TILEFISH_TUNED", "1") not in ("0", "false", "no", "off")
 
 
+def _only_table_path() -> Path | None:
+    """TILEFISH_TUNED's file, when it names one (any value but on / off words)."""
+    value = os.environ.get("TILEFISH_TUNED", "1")
+    return None if value in ("1", "true", "yes", "on", "0", "false", "no", "off") else Path(value)
+
+
 def table_for(key: str) -> TunedTable | None:
     """The GPU's table (package entries, then the user's), read once per process; None if neither
     exists or tables are off. An unusable file is skipped with a warning."""
     if not tables_enabled():
         return None
     if key not in _tables:
-        docs = []
-        for path in (package_table_path(key), user_table_path(key)):
+        docs, only = [], _only_table_path()
+        if only is not None and not only.is_file():
+            warnings.warn(f"TILEFISH_TUNED={only}: no such table file; the dispatcher's model decides",
+                          RuntimeWarning, stacklevel=2)
+        paths = (package_table_path(key), user_table_path(key)) if only is None else (only,)
+        for path in paths:
             try:
                 doc = read_table_doc(path)
             except ValueError as e:
                 warnings.warn(f"{e}; the dispatcher's model decides instead", RuntimeWarning, stacklevel=2)
                 doc = None
-            if doc is not None:
+            if doc is not None and (only is None or doc.get("key") == key):
                 docs.append(doc)
         _tables[key] = TunedTable(docs, key) if docs else None
     return _tables[key]
