@@ -56,9 +56,9 @@ def main():
             if w is not None:
                 row("w4a16.matmul(x, w)", lambda: w4a16.matmul(x, w), base)
                 row("ops.matmul_impl (fresh counters)", lambda: ops.matmul_impl(x, w), base)
-                row("ops._validate", lambda: ops._validate(x, w, None))
+                row("ops.validate", lambda: ops.validate(x, w, None))
                 row("choose_config (cached)", lambda: ops.choose_config(m, n, k, info.sm_count, info.cc, 128,
-                                                                       ops._device_clusters(info), x.dtype))
+                                                                       ops.device_clusters(info), x.dtype))
             row("torch.empty(m, n)", lambda: torch.empty(m, n, dtype=x.dtype, device=x.device))
             row("tensor_map_2d (hit)", lambda: tensor_map_2d(x, 8, 64))
             row("current_stream_handle", lambda: current_stream_handle(0))
@@ -68,11 +68,11 @@ def main():
             row("np.int32(m) x4", lambda: (np.int32(m), np.int32(n), np.int32(k), np.int32(1)))
             row("torch.compiler.is_compiling", torch.compiler.is_compiling)
             if w is not None:
-                cfg = ops.choose_config(m, n, k, info.sm_count, info.cc, 128, ops._device_clusters(info), x.dtype)
+                cfg = ops.choose_config(m, n, k, info.sm_count, info.cc, 128, ops.device_clusters(info), x.dtype)
                 print(f"  plan {cfg.label()}")
                 if isinstance(cfg, ops.SkinnyConfig):
                     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-                    kern = ops._kernel(x.dtype, cfg, 128, False, 0)
+                    kern = get_kernel(ops.kernel_spec(x.dtype, cfg, 128, False), 0)
                     ws = torch.empty(info.sm_count * cfg.ctas_per_sm * 2 * cfg.mt * cfg.bn, dtype=torch.float32,
                                      device=x.device)
                     counters = ops.Workspace(x.device).counters

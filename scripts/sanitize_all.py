@@ -20,9 +20,14 @@ One script for every kernel family (issue 30 item 3; it replaces sanitize_w4a16_
                NARROW / SHORT tiles and their direct-store twins) x both B layouts x both dtypes;
                step 07 on a persistent grid forced down to 3 CTAs, so every CTA loops over tiles
 
-The plans are enumerated from the dispatch code: kernel_specs() (every dispatchable KernelSpec) is
-read back into configurations, so a plan the dispatchers gain is picked up (or shows as uncovered in
---list and fails tests/test_sanitize_script.py). A spec no plan runs is listed with the reason.
+The plans are enumerated from the dispatch code: every spec of kernel_specs() (every dispatchable
+KernelSpec) is matched to its configuration and format, for W4A16 / NF4 through the builds the ops
+modules name (ops.w4a16.dispatch_builds, ops.nf4.kernel_spec), for SGEMM / HGEMM by reading its
+template arguments back; so a plan the dispatchers gain is picked up (or shows as uncovered in --list
+and fails tests/test_sanitize_script.py). A spec no plan runs is listed with the reason. What a W4A16
+plan launches (k split, clusters, a separate tail) is the launcher's own geometry on the described
+GPU (ops.w4a16.launch_geometry, tilefish.w4a16.plan for the dispatcher's picks; --list -v prints it),
+and each plan runs under the ops.w4a16.LaunchPolicy its dsmem / tail keys name.
 
 Modes
   --list              print the plans, counts per family and tool, the time estimate and the coverage
@@ -85,6 +90,7 @@ Device command (repository root, about 5 minutes on an H100):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -188,48 +194,48 @@ def _dtname(dtype) -> str:
     return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
 
 
-# ---- kernel_specs() read back into configurations -------------------------------------------------------------------
+# ---- kernel_specs() matched to configurations -------------------------------------------------------------------
 
 def _targs(name: str) -> tuple[str, list[str]]:
     head, _, rest = name.partition("<")
     return head, [a.strip() for a in rest.rstrip(">").split(",")] if rest else []
 
 
-def spec_config(family: str, spec):
-    """A dispatch KernelSpec -> (family, config, format) with format a dict; verified by rebuilding the spec
-    (a spec this cannot read back raises ValueError, which --list and the tests report)."""
-    import torch
-    from tilefish.ops import hgemm, nf4, sgemm
+def w4a16_builds() -> dict:
+    """{KernelSpec: ops.w4a16.KernelBuild} of every W4A16 / NF4-matmul kernel the dispatcher launches
+    (ops.w4a16.dispatch_builds: the configurations and formats themselves, not read back from specs)."""
     from tilefish.ops import w4a16 as w4
 
-    head, a = _targs(spec.name)
+    return {b.spec: b for b in w4.dispatch_builds()}
+
+
+def nf4_dequant_builds() -> dict:
+    """{KernelSpec: (dtype, double quant)} of every NF4 dequantize build ops.nf4.kernel_spec makes."""
+    from tilefish.ops import nf4
+
+    return {nf4.kernel_spec(dt, dq): (dt, dq) for dt in nf4.OUT_DTYPES for dq in (False, True)}
+
+
+def spec_config(family: str, spec, builds: dict | None = None):
+    """A dispatch KernelSpec -> (family, config, format) with format a dict. W4A16 / NF4 specs are
+    looked up among the builds their ops module names (w4a16_builds, nf4_dequant_builds); SGEMM and
+    HGEMM specs are read back from their template arguments and verified by rebuilding the spec. A spec
+    neither finds raises ValueError, which --list and the tests report."""
+    import torch
+    from tilefish.ops import hgemm, sgemm
+
     if family == "w4a16":
-        dts = {v: k for k, v in w4.DTYPES.items()}
-        dt = dts[a[0]]
-        b = lambda s: s == "true"  # noqa: E731
-        if head == "w4a16_gemm":
-            cfg = w4.GemmConfig(int(a[1]), int(a[2]), int(a[3]), int(a[4]), b(a[7]), b(a[8]))
-            group, asym = int(a[5]), b(a[6])
-        elif head == "w4a16_wgmma":
-            cfg = w4.HopperConfig(int(a[1]), int(a[2]), int(a[3]), int(a[4]), b(a[7]))
-            group, asym = int(a[5]), b(a[6])
-        elif head == "w4a16_skinny":
-            cfg = w4.SkinnyConfig(int(a[1]), int(a[2]), int(a[3]), int(a[4]), int(a[5]), b(a[8]))
-            group, asym = int(a[6]), b(a[7])
-        else:
-            raise ValueError(f"unknown W4A16 kernel {spec.name}")
-        group = -1 if group == 0 else group
-        cb = "nf4" if ("TF_W4A16_NF4", "1") in spec.defines else "int4"
-        fmt = {"dt": _dtname(dt), "g": group, "zp": int(asym), "cb": cb}
-        if w4.kernel_spec(dt, cfg, group, asym, cb) != spec:
-            raise ValueError(f"{spec} does not read back as {cfg.label()} {fmt}")
-        return "nf4-matmul" if cb == "nf4" else "w4a16", cfg, fmt
+        b = (w4a16_builds() if builds is None else builds).get(spec)
+        if b is None:
+            raise ValueError(f"{spec.name} {dict(spec.defines)} is not one of ops.w4a16.dispatch_builds()")
+        fmt = {"dt": _dtname(b.dtype), "g": b.group_size, "zp": int(b.zero_points), "cb": b.codebook}
+        return "nf4-matmul" if b.codebook == "nf4" else "w4a16", b.config, fmt
     if family == "nf4":
-        dts = {v: k for k, v in nf4.OUT_DTYPES.items()}
-        dt, dq = dts[a[0]], a[1] == "true"
-        if nf4.kernel_spec(dt, dq) != spec:
+        dt_dq = nf4_dequant_builds().get(spec)
+        if dt_dq is None:
             raise ValueError(f"{spec} is not a dispatched NF4 dequantize build")
-        return "nf4-dequant", None, {"dt": _dtname(dt), "dq": int(dq)}
+        return "nf4-dequant", None, {"dt": _dtname(dt_dq[0]), "dq": int(dt_dq[1])}
+    head, a = _targs(spec.name)
     if family == "sgemm":
         step = Path(spec.source).stem
         cfg = sgemm.SgemmConfig(step, tuple(int(v) for v in a))
@@ -248,14 +254,15 @@ def spec_config(family: str, spec):
 
 
 def dispatch_universe():
-    """[(kernel_specs family, spec, plan family, config, format)] for every dispatchable spec; unreadable
-    specs come back with config None and the error as format["error"]."""
+    """[(kernel_specs family, spec, plan family, config, format)] for every dispatchable spec; specs no
+    build names come back with config None and the error as format["error"]."""
     from tilefish.ops import kernel_specs
 
+    builds = w4a16_builds()
     out = []
     for fam, spec in kernel_specs():
         try:
-            pfam, cfg, fmt = spec_config(fam, spec)
+            pfam, cfg, fmt = spec_config(fam, spec, builds)
         except Exception as e:  # noqa: BLE001 - reported as uncovered, never hidden
             pfam, cfg, fmt = fam, None, {"error": f"{type(e).__name__}: {e}"}
         out.append((fam, spec, pfam, cfg, fmt))
@@ -322,15 +329,61 @@ def _w4_plan(cfg_label: str, fmt: dict, *, m: int, n: int, k: int, tools=ALL, ti
                      rep=rep if rep > 1 else None, bias=int(bias), perm=0 if nf4 else int(perm))
 
 
-def enumerate_plans(sm_count: int = 132, cc: int = 90, exhaustive: bool = False, universe=None) -> list[Plan]:
+def plan_policy(a: dict):
+    """The ops.w4a16.LaunchPolicy a W4A16 / NF4-matmul plan runs under: its dsmem / tail keys, the
+    default where absent."""
+    from tilefish.ops import w4a16 as w4
+
+    return w4.LaunchPolicy(dsmem_split=bool(int(a.get("dsmem", 1))), separate_tail=a.get("tail", "rule"))
+
+
+def described_gpu(sm_count: int, cc: int, name: str = "NVIDIA H100 80GB HBM3"):
+    """The GPU the plans are enumerated for, as tilefish describes one (its sm_90 cluster capacity:
+    the H100 / H200 default)."""
+    from tilefish import GpuSpec
+
+    return GpuSpec(name, sm_count, cc)
+
+
+def w4_geometry(p: Plan, gpu):
+    """What a W4A16 / NF4-matmul plan launches on `gpu` (a tilefish.GpuSpec) under its policy: a forced
+    configuration's ops.w4a16.launch_geometry (the launcher's own geometry), or for cfg=auto the
+    dispatcher's tilefish.w4a16.plan (a MatmulPlan). Both carry slices, ctas, cluster and launches."""
+    import tilefish
+    from tilefish.ops import w4a16 as w4
+
+    a = p.args
+    policy = plan_policy(a)
+    m, n, k, g, zp = int(a["m"]), int(a["n"]), int(a["k"]), int(a["g"]), bool(int(a["zp"]))
+    if a["cfg"] == "auto":
+        return tilefish.w4a16.plan(m, n, k, group_size=g, dtype=_dtype(a["dt"]), codebook=a["cb"], zero_points=zp,
+                                   gpu=gpu, policy=policy)
+    cfg, _ = w4.parse_plan(a["cfg"])
+    return w4.launch_geometry(cfg, int(a["sl"]) if "sl" in a else None, int(a["ct"]) if "ct" in a else None, m, n, k,
+                              gpu.sm_count, g, zp, policy.planner_clusters(gpu.clusters), policy.separate_tail)
+
+
+def describe_geometry(geo) -> str:
+    """A plan's geometry in a few words (--list -v)."""
+    label = f"{geo.label}: " if hasattr(geo, "label") else ""
+    return (label + f"{geo.ctas} CTAs" + (f", k split {geo.slices}" if geo.slices > 1 else "")
+            + (f" as clusters of {geo.cluster}" if geo.cluster > 1 else "")
+            + (f", {len(geo.launches)} launches" if len(geo.launches) > 1 else ""))
+
+
+def enumerate_plans(sm_count: int = 132, cc: int = 90, exhaustive: bool = False, universe=None,
+                    gpu_name: str = "NVIDIA H100 80GB HBM3") -> list[Plan]:
     """Every plan, from the dispatchable specs (dispatch_universe) plus the tuned tables' k splits, the
-    dispatcher's own picks and the launch modes. sm_count / cc: the GPU's (shapes that need many tiles
-    depend on the SM count; sm_90-only kernels are left out elsewhere)."""
+    dispatcher's own picks and the launch modes. sm_count / cc / gpu_name: the GPU's (shapes that need
+    many tiles depend on the SM count; sm_90-only kernels are left out elsewhere). A plan meant to
+    exercise a launch mode (DSMEM clusters, the workspace split, the separate tail) is checked to have
+    it through the launcher's geometry on that GPU (w4_geometry), and says so in its why."""
     from tilefish.ops import w4a16 as w4
     from tilefish.ops.w4a16.tuned import PACKAGE_TABLES, Plan as TPlan, read_table_doc
 
     universe = dispatch_universe() if universe is None else universe
     hopper = cc == 90
+    gpu = described_gpu(sm_count, cc, gpu_name)
     plans: list[Plan] = []
     seen: set = set()
 
@@ -368,10 +421,13 @@ def enumerate_plans(sm_count: int = 132, cc: int = 90, exhaustive: bool = False,
         elif isinstance(cfg, w4.HopperConfig) and not cfg.streamk:
             add(wp(m=cfg.mt + 5, n=cfg.bn, k=640, sl=1, tier=0,
                    why="whole tiles, m across two m tiles, the stage ring wraps (10 k stages)"))
-            add(wp(m=max(1, cfg.mt // 2 - 1), n=2 * cfg.bn, k=768, sl=3, dsmem=1, tier=1,
-                   why="k split 3 ways as clusters of 3 (DSMEM fixup), m below the tile"))
+            cl = wp(m=max(1, cfg.mt // 2 - 1), n=2 * cfg.bn, k=768, sl=3, dsmem=1, tier=1)
+            fits = w4_geometry(cl, gpu).cluster == 3
+            add(dataclasses.replace(cl, why="k split 3 ways " + ("as clusters of 3 (DSMEM fixup)" if fits else
+                                    "through the global workspace (its clusters do not fit this GPU)")
+                                    + ", m below the tile"))
             add(wp(m=cfg.mt + 1, n=cfg.bn, k=1024, sl=2, dsmem=0, tier=1,
-                   why="k split 2 ways through the global workspace (HOPPER_DSMEM_SPLIT off)"))
+                   why="k split 2 ways through the global workspace (LaunchPolicy dsmem_split off)"))
             base_splits |= {(label, 1), (label, 2), (label, 3)}
         elif isinstance(cfg, w4.HopperConfig):
             add(wp(m=max(1, cfg.mt - 3), n=2 * cfg.bn, k=1024, ct=7, rep=2, tier=0,
@@ -452,14 +508,16 @@ def enumerate_plans(sm_count: int = 132, cc: int = 90, exhaustive: bool = False,
                                      + [(m, 768, 2048, 128) for m in (2, 20, 200)]):
         add(_w4_plan("auto", {"cb": "nf4", "dt": ("bf16", "fp16")[i % 2], "g": g, "zp": 0}, m=m, n=n, k=k,
                      tools=NO_RACE, tier=2, bias=i % 2, why="the NF4 dispatcher's plan (nf4.matmul's path)"))
-    # the separate tail launch (_separate_tail): a per-channel whole-tile plan of a two-CTA config whose partial
-    # last wave fills more than half the SMs
+    # the separate tail launch (ops.w4a16.separate_tail): a per-channel whole-tile plan of a two-CTA config whose
+    # partial last wave fills more than half the SMs; kept only where the launcher's geometry has the second launch
     tail_cfg = w4.HopperConfig(128, 2, 1, 4)
-    if hopper and tail_cfg.label() in w4cfgs and tail_cfg.ctas_per_sm(-1, False) == 2:
+    if hopper and tail_cfg.label() in w4cfgs:
         m_tiles = -(-(2 * sm_count + sm_count * 3 // 4) // 24)
-        add(_w4_plan(tail_cfg.label(), {"cb": "int4", "dt": "fp16", "g": -1, "zp": 1}, m=m_tiles * 128 - 37,
-                     n=128 * 24, k=128, sl=1, tail="rule", tools=NO_RACE, tier=2, bias=1,
-                     why="the partial last wave as a second launch (tile_base > 0)"))
+        tail = _w4_plan(tail_cfg.label(), {"cb": "int4", "dt": "fp16", "g": -1, "zp": 1}, m=m_tiles * 128 - 37,
+                        n=128 * 24, k=128, sl=1, tail="rule", tools=NO_RACE, tier=2, bias=1,
+                        why="the partial last wave as a second launch (tile_base > 0)")
+        if len(w4_geometry(tail, gpu).launches) == 2:
+            add(tail)
 
     # NF4 dequantize, SGEMM, HGEMM: every dispatched spec
     hg_seen: dict = {}
@@ -638,7 +696,6 @@ def _run_w4a16(pid: str, a: dict, dev) -> dict:
 
     from tilefish import reference
     from tilefish.ops import w4a16 as w4
-    from tilefish.ops.w4a16 import launch
     from tilefish.quant.int4 import quantize_rtn
 
     gen = torch.Generator().manual_seed(_seed(pid))
@@ -664,30 +721,29 @@ def _run_w4a16(pid: str, a: dict, dev) -> dict:
     slices = int(a["sl"]) if "sl" in a else None
     ctas = int(a["ct"]) if "ct" in a else None
     ws = w4.Workspace(dev) if dev.type == "cuda" else None  # owned counters: checked back at zero below
-    saved = (launch.HOPPER_DSMEM_SPLIT, launch.HOPPER_SEPARATE_TAIL)
+    policy = plan_policy(a)
     info: dict = {}
-    try:
-        launch.HOPPER_DSMEM_SPLIT = bool(int(a.get("dsmem", 1)))
-        launch.HOPPER_SEPARATE_TAIL = a.get("tail", "rule")
-        if dev.type != "cuda":
-            pass  # --cpu: the plumbing only (the ops' CPU path is the reference itself)
-        elif cfg is None:
-            info["plan"] = w4.plan_for(wg, m, dev).label()
-            info["launches"] = len(w4.LaunchPlan.build(wg, bg, m, dev).launches)
-        else:
-            info["launches"] = len(w4.LaunchPlan.build(wg, bg, m, dev, cfg, slices, ctas).launches)
-        if dev.type == "cuda" and isinstance(cfg, w4.HopperConfig) and not cfg.streamk and slices and slices > 1:
-            kern = launch._kernel(dt, cfg, g, zp, dev.index, cb)
-            tiles = (n // cfg.bn) * -(-m // cfg.mt)
-            info["clusters"] = launch._split_runs_as_clusters(cfg, kern, tiles, slices, cfg.smem_bytes(g, zp))
-        outs = []
-        t0 = time.perf_counter()
-        for _ in range(int(a.get("rep", 1))):
-            _poison(m, n, dt, dev)
-            outs.append(w4.matmul_impl(xg, wg, bg, cfg=cfg, slices=slices, ctas=ctas, workspace=ws).cpu())
-        info["gpu_s"] = time.perf_counter() - t0
-    finally:
-        launch.HOPPER_DSMEM_SPLIT, launch.HOPPER_SEPARATE_TAIL = saved
+    if dev.type != "cuda":
+        pass  # --cpu: the plumbing only (the ops' CPU path is the reference itself)
+    else:
+        lp = w4.LaunchPlan.build(wg, bg, m, dev, cfg, slices, ctas, policy=policy)
+        info["launches"] = len(lp.launches)
+        info["clusters"] = lp.geometry.cluster > 1
+        if cfg is None:  # the dispatcher's pick: what tilefish.w4a16.plan says this GPU runs, and runs it
+            import tilefish
+
+            mp = tilefish.w4a16.plan(m, n, wg.k, group_size=wg.group_size, dtype=dt, codebook=wg.codebook,
+                                     zero_points=wg.zeros is not None, policy=policy)
+            info["plan"] = mp.label
+            if (mp.config, mp.launches) != (lp.config, lp.geometry.launches):
+                raise AssertionError(f"tilefish.w4a16.plan says {mp.label} {mp.launches}, the launch is "
+                                     f"{lp.config.label()} {lp.geometry.launches}")
+    outs = []
+    t0 = time.perf_counter()
+    for _ in range(int(a.get("rep", 1))):
+        _poison(m, n, dt, dev)
+        outs.append(w4.matmul_impl(xg, wg, bg, cfg=cfg, slices=slices, ctas=ctas, workspace=ws, policy=policy).cpu())
+    info["gpu_s"] = time.perf_counter() - t0
     err = _rel_err(outs[0], ref)
     info["rel_err"] = err
     if not err < TOLERANCE[a["dt"]]:
@@ -1709,9 +1765,12 @@ def list_main(args) -> int:
     plans = select_plans(enumerate_plans(args.sm_count, args.cc, args.exhaustive), args)
     tools = [t for t in args.tools.split(",")]
     cov = coverage(plans, cc=args.cc)
+    gpu = described_gpu(args.sm_count, args.cc)
     for p in plans:
+        geo = (f" [{describe_geometry(w4_geometry(p, gpu))}]" if args.verbose and p.family in ("w4a16", "nf4-matmul")
+               else "")
         print(f"{p.tier}  {','.join(t[:4] for t in TOOLS if t in p.tools):19s}  {p.id}" +
-              (f"    # {p.why}" if args.verbose else ""))
+              (f"    # {p.why}{geo}" if args.verbose else ""))
     print()
     print(f"{'family':12s} " + " ".join(f"{t:>9s}" for t in TOOLS) + "   plans")
     for fam in FAMILIES:
@@ -1766,7 +1825,7 @@ def driver_main(args) -> int:
     env_extra = {LINEINFO_ENV: "1" if lineinfo else "0"}
     os.environ.update(env_extra)
     universe = dispatch_universe()
-    every = enumerate_plans(gpu["sm_count"], gpu["cc"], args.exhaustive, universe)
+    every = enumerate_plans(gpu["sm_count"], gpu["cc"], args.exhaustive, universe, gpu["name"])
     plans = [p for p in select_plans(every, args) if set(tools) & p.tools]
     cov = coverage(every, universe, gpu["cc"])  # of the whole plan set; the run may select part of it
     arch = f"sm_{gpu['cc']}"

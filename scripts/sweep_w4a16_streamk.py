@@ -2,7 +2,8 @@
 the current dispatch and the tile-mode configurations, m = 16..1024 (H200). Each stream-K
 configuration is checked against the float64 reference once per (shape, m) before it is timed.
 Each plan is recorded as [time us, label, cluster]: cluster = 1 when its k split ran as clusters of
-its slices (the DSMEM fixup, `ops.w4a16.launch.HOPPER_DSMEM_SPLIT`), which the time model weighs apart.
+its slices (the DSMEM fixup; a run inside `ops.w4a16.launch_policy(LaunchPolicy(dsmem_split=False))`
+has none), which the time model weighs apart.
 
 Usage: python scripts/sweep_w4a16_streamk.py OUT.json [fp16|bf16] [group] [m,m,...]
 Env CONFIGS=label,label limits the plans to those configurations (HopperConfig labels, every k

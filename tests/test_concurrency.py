@@ -60,7 +60,7 @@ def _plan_kind(m, p) -> str:
     from tilefish.runtime import device_info
 
     info = device_info()
-    plan = w4ops.choose_plan(m, p.n, p.k, info.sm_count, info.cc, p.group_size, w4launch._device_clusters(info),
+    plan = w4ops.choose_plan(m, p.n, p.k, info.sm_count, info.cc, p.group_size, w4launch.device_clusters(info),
                              p.dtype, p.codebook, w4launch._device_table(info))
     kind = type(plan.cfg).__name__
     if plan.cfg.streamk:

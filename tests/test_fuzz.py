@@ -587,7 +587,7 @@ def warm(strategy, default, spec_of) -> None:
     from tilefish.runtime import device_info
 
     info = device_info()
-    clusters, table = w4launch._device_clusters(info), w4launch._device_table(info)
+    clusters, table = w4launch.device_clusters(info), w4launch._device_table(info)
     specs = []
 
     @fuzz(default)
@@ -753,7 +753,7 @@ def test_opcheck_w4a16_cuda():
     plans = set()
     for x, p, _ in _w4a16_opcheck_cases("cuda"):
         m = x.numel() // p.k
-        plan = w4ops.choose_plan(m, p.n, p.k, info.sm_count, info.cc, p.group_size, w4launch._device_clusters(info),
+        plan = w4ops.choose_plan(m, p.n, p.k, info.sm_count, info.cc, p.group_size, w4launch.device_clusters(info),
                                  p.dtype, p.codebook, w4launch._device_table(info))
         plans.add(type(plan.cfg).__name__ + ("-streamk" if plan.cfg.streamk else "")
                   + (f"-split{plan.slices}" if (plan.slices or 1) > 1 else ""))

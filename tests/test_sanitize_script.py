@@ -45,6 +45,25 @@ def test_every_dispatch_spec_reads_back(universe):
     assert not bad, f"kernel_specs() entries spec_config cannot read back: {bad[:5]}"
 
 
+def test_w4a16_specs_are_matched_to_the_dispatchers_builds(san, universe):
+    """W4A16 / NF4-matmul specs come with the configuration and format ops.w4a16.dispatch_builds names
+    (no template arguments read back), and a spec no build names is an error, not a guess."""
+    import torch
+    from tilefish.ops import w4a16 as w4
+
+    builds = {b.spec: b for b in w4.dispatch_builds()}
+    w4_entries = [(spec, pfam, cfg, fmt) for fam, spec, pfam, cfg, fmt in universe if fam == "w4a16"]
+    assert w4_entries and {spec for spec, *_ in w4_entries} == set(builds)
+    for spec, pfam, cfg, fmt in w4_entries:
+        b = builds[spec]
+        assert cfg == b.config and (fmt["g"], bool(fmt["zp"]), fmt["cb"]) == (b.group_size, b.zero_points, b.codebook)
+        assert pfam == ("nf4-matmul" if b.codebook == "nf4" else "w4a16")
+    stray = w4.kernel_spec(torch.float16, w4.GemmConfig(4, 1, 8, 4), 128, False)  # not a dispatched configuration
+    assert stray not in builds
+    with pytest.raises(ValueError, match="not one of ops.w4a16.dispatch_builds"):
+        san.spec_config("w4a16", stray, builds)
+
+
 def test_coverage_of_kernel_specs(san, plans, universe):
     from tilefish.ops import kernel_specs
 
@@ -94,6 +113,29 @@ def test_plans_exercise_the_modes(san, plans):
     assert 0 < len(race) < len([p for p in plans if "memcheck" in p.tools])
     assert len({p.args["cfg"] for p in race if p.family == "hgemm"}) == \
         len({p.args["cfg"] for p in plans if p.family == "hgemm"})
+
+
+def test_mode_plans_have_their_mode_in_the_launch_geometry(san, plans):
+    """The plans that claim a launch mode have it in the launcher's own geometry on the described H100
+    (w4_geometry: ops.w4a16.launch_geometry under the plan's LaunchPolicy, tilefish.w4a16.plan for the
+    dispatcher's picks): DSMEM splits run as clusters of their slices, dsmem=0 splits never, the tail
+    plan has its second launch, the stream-K plans of 7 CTAs launch 7."""
+    gpu = san.described_gpu(132, 90)
+    w4 = [p for p in plans if p.family in ("w4a16", "nf4-matmul")]
+    geos = {p.id: san.w4_geometry(p, gpu) for p in w4}
+    dsmem = [p for p in w4 if p.args.get("dsmem") == "1"]
+    assert dsmem and any("as clusters of 3" in p.why for p in dsmem)
+    for p in dsmem:
+        sl = int(p.args.get("sl", 1))
+        assert geos[p.id].cluster == (sl if 1 < sl <= 8 else 1), p.id
+    workspace = [p for p in w4 if p.args.get("dsmem") == "0"]
+    assert workspace and all(geos[p.id].cluster == 1 and geos[p.id].slices > 1 for p in workspace)
+    tails = [p for p in w4 if p.args.get("tail")]
+    assert tails and all(len(geos[p.id].launches) == 2 and geos[p.id].launches[1].first_tile > 0 for p in tails)
+    assert all(geos[p.id].ctas == 7 and geos[p.id].cluster == 1 for p in w4 if p.args.get("ct") == "7")
+    autos = [p for p in w4 if p.args["cfg"] == "auto"]
+    assert autos and all(geos[p.id].policy == san.plan_policy(p.args) for p in autos)
+    assert san.plan_policy({"dsmem": "0", "tail": "never"}) == san.plan_policy({}).__class__(False, "never")
 
 
 def test_plan_ids_round_trip(san, plans):

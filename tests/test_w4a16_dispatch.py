@@ -289,13 +289,18 @@ def test_time_model_file():
                 assert not labels[label].streamk or coef[4] == 0.0
 
 
-def test_package_keeps_launch_state_in_launch():
-    """The launch path's switches and caches are read in launch.py; the package does not re-export
-    them (a patch of a copy bound there would not reach the launches) and says where they are."""
-    for name in ("HOPPER_DSMEM_SPLIT", "HOPPER_SEPARATE_TAIL", "_kernels", "_clusters_by_device"):
-        assert hasattr(launch, name)
-        with pytest.raises(AttributeError, match=f"read or set launch.{name}"):
-            getattr(ops, name)
+def test_launch_choices_are_one_policy_not_module_switches():
+    """The launch choices are a LaunchPolicy (policy.py), never a module global a patch could set on
+    the wrong module: neither launch.py nor the package has the old switches, and the package's
+    launch_policy / active_policy are the policy module's own (one active policy, wherever read)."""
+    from tilefish.ops.w4a16 import policy
+
+    for name in ("HOPPER_DSMEM_SPLIT", "HOPPER_SEPARATE_TAIL", "_LAUNCH_STATE"):
+        assert not hasattr(launch, name) and not hasattr(ops, name), name
+    for name in ("_kernels", "_clusters_by_device", "_keys_by_device"):  # the launch path's caches: in launch.py only
+        assert hasattr(launch, name) and not hasattr(ops, name), name
+    assert ops.launch_policy is policy.launch_policy and ops.active_policy is policy.active_policy
+    assert ops.active_policy() == ops.LaunchPolicy() == ops.DEFAULT_POLICY
 
 
 def test_hopper_kernel_sass(tmp_path, monkeypatch):
@@ -328,36 +333,36 @@ def test_skinny_kernel_sass(tmp_path, monkeypatch):
 
 
 def test_separate_tail_only_for_a_partial_wave_that_fits_one_cta_an_sm():
-    """_hopper_launches runs the partial last wave of a whole-tile, two-CTA-an-SM plan of a per-channel
+    """launch_geometry runs the partial last wave of a whole-tile, two-CTA-an-SM plan of a per-channel
     weight as its own launch when it fills more than half the SMs at one CTA an SM; never for group
     scales, stream-K, k splits, clusters or one-CTA-an-SM configs."""
     two, one = ops.HopperConfig(128, 2, 1, 4), ops.HopperConfig(128, 1, 2, 6)
     assert two.ctas_per_sm(-1, False) == 2 and one.ctas_per_sm(-1, False) == 1
-    assert ops._separate_tail(two, 384, 1, 1, -1, False, 132) == 120
-    assert ops._separate_tail(two, 264 + 132, 1, 1, -1, True, 132) == 132
-    assert ops._separate_tail(two, 264 + 133, 1, 1, -1, False, 132) == 0   # the tail doubles up anyway
-    assert ops._separate_tail(two, 264 + 66, 1, 1, -1, False, 132) == 0    # half the SMs or fewer
-    assert ops._separate_tail(two, 528, 1, 1, -1, False, 132) == 0         # whole waves
-    assert ops._separate_tail(two, 200, 1, 1, -1, False, 132) == 0         # one partial wave: one launch
-    assert ops._separate_tail(two, 384, 1, 1, 128, False, 132) == 0        # group scales
-    assert ops._separate_tail(two, 384, 2, 1, -1, False, 132) == 0
-    assert ops._separate_tail(two, 384, 1, 2, -1, False, 132) == 0
-    assert ops._separate_tail(one, 384, 1, 1, -1, False, 132) == 0
-    assert ops._separate_tail(ops.HopperConfig(128, 2, 1, 3, True), 384, 1, 1, -1, False, 132) == 0
+    assert ops.separate_tail(two, 384, 1, 1, -1, False, 132) == 120
+    assert ops.separate_tail(two, 264 + 132, 1, 1, -1, True, 132) == 132
+    assert ops.separate_tail(two, 264 + 133, 1, 1, -1, False, 132) == 0   # the tail doubles up anyway
+    assert ops.separate_tail(two, 264 + 66, 1, 1, -1, False, 132) == 0    # half the SMs or fewer
+    assert ops.separate_tail(two, 528, 1, 1, -1, False, 132) == 0         # whole waves
+    assert ops.separate_tail(two, 200, 1, 1, -1, False, 132) == 0         # one partial wave: one launch
+    assert ops.separate_tail(two, 384, 1, 1, 128, False, 132) == 0        # group scales
+    assert ops.separate_tail(two, 384, 2, 1, -1, False, 132) == 0
+    assert ops.separate_tail(two, 384, 1, 2, -1, False, 132) == 0
+    assert ops.separate_tail(one, 384, 1, 1, -1, False, 132) == 0
+    assert ops.separate_tail(ops.HopperConfig(128, 2, 1, 3, True), 384, 1, 1, -1, False, 132) == 0
 
 
-def test_separate_tail_modes(monkeypatch):
+def test_separate_tail_modes():
     two = ops.HopperConfig(128, 2, 1, 4)
-    assert ops._separate_tail(two, 384, 1, 1, 128, False, 132) == 0  # the rule: not for group scales
-    monkeypatch.setattr(launch, "HOPPER_SEPARATE_TAIL", "never")
-    assert ops._separate_tail(two, 384, 1, 1, -1, False, 132) == 0
-    monkeypatch.setattr(launch, "HOPPER_SEPARATE_TAIL", "always")
-    assert ops._separate_tail(two, 384, 1, 1, 128, False, 132) == 120
-    assert ops._separate_tail(two, 264 + 48, 1, 1, -1, False, 132) == 48
-    assert ops._separate_tail(two, 264 + 133, 1, 1, -1, False, 132) == 0
-    monkeypatch.setattr(launch, "HOPPER_SEPARATE_TAIL", True)
-    with pytest.raises(ValueError, match="'rule', 'never' or 'always'"):
-        ops._separate_tail(two, 384, 1, 1, -1, False, 132)
+    assert ops.separate_tail(two, 384, 1, 1, 128, False, 132) == 0  # the rule: not for group scales
+    assert ops.separate_tail(two, 384, 1, 1, -1, False, 132, "never") == 0
+    assert ops.separate_tail(two, 384, 1, 1, 128, False, 132, "always") == 120
+    assert ops.separate_tail(two, 264 + 48, 1, 1, -1, False, 132, "always") == 48
+    assert ops.separate_tail(two, 264 + 133, 1, 1, -1, False, 132, "always") == 0
+    for bad in (True, "sometimes"):
+        with pytest.raises(ValueError, match="LaunchPolicy.separate_tail must be 'rule', 'never' or 'always'"):
+            ops.separate_tail(two, 384, 1, 1, -1, False, 132, bad)
+        with pytest.raises(ValueError, match="LaunchPolicy.separate_tail must be 'rule', 'never' or 'always'"):
+            ops.LaunchPolicy(separate_tail=bad)
 
 
 def test_time_model_features():
@@ -387,16 +392,19 @@ def test_time_model_features():
 
 
 def test_dsmem_switch_reaches_the_cached_planners(monkeypatch):
-    """HOPPER_DSMEM_SPLIT off: the planners see no cluster capacity (an argument, so part of their
-    cache key) and plan no DSMEM split; back on, the device's capacity again, with no stale plan."""
+    """The DSMEM split off: the planners see no cluster capacity (an argument, so part of their
+    cache key) and plan no DSMEM split; back on, the device's capacity again, with no stale plan;
+    an explicit policy= wins over the active one."""
     from types import SimpleNamespace
 
     info = SimpleNamespace(index=0, cc=90)
     monkeypatch.setitem(launch._clusters_by_device, 0, ops.H200_CLUSTERS)
-    assert ops._device_clusters(info) == ops.H200_CLUSTERS
-    monkeypatch.setattr(launch, "HOPPER_DSMEM_SPLIT", False)
-    assert ops._device_clusters(info) == ()
+    off = ops.LaunchPolicy(dsmem_split=False)
+    assert ops.device_clusters(info) == ops.H200_CLUSTERS
+    assert ops.device_clusters(info, off) == ()
     cfg = ops.HOPPER_CONFIGS[0]
-    assert not ops.split_fits_clusters(cfg, 2, 16, cfg.bn, ops._device_clusters(info))
-    monkeypatch.setattr(launch, "HOPPER_DSMEM_SPLIT", True)
-    assert ops.split_fits_clusters(cfg, 2, 16, cfg.bn, ops._device_clusters(info))
+    with ops.launch_policy(off):
+        assert ops.device_clusters(info) == ()
+        assert ops.device_clusters(info, ops.LaunchPolicy()) == ops.H200_CLUSTERS
+        assert not ops.split_fits_clusters(cfg, 2, 16, cfg.bn, ops.device_clusters(info))
+    assert ops.split_fits_clusters(cfg, 2, 16, cfg.bn, ops.device_clusters(info))

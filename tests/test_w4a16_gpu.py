@@ -9,7 +9,6 @@ import torch
 import tilefish
 from tilefish import w4a16
 from tilefish.ops import w4a16 as ops
-from tilefish.ops.w4a16 import launch
 from tilefish.quant.int4 import quantize_rtn
 from tilefish.reference import w4a16_matmul as ref_matmul
 
@@ -123,10 +122,11 @@ def test_hopper_every_config_and_split():
 @hopper
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("group", [-1, 128])
-def test_hopper_split_k_cluster_and_workspace(group, dtype, monkeypatch):
+def test_hopper_split_k_cluster_and_workspace(group, dtype):
     """k splits of 2..8 run as one thread-block cluster whose CTAs add their partials through
-    distributed shared memory; with HOPPER_DSMEM_SPLIT off (and for wider splits) they go through the
-    global workspace. Both against the reference, bitwise repeatable, m below / across tiles, bias."""
+    distributed shared memory; with the policy's DSMEM split off (and for wider splits) they go
+    through the global workspace. Both against the reference, bitwise repeatable, m below / across
+    tiles, bias."""
     q, p = _case(2048, 512, group, group == 128, dtype)
     cluster_runs = 0
     for cfg in (ops.HopperConfig(16, 4, 1, 8), ops.HopperConfig(64, 4, 1, 6), ops.HopperConfig(128, 2, 2, 6),
@@ -136,12 +136,14 @@ def test_hopper_split_k_cluster_and_workspace(group, dtype, monkeypatch):
             bias = torch.randn(512, device="cuda", dtype=dtype) if m % 2 else None
             for slices in (2, 3, 5, 8):
                 for dsmem in (True, False):
-                    monkeypatch.setattr(launch, "HOPPER_DSMEM_SPLIT", dsmem)
-                    out = _check(x, q, p, bias, cfg=cfg, slices=slices)
-                    assert torch.equal(out, ops.matmul_impl(x, p, bias, cfg=cfg, slices=slices))
+                    policy = ops.LaunchPolicy(dsmem_split=dsmem)
+                    out = _check(x, q, p, bias, cfg=cfg, slices=slices, policy=policy)
+                    with ops.launch_policy(policy):  # the active policy reaches the launch like the argument
+                        assert torch.equal(out, ops.matmul_impl(x, p, bias, cfg=cfg, slices=slices))
+                    plan = ops.LaunchPlan.build(p, bias, m, x.device, cfg, slices, policy=policy)
                     clusters = ops.hopper_split_uses_clusters(cfg, m, 512, 2048, slices, group, group != 128, dtype,
-                                                              x.device)  # what the launch decided
-                    assert dsmem or not clusters
+                                                              x.device, policy)  # what the launch decided
+                    assert clusters == (plan.geometry.cluster > 1) and (dsmem or not clusters)
                     cluster_runs += clusters
     assert cluster_runs > 0, "the DSMEM path ran"
 
@@ -161,7 +163,7 @@ def test_hopper_groups_zero_points_dtypes(group, sym, dtype):
 @hopper
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("sym", [True, False])
-def test_hopper_partial_last_wave_as_its_own_launch(sym, dtype, monkeypatch):
+def test_hopper_partial_last_wave_as_its_own_launch(sym, dtype):
     """A whole-tile plan of a two-CTA-an-SM config on a per-channel weight whose partial last wave
     fills most SMs runs that wave as a second launch (tile_base > 0): m not a multiple of the tile,
     zero points, bias; the same bits as one launch."""
@@ -171,16 +173,16 @@ def test_hopper_partial_last_wave_as_its_own_launch(sym, dtype, monkeypatch):
     m_tiles = -(-(2 * sms + sms * 3 // 4) // 24)  # 24 column tiles: a full wave of 2 x SMs slots + 3/4 SMs
     m = m_tiles * 128 - 37
     tiles = m_tiles * 24
-    assert ops._separate_tail(cfg, tiles, 1, 1, -1, not sym, sms) == tiles - 2 * sms > sms // 2
+    assert ops.separate_tail(cfg, tiles, 1, 1, -1, not sym, sms) == tiles - 2 * sms > sms // 2
     group = -1
     q, p = _case(k, n, group, sym, dtype)
     x = torch.randn(m, k, device="cuda", dtype=dtype)
     bias = torch.randn(n, device="cuda", dtype=dtype)
     assert len(ops.LaunchPlan.build(p, bias, m, x.device, cfg, slices=1).launches) == 2
     out = _check(x, q, p, bias, cfg=cfg, slices=1)
-    monkeypatch.setattr(launch, "HOPPER_SEPARATE_TAIL", "never")
-    assert len(ops.LaunchPlan.build(p, bias, m, x.device, cfg, slices=1).launches) == 1
-    assert torch.equal(out, ops.matmul_impl(x, p, bias, cfg=cfg, slices=1))
+    never = ops.LaunchPolicy(separate_tail="never")
+    assert len(ops.LaunchPlan.build(p, bias, m, x.device, cfg, slices=1, policy=never).launches) == 1
+    assert torch.equal(out, ops.matmul_impl(x, p, bias, cfg=cfg, slices=1, policy=never))
 
 
 @hopper
@@ -521,9 +523,9 @@ def test_odd_k_dispatcher_and_mma_sync(k, group, sym, dtype, perm):
 
 @hopper
 @pytest.mark.parametrize("k,group,sym,dtype,perm", list(_odd_k_cases()))
-def test_odd_k_hopper_tiles_split_clusters_and_stream_k(k, group, sym, dtype, perm, monkeypatch):
+def test_odd_k_hopper_tiles_split_clusters_and_stream_k(k, group, sym, dtype, perm):
     """The wgmma kernel at k % 128 == 64: whole tiles, k slices through DSMEM clusters and through the
-    workspace (HOPPER_DSMEM_SPLIT off), stream-K grids that cut tiles anywhere; counters reset."""
+    workspace (the policy's DSMEM split off), stream-K grids that cut tiles anywhere; counters reset."""
     n, seed = 512, k * 10 + group + 1
     q, p = _odd_k_case(k, n, group, sym, dtype, seed, perm)
     for m in ODD_K_MS:
@@ -532,9 +534,7 @@ def test_odd_k_hopper_tiles_split_clusters_and_stream_k(k, group, sym, dtype, pe
         for cfg in (ops.HopperConfig(64, 2, 1, 8), ops.HopperConfig(128, 2, 2, 6), ops.HopperConfig(16, 4, 1, 8)):
             for slices in (1, 2, 3, 5):
                 for dsmem in (True, False):
-                    monkeypatch.setattr(launch, "HOPPER_DSMEM_SPLIT", dsmem)
-                    _odd_k_check(x, q, p, bias, seed, cfg=cfg, slices=slices)
-        monkeypatch.setattr(launch, "HOPPER_DSMEM_SPLIT", True)
+                    _odd_k_check(x, q, p, bias, seed, cfg=cfg, slices=slices, policy=ops.LaunchPolicy(dsmem_split=dsmem))
         for cfg in (ops.HopperConfig(64, 2, 2, 6, True), ops.HopperConfig(128, 1, 2, 6, True),
                     ops.HopperConfig(16, 4, 1, 8, True)):
             for ctas in (None, 1, 7, 13, 100000):
@@ -573,7 +573,7 @@ RAGGED_MS = [1, 17, 130, 300]
 @pytest.mark.parametrize("n", RAGGED_N)
 @pytest.mark.parametrize("group,sym,dtype", [(-1, True, torch.float16), (128, False, torch.bfloat16),
                                              (32, True, torch.bfloat16), (-1, False, torch.float16)])
-def test_ragged_last_column_tile(n, group, sym, dtype, monkeypatch):
+def test_ragged_last_column_tile(n, group, sym, dtype):
     """Every wgmma path with n % BN != 0: whole-k tiles, k splits through DSMEM clusters and the
     workspace, stream-K, 128-, 256- and 512-column tiles; per-channel scales and bias read only valid
     columns; the columns past n are never written (the output's neighbours are checked)."""
@@ -594,9 +594,7 @@ def test_ragged_last_column_tile(n, group, sym, dtype, monkeypatch):
                 continue
             for slices in (1, 3):
                 for dsmem in (True, False):
-                    monkeypatch.setattr(launch, "HOPPER_DSMEM_SPLIT", dsmem)
-                    _odd_k_check(x, q, p, bias, seed, cfg=cfg, slices=slices)
-            monkeypatch.setattr(launch, "HOPPER_DSMEM_SPLIT", True)
+                    _odd_k_check(x, q, p, bias, seed, cfg=cfg, slices=slices, policy=ops.LaunchPolicy(dsmem_split=dsmem))
     # nothing past the output is written: a store past column n of the last row would land in a
     # guard row after it (the launch writes into a buffer one row longer than m)
     for cfg in cfgs:

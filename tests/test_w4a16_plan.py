@@ -153,23 +153,28 @@ def test_gpu_spec_defaults_and_checks():
 
 @pytest.mark.gpu
 def test_plan_is_what_the_launcher_runs():
-    """On the GPU here: plan() names the configuration, CTAs, shared memory and scratch of the
-    launches LaunchPlan.build makes for the same call."""
-    from tilefish.ops.w4a16 import LaunchPlan
+    """On the GPU here: plan() names the configuration, launches, CTAs, shared memory and scratch of
+    the launches LaunchPlan.build makes for the same call, under the default policy and with the
+    DSMEM split off (the CPU twin with a described GPU: test_w4a16_policy.py)."""
+    from tilefish.ops.w4a16 import LaunchPlan, LaunchPolicy
 
     dev = torch.device("cuda")
     for k, n in [(4096, 4096), (4096, 12288), (14336, 4096), (5760, 2880)]:
         for group, zp in [(128, False), (-1, False), (32, True)]:
             w = tilefish.w4a16.quantize(torch.randn(n, k, device=dev, dtype=torch.float16), group, symmetric=not zp,
                                         clip_search=False)
-            for m in (1, 8, 16, 33, 64, 256, 1024):
-                p = tilefish.w4a16.plan(m, n, k, group_size=group, zero_points=zp)
-                lp = LaunchPlan.build(w, None, m, dev)
+            for m, policy in [(m, policy) for m in (1, 8, 16, 33, 64, 256, 1024)
+                              for policy in (LaunchPolicy(), LaunchPolicy(dsmem_split=False))]:
+                p = tilefish.w4a16.plan(m, n, k, group_size=group, zero_points=zp, policy=policy)
+                lp = LaunchPlan.build(w, None, m, dev, policy=policy)
+                assert lp.config == p.config and len(lp.launches) == len(p.launches), (m, n, k, group, p.label)
                 ctas = 0
-                for _, config, *_ in lp.launches:
+                for (_, config, *_), launch in zip(lp.launches, p.launches):
                     grid = config.grid if isinstance(config.grid, tuple) else (config.grid,)
                     cluster = config.cluster if isinstance(config.cluster, tuple) else (config.cluster or 1,)
                     ctas += math.prod(grid) * math.prod(cluster)
+                    assert math.prod(grid) * math.prod(cluster) == math.prod(launch.grid), (m, n, k, group, p.label)
+                    assert math.prod(cluster) == launch.cluster, (m, n, k, group, p.label)
                     assert config.shmem_size == p.smem_bytes, (m, n, k, group, p.label)
                 assert ctas == p.ctas, (m, n, k, group, p.label, ctas)
                 assert 4 * lp.partials + 4 * lp.tiles == p.workspace_bytes, (m, n, k, group, p.label)

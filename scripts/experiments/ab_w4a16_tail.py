@@ -1,7 +1,8 @@
 """Same-process A/B of the W4A16 wgmma kernel's partial last wave: one launch against the tail as a
-launch of its own (ops.w4a16._separate_tail), on the dispatcher's plan, for every benchmark shape,
+launch of its own (ops.w4a16.separate_tail), on the dispatcher's plan, for every benchmark shape,
 group 128 and per-channel, where the plan is a whole-tile, two-CTA-an-SM one with a partial last
-wave that fits one CTA an SM. Alternating rounds, L2 flushed, cuBLAS in the same rounds.
+wave that fits one CTA an SM. Alternating rounds, L2 flushed, cuBLAS in the same rounds; the two
+sides differ only in the LaunchPolicy their calls pass (separate_tail "never" / "always").
 
 Usage: python scripts/experiments/ab_w4a16_tail.py OUT.json fp16|bf16 M[,M...]
 """
@@ -12,7 +13,6 @@ import torch
 
 from tilefish.bench.timing import time_alternating_us
 from tilefish.ops import w4a16 as ops
-from tilefish.ops.w4a16 import launch  # the launch path reads HOPPER_SEPARATE_TAIL there
 from tilefish.quant.int4 import quantize_rtn
 from tilefish.bench.timing import w4a16_workspace
 
@@ -34,23 +34,18 @@ def main():
             for m in ms:
                 cfg, slices = ops.choose_hopper_plan(m, n, k, sms, grouped=group != -1)
                 tiles = (n // cfg.bn) * -(-m // cfg.mt)
-                launch.HOPPER_SEPARATE_TAIL = "always"
-                tail = ops._separate_tail(cfg, tiles, slices or 0, 1, group, False, sms)
-                launch.HOPPER_SEPARATE_TAIL = "rule"
-                rule = ops._separate_tail(cfg, tiles, slices or 0, 1, group, False, sms)
+                tail = ops.separate_tail(cfg, tiles, slices or 0, 1, group, False, sms, "always")
+                rule = ops.separate_tail(cfg, tiles, slices or 0, 1, group, False, sms, "rule")
                 if not tail:
                     continue
                 x = torch.randn(m, k, device="cuda", dtype=dt)
                 def with_mode(mode):
-                    def run():
-                        launch.HOPPER_SEPARATE_TAIL = mode  # host-side; set before the launch it steers
-                        ops.matmul_impl(x, p, workspace=w4a16_workspace(x.device))
-                    return run
+                    policy = ops.LaunchPolicy(separate_tail=mode)
+                    return lambda: ops.matmul_impl(x, p, workspace=w4a16_workspace(x.device), policy=policy)
 
                 us = time_alternating_us({"one launch": with_mode("never"), "tail apart": with_mode("always"),
                                           "cuBLAS": lambda: torch.nn.functional.linear(x, dense)},
                                          rounds=ROUNDS, per_round=PER_ROUND)
-                launch.HOPPER_SEPARATE_TAIL = "rule"
                 results.append({"k": k, "n": n, "m": m, "group": group, "dtype": dname, "plan": cfg.label(),
                                 "tiles": tiles, "tail": tail, "rule_separates": bool(rule), "us": us})
                 print(f"{dname} k{k} n{n} g{group} m{m} {cfg.label()} tiles {tiles} tail {tail}: "

@@ -54,13 +54,16 @@ def matmul(x: torch.Tensor, w: NF4MatmulWeight, bias: torch.Tensor | None = None
     return w4a16.matmul(x, w.kernel, bias, workspace=workspace)
 
 
-def plan(m: int, n: int, k: int, *, blocksize: int = 64, dtype: torch.dtype = torch.float16, gpu=None):
+def plan(m: int, n: int, k: int, *, blocksize: int = 64, dtype: torch.dtype = torch.float16, gpu=None,
+         policy=None):
     """The launch plan of matmul(x [m, k], w) for an NF4 weight [n, k] of `blocksize` on `gpu` (a
-    tilefish.GpuSpec; default the current GPU): tilefish.w4a16.plan with the NF4 codebook and the
-    group scales prepare() makes (groups of min(blocksize, 128))."""
+    tilefish.GpuSpec; default the current GPU) under `policy` (an ops.w4a16.LaunchPolicy; default the
+    active one): tilefish.w4a16.plan with the NF4 codebook and the group scales prepare() makes
+    (groups of min(blocksize, 128))."""
     from .ops.nf4 import scale_group
     from .ops.w4a16.plan import plan as w4a16_plan
 
     if isinstance(blocksize, bool) or blocksize not in SUPPORTED_BLOCKSIZES:
         raise ValueError(f"blocksize must be one of {SUPPORTED_BLOCKSIZES}, got {blocksize!r}")
-    return w4a16_plan(m, n, k, group_size=scale_group(blocksize), dtype=dtype, codebook="nf4", gpu=gpu)
+    return w4a16_plan(m, n, k, group_size=scale_group(blocksize), dtype=dtype, codebook="nf4", gpu=gpu,
+                      policy=policy)

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 
 from ...runtime import KernelSpec
-from .configs import (H200_CLUSTERS, HOPPER_BK, HOPPER_CONFIGS, MAX_CLUSTER_SLICES, ONE_CTA_PER_SM_SMEM,
-                      SKINNY_BK, GemmConfig, HopperConfig, SkinnyConfig,
+from .configs import (H200_CLUSTERS, HOPPER_BK, HOPPER_CONFIGS, SKINNY_BK, GemmConfig, HopperConfig, SkinnyConfig,
                       column_tiles, kernel_spec, ragged_waste_ok)
+from .geometry import LaunchGeometry, split_geometry
 from .layout import BK, DTYPES
 from .time_model import hopper_time_model, predicted_hopper_us
 from .tuned import Plan, TunedTable
@@ -349,39 +350,34 @@ def _legal(plan: Plan, m: int, n: int, cc: int, group, zero_points: bool, smem_l
             and fits_smem(plan.cfg, group, zero_points, smem_limit))
 
 
-def plan_geometry(plan: Plan, m: int, n: int, k: int, sm_count: int, group, zero_points: bool,
-                  clusters: tuple[tuple[int, int], ...] = H200_CLUSTERS) -> tuple[int, int, int, int, int]:
-    """(k slices, CTAs, cluster size, shared memory a CTA, scratch bytes) the launchers (launch.py:
-    _mma_launches, _hopper_launches, _skinny_launches) make for this plan, their own split or grid
-    where the plan leaves it None; the cluster decision from the GPU's capacity."""
-    cfg = plan.cfg
+@functools.lru_cache(maxsize=8192)
+def launch_geometry(cfg, slices: int | None, ctas: int | None, m: int, n: int, k: int, sm_count: int, group,
+                    zero_points: bool, clusters: tuple[tuple[int, int], ...] = H200_CLUSTERS,
+                    separate_tail_mode: str = "rule") -> LaunchGeometry:
+    """What configuration cfg launches for x [m, k] @ a weight [k, n] (group: -1 per channel; None:
+    not known, 128's) on a GPU of sm_count SMs whose cluster capacity the planners see as `clusters`
+    (LaunchPolicy.planner_clusters: () with the DSMEM split off): geometry.split_geometry with the k
+    split `slices` of a tile kernel or the grid `ctas` of a stream-K one, and where they are None
+    the launcher's defaults (this dispatcher's split; one wave of CTAs). separate_tail_mode:
+    LaunchPolicy.separate_tail.
+
+    The one copy of the launch geometry: the launchers (launch.py) launch exactly this, plan()
+    reports it, decide counts its CTAs. Cached: LaunchPlan.build asks it on every call of the op."""
     g = 128 if group is None else group
-    smem, cluster, slices = cfg.smem_bytes(g, zero_points), 1, 1
-    if isinstance(cfg, SkinnyConfig):
-        tiles = n // cfg.bn
-        ctas = max(1, min(plan.ctas or sm_count * cfg.ctas_per_sm, tiles * -(-k // SKINNY_BK)))
-        floats = ctas * 2 * cfg.mt * cfg.bn
-    elif isinstance(cfg, HopperConfig):
-        tiles = column_tiles(cfg, n) * -(-m // cfg.mt)
-        if cfg.streamk:
-            ctas = max(1, min(plan.ctas or sm_count * cfg.ctas_per_sm(g, zero_points), tiles * (k // HOPPER_BK)))
-            floats = ctas * 2 * cfg.mt * cfg.bn
-        else:
-            slices = plan.slices or choose_hopper_slices(cfg, m, n, k, sm_count, clusters, group != -1)
-            slices = max(1, min(slices, k // HOPPER_BK))
-            ctas = tiles * slices
-            if 1 < slices <= MAX_CLUSTER_SLICES and tiles <= dict(clusters).get(slices, 0):
-                cluster, smem, floats = slices, max(smem, ONE_CTA_PER_SM_SMEM), 0
-            else:
-                floats = tiles * slices * cfg.mt * cfg.bn if slices > 1 else 0
-    else:
-        tiles = (n // cfg.bn) * -(-m // cfg.bm)
-        k_tiles = -(-k // BK)
-        slices = max(1, min(plan.slices or choose_slices(tiles, k_tiles, sm_count), k_tiles))
-        ctas = tiles * slices
-        floats = tiles * slices * cfg.bm * cfg.bn if slices > 1 else 0
-    counted = cfg.streamk or (slices > 1 and cluster == 1)  # the fixups that meet at a tile counter
-    return slices, ctas, cluster, smem, 4 * floats + (4 * tiles if counted else 0)
+    if slices is None and not cfg.streamk:
+        if isinstance(cfg, HopperConfig):
+            slices = choose_hopper_slices(cfg, m, n, k, sm_count, clusters, group != -1)
+        elif isinstance(cfg, GemmConfig):
+            slices = choose_slices((n // cfg.bn) * -(-m // cfg.bm), -(-k // BK), sm_count)
+    return split_geometry(cfg, slices, ctas, m, n, k, sm_count, g, zero_points, clusters, separate_tail_mode)
+
+
+def plan_geometry(plan: Plan, m: int, n: int, k: int, sm_count: int, group, zero_points: bool,
+                  clusters: tuple[tuple[int, int], ...] = H200_CLUSTERS,
+                  separate_tail_mode: str = "rule") -> LaunchGeometry:
+    """launch_geometry of a tuned.Plan (its configuration, and its split or grid where it has one)."""
+    return launch_geometry(plan.cfg, plan.slices, plan.ctas, m, n, k, sm_count, group, zero_points, clusters,
+                           separate_tail_mode)
 
 
 def _with_split_for(cfg, m: int, n: int, k: int, sm_count: int, clusters, grouped: bool) -> Plan:
@@ -427,7 +423,7 @@ def decide(m: int, n: int, k: int, sm_count: int, cc: int = 80, group: int | Non
         return default
     near = _with_split_for(near.cfg, m, n, k, sm_count, clusters, grouped)
     if m <= COVERAGE_MAX_M and n * k // 2 >= COVERAGE_MIN_BYTES and \
-            plan_geometry(near, m, n, k, sm_count, group, zero_points, clusters)[1] < COVERAGE_MIN_FRACTION * sm_count:
+            plan_geometry(near, m, n, k, sm_count, group, zero_points, clusters).ctas < COVERAGE_MIN_FRACTION * sm_count:
         return default
     near_us = _predicted_us(near, m, n, k, sm_count, clusters, grouped)
     model_us = _predicted_us(default[0], m, n, k, sm_count, clusters, grouped)
@@ -469,9 +465,30 @@ def shipped_table_configs() -> set:
     return out
 
 
-def dispatch_specs(arch: str | None = None) -> list[KernelSpec]:
-    """The kernels the dispatcher launches (tilefish compile, the warm-ups): on a GPU of `arch`
-    (e.g. "sm_89": the mma.sync kernels fitted to its shared memory; the wgmma and skinny ones on
+class KernelBuild(NamedTuple):
+    """One dispatchable kernel: a configuration built for one weight format (group_size -1: per
+    channel; codebook "int4" or "nf4")."""
+
+    dtype: torch.dtype
+    config: GemmConfig | HopperConfig | SkinnyConfig
+    group_size: int
+    zero_points: bool
+    codebook: str = "int4"
+
+    @property
+    def spec(self) -> KernelSpec:
+        return kernel_spec(self.dtype, self.config, self.group_size, self.zero_points, self.codebook)
+
+
+def _every_format(dtype: torch.dtype, cfg) -> list[KernelBuild]:
+    """cfg in every weight format (a sanitizer or sweep may run any of them)."""
+    return ([KernelBuild(dtype, cfg, g, asym) for g in (-1, 32, 64, 128) for asym in (False, True)]
+            + [KernelBuild(dtype, cfg, g, False, "nf4") for g in NF4_GROUPS])
+
+
+def dispatch_builds(arch: str | None = None) -> list[KernelBuild]:
+    """The kernels the dispatcher launches, as configurations and formats: on a GPU of `arch` (e.g.
+    "sm_89": the mma.sync configurations fitted to its shared memory; the wgmma and skinny ones on
     sm_90 only), or on any GPU (None)."""
     from ...runtime.device import SMEM_PER_BLOCK_BY_CC
 
@@ -480,18 +497,10 @@ def dispatch_specs(arch: str | None = None) -> list[KernelSpec]:
                     key=lambda v: v or 0)
     mma = {choose_mma_config(m, n, 4096, sms) for m in (1, 8, 9, 16, 17, 32, 33, 64, 128, 4096)
            for n in (64, 128, 256, 1280, 4096, 8192, 14336, 28672, 57344) for sms in (82, 108, 132, 170)}
-    # every format of each configuration (a sanitizer or sweep may run any of them), the
-    # configurations of every format fitted to the shared memory
+    # the configurations of every format fitted to the shared memory
     fitted = {fit_mma_smem(c, g, asym, lim) for c in mma for lim in limits
               for g, asym in [(g, a) for g in (-1, 32, 64, 128) for a in (False, True)]}
-    out = []
-    for dt in DTYPES:
-        for cfg in sorted(fitted, key=lambda c: c.label()):
-            for g in (-1, 32, 64, 128):
-                for asym in (False, True):
-                    out.append(kernel_spec(dt, cfg, g, asym))
-            for g in NF4_GROUPS:
-                out.append(kernel_spec(dt, cfg, g, False, "nf4"))
+    out = [b for dt in DTYPES for cfg in sorted(fitted, key=lambda c: c.label()) for b in _every_format(dt, cfg)]
     if cc not in (None, 90):
         return out
     cfgs = {choose_hopper_config(m, n, 132, k, grouped=g) for m in (9, 16, 17, 32, 33, 64, 65, 128, 256, 512, 1024, 4096)
@@ -501,11 +510,10 @@ def dispatch_specs(arch: str | None = None) -> list[KernelSpec]:
              for k in (4096, 8192, 28672) for g in (-1, 128) for dt in DTYPES
              if (c := choose_skinny_config(m, n, k, 132, g, dt)) is not None}
     cfgs |= shipped_table_configs()
-    for dt in DTYPES:
-        for cfg in sorted(cfgs - mma, key=lambda c: c.label()):
-            for g in (-1, 32, 64, 128):
-                for asym in (False, True):
-                    out.append(kernel_spec(dt, cfg, g, asym))
-            for g in NF4_GROUPS:
-                out.append(kernel_spec(dt, cfg, g, False, "nf4"))
+    out += [b for dt in DTYPES for cfg in sorted(cfgs - mma, key=lambda c: c.label()) for b in _every_format(dt, cfg)]
     return list(dict.fromkeys(out))
+
+
+def dispatch_specs(arch: str | None = None) -> list[KernelSpec]:
+    """The KernelSpecs of dispatch_builds(arch) (tilefish compile, the warm-ups)."""
+    return list(dict.fromkeys(b.spec for b in dispatch_builds(arch)))

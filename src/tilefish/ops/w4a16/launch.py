@@ -1,32 +1,33 @@
 """The W4A16 op: validate -> pick a plan (dispatch.py) -> get the kernel -> launch.
 
 matmul_impl is the op (CPU tensors: the float64 reference). A LaunchPlan holds every launch of one
-(weight, bias, m, device), decided once: the configuration, grid, shared memory, the scratch it needs
-(workspace.py) and every argument but x, the output and that scratch; the launchers (_mma_launches,
-_hopper_launches, _skinny_launches) build it for each kernel.
+(weight, bias, m, device, policy), decided once: the configuration, its geometry (grid, clusters,
+shared memory and the scratch it needs: dispatch.launch_geometry, the one copy plan() reports too),
+and every argument but x, the output and that scratch. The launchers (_mma_launches,
+_hopper_launches, _skinny_launches) check what their kernel takes and turn the geometry into
+launches; they compute none of it themselves.
 
-Switches for A/Bs and sweeps live here, where they are read: set them on this module
-(tilefish.ops.w4a16.launch), not on the package, which only re-exports names.
+The launch choices A/Bs, sweeps and the sanitizer switch are one LaunchPolicy (policy.py): pass
+policy= to matmul_impl / LaunchPlan.build / plan_for, or run the calls inside launch_policy(...).
 """
 from __future__ import annotations
 
-import functools
+import warnings
 
 import torch
 
 from ...runtime import (cluster_capacity, current_stream_handle, device_info, get_kernel, i32, launch_prepared,
                         prepare_launch)
 from ...runtime.tma import tensor_map_rows
-from .configs import (HOPPER_BK, MAX_CLUSTER_SLICES, ONE_CTA_PER_SM_SMEM, SKINNY_BK, THREADS, GemmConfig, HopperConfig,
-                      SkinnyConfig, column_tiles, kernel_spec)
-from .dispatch import choose_hopper_slices, choose_plan, choose_slices
+from .configs import (HOPPER_BK, ONE_CTA_PER_SM_SMEM, THREADS, GemmConfig, HopperConfig, SkinnyConfig, column_tiles,
+                      kernel_spec)
+from .dispatch import choose_plan, launch_geometry
+from .geometry import LaunchGeometry
+from .layout import CODEBOOKS, DTYPES, W4A16Weight, check_shape, unpack
+from .policy import LaunchPolicy, resolve_policy
 from .tuned import TunedTable, gpu_key, table_for
-from .layout import BK, CODEBOOKS, DTYPES, W4A16Weight, check_shape, unpack
 from .workspace import _lock as _workspace_lock
 from .workspace import check_counters, hand_over
-
-HOPPER_DSMEM_SPLIT = True  # False: every k split sums through the global workspace (A/B, sweeps)
-HOPPER_SEPARATE_TAIL = "rule"  # _separate_tail: "rule"; "never" / "always" (any partial wave that fits) for A/Bs
 
 
 # ---- the op ---------------------------------------------------------------------------------------------------
@@ -73,13 +74,15 @@ def validate(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None) -> None
 
 def matmul_impl(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = None,
                 cfg: GemmConfig | HopperConfig | SkinnyConfig | None = None, slices: int | None = None,
-                ctas: int | None = None, workspace=None) -> torch.Tensor:
+                ctas: int | None = None, workspace=None, policy: LaunchPolicy | None = None) -> torch.Tensor:
     """cfg: a configuration to force (sweeps, tests); None: the dispatcher's. slices: the k split of
     a tile kernel (mma.sync, wgmma tile mode); ctas: the grid of a stream-K one (skinny, wgmma
     streamk); None: the dispatcher's choice. Giving the one the plan's kernel does not take is a
     ValueError (on CUDA, where the plan is made). workspace: a workspace.Workspace, or the int32
-    tile counters a layer owns; None: fresh zeroed counters where the plan needs them."""
+    tile counters a layer owns; None: fresh zeroed counters where the plan needs them. policy: the
+    LaunchPolicy to plan under; None: the active one (policy.launch_policy)."""
     validate(x, w, bias)
+    policy = resolve_policy(policy)
     if slices is not None:
         _check_count("slices", slices)
     if ctas is not None:
@@ -109,7 +112,7 @@ def matmul_impl(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = Non
         return out.reshape(*lead, w.n)
     if x2.data_ptr() % 16:  # an offset view: the kernels read x in 16-byte (TMA: aligned) pieces
         x2 = x2.clone()
-    LaunchPlan.build(w, bias, m, x.device, cfg, slices, ctas, counters).launch(x2.data_ptr(), out.data_ptr())
+    LaunchPlan.build(w, bias, m, x.device, cfg, slices, ctas, counters, policy).launch(x2.data_ptr(), out.data_ptr())
     return out if flat else out.reshape(*lead, w.n)
 
 
@@ -119,37 +122,45 @@ def _check_count(name: str, v) -> None:
 
 
 class LaunchPlan:
-    """The kernel launches of one (weight, bias, m, device): the configuration, grid, shared memory,
-    the scratch they need and every argument but x, the output and that scratch, decided once. The
-    op builds one a call; W4A16Linear keeps one per input shape and stream, so an eager call only
-    allocates the output (and the plan's fp32 partials, if it has any) and launches.
+    """The kernel launches of one (weight, bias, m, device, policy): the configuration, its geometry
+    (grid, clusters, shared memory, scratch: dispatch.launch_geometry), and every argument but x,
+    the output and the scratch, decided once. The op builds one a call; W4A16Linear keeps one per
+    input shape, stream and policy (policy.active_policy_key), so an eager call only allocates the
+    output (and the plan's fp32 partials, if it has any) and launches.
 
     Scratch (workspace.py): `partials` fp32 sums, allocated per launch; `tiles` counters, the
     owner's `counters` when given and large enough (taken in turn by streams), else fresh zeros."""
 
-    __slots__ = ("launches", "keep", "m", "k", "dtype", "device", "partials", "tiles", "counters")
+    __slots__ = ("launches", "keep", "m", "k", "dtype", "device", "partials", "tiles", "counters", "config",
+                 "geometry", "policy")
 
     def __init__(self, launches: list[tuple], keep: tuple, m: int, k: int, dtype: torch.dtype, device: torch.device,
-                 partials: int, tiles: int, counters: torch.Tensor | None):
+                 partials: int, tiles: int, counters: torch.Tensor | None, config=None,
+                 geometry: LaunchGeometry | None = None, policy: LaunchPolicy | None = None):
         self.launches = launches  # (kernel, launch config, TMA box of x or None: x by pointer, args before out,
         #                            args after out and the two scratch pointers)
         self.keep = keep          # tensors the arguments point into (weight, bias): kept alive
         self.m, self.k, self.dtype, self.device = m, k, dtype, device
         self.partials, self.tiles = partials, tiles  # fp32 partial sums, tile counters the launches need
         self.counters = counters if counters is not None and tiles <= counters.numel() else None
+        self.config, self.geometry, self.policy = config, geometry, policy  # what was decided (read-outs)
 
     @classmethod
     def build(cls, w: W4A16Weight, bias: torch.Tensor | None, m: int, device: torch.device,
               cfg=None, slices: int | None = None, ctas: int | None = None,
-              counters: torch.Tensor | None = None) -> "LaunchPlan":
+              counters: torch.Tensor | None = None, policy: LaunchPolicy | None = None) -> "LaunchPlan":
         """w and bias already validated (validate), on `device` and contiguous; m >= 1. slices / ctas:
-        matmul_impl's; counters: owned tile counters (checked), or None."""
+        matmul_impl's; counters: owned tile counters (checked), or None; policy: the LaunchPolicy
+        (None: the active one)."""
         for name, t in (("packed", w.packed), ("scales", w.scales), ("zeros", w.zeros)):
             if t is not None and (t.data_ptr() % 16 or not t.is_contiguous()):
                 raise ValueError(f"{name} must be contiguous and 16-byte aligned for the CUDA kernel")
+        policy = resolve_policy(policy)
         info = device_info(device.index)
+        clusters = None
         if cfg is None:
-            plan = choose_plan(m, w.n, w.k, info.sm_count, info.cc, w.group_size, _device_clusters(info), w.dtype,
+            clusters = device_clusters(info, policy)
+            plan = choose_plan(m, w.n, w.k, info.sm_count, info.cc, w.group_size, clusters, w.dtype,
                                w.codebook, _device_table(info), info.smem_per_block_optin, w.zeros is not None)
             cfg = plan.cfg
             if slices is None and ctas is None:
@@ -158,14 +169,13 @@ class LaunchPlan:
             raise ValueError(f"config {cfg.label()} is stream-K: it takes ctas (its grid), not slices (a k split)")
         if not cfg.streamk and ctas is not None:
             raise ValueError(f"config {cfg.label()} splits k: it takes slices, not ctas (a stream-K grid)")
-        if isinstance(cfg, HopperConfig):
-            launches, partials, tiles = _hopper_launches(cfg, m, w, bias, slices, ctas, info)
-        elif isinstance(cfg, SkinnyConfig):
-            launches, partials, tiles = _skinny_launches(cfg, m, w, bias, ctas, info)
-        else:
-            launches, partials, tiles = _mma_launches(cfg, m, w, bias, slices, info)
+        if clusters is None:  # a forced configuration: asked only once the arguments are known to fit it
+            clusters = device_clusters(info, policy)
+        launcher = _hopper_launches if isinstance(cfg, HopperConfig) else \
+            _skinny_launches if isinstance(cfg, SkinnyConfig) else _mma_launches
+        launches, geo = launcher(cfg, m, w, bias, slices, ctas, info, clusters, policy)
         return cls(launches, (w.packed, w.scales, w.zeros, bias), m, w.k, w.dtype, torch.device("cuda", info.index),
-                   partials, tiles, counters)
+                   geo.partial_floats, geo.tile_counters, counters, cfg, geo, policy)
 
     def launch(self, x_ptr: int, out_ptr: int) -> None:
         """x_ptr: x as [m, k] contiguous, 16-byte aligned, on the plan's device; out_ptr: [m, n] contiguous."""
@@ -193,30 +203,31 @@ def _weight_args(w: W4A16Weight, bias: torch.Tensor | None) -> tuple[int, int, i
             bias.data_ptr() if bias is not None else 0)
 
 
-def _mma_launches(cfg: GemmConfig, m: int, w: W4A16Weight, bias, slices: int | None, info):
+def _mma_launches(cfg: GemmConfig, m: int, w: W4A16Weight, bias, slices: int | None, ctas, info, clusters,
+                  policy: LaunchPolicy):
     """The mma.sync kernel (any GPU): grid (m tiles, n tiles, k slices)."""
     if w.n % cfg.bn:
         raise ValueError(f"config {cfg.label()} needs n % {cfg.bn} == 0 (n={w.n})")
     if cfg.swap and m > 8:
         raise ValueError(f"config {cfg.label()} (swapped operands) handles m <= 8, got m={m}")
     asym = w.zeros is not None
-    n_tiles, m_tiles, k_tiles = w.n // cfg.bn, -(-m // cfg.bm), -(-w.k // BK)  # k % 128 == 64: a half last tile
-    tiles = n_tiles * m_tiles
-    slices = slices or choose_slices(tiles, k_tiles, info.sm_count)
-    slices = max(1, min(slices, k_tiles))
-    split = slices > 1
+    geo = launch_geometry(cfg, slices, None, m, w.n, w.k, info.sm_count, w.group_size, asym, clusters,
+                          policy.separate_tail)
     kern = _kernel(w.dtype, cfg, w.group_size, asym, w.packed.device.index, w.codebook)
-    config = prepare_launch(kern, (m_tiles, n_tiles, slices), THREADS, _smem_bytes(cfg, w.group_size, asym))
-    tail = (i32(m), i32(w.n), i32(w.k), i32(slices))
-    return ([(kern, config, None, _weight_args(w, bias), tail)], tiles * slices * cfg.bm * cfg.bn if split else 0,
-            tiles if split else 0)
+    tail = (i32(m), i32(w.n), i32(w.k), i32(geo.slices))
+    head = _weight_args(w, bias)
+    return [(kern, prepare_launch(kern, launch.grid, THREADS, geo.smem), None, head, tail)
+            for launch in geo.launches], geo
 
 
-def _device_clusters(info) -> tuple[tuple[int, int], ...]:
-    """The cluster capacity the sm_90 dispatcher plans with (one CTA an SM); () elsewhere, and ()
-    while HOPPER_DSMEM_SPLIT is off. The flag acts here, on an argument of the cached planners
-    (choose_config, choose_hopper_plan), so switching it never leaves a stale cached plan."""
-    if not HOPPER_DSMEM_SPLIT:
+def device_clusters(info, policy: LaunchPolicy | None = None) -> tuple[tuple[int, int], ...]:
+    """The cluster capacity the dispatcher plans with on this device (runtime.device_info's answer)
+    under `policy` (None: the active one): the sm_90 GPU's at one CTA an SM (runtime.cluster_capacity,
+    measured once; the same table GpuSpec.current() holds, so plan() sees what the launch sees), ()
+    elsewhere and with the DSMEM split off. The policy acts here, on an argument of the cached
+    planners (choose_config, choose_hopper_plan, decide, launch_geometry), so a cached plan never
+    crosses policies."""
+    if not resolve_policy(policy).dsmem_split:
         return ()
     caps = _clusters_by_device.get(info.index)
     if caps is None:
@@ -225,11 +236,11 @@ def _device_clusters(info) -> tuple[tuple[int, int], ...]:
     return caps
 
 
-def plan_for(w: W4A16Weight, m: int, device: torch.device | None = None):
-    """The plan (tuned.Plan) a call with m rows of x on `device` gets from the dispatcher (benchmarks
-    label their rows with it)."""
+def plan_for(w: W4A16Weight, m: int, device: torch.device | None = None, policy: LaunchPolicy | None = None):
+    """The plan (tuned.Plan) a call with m rows of x on `device` gets from the dispatcher under
+    `policy` (None: the active one); benchmarks label their rows with it."""
     info = device_info(w.packed.device.index if device is None else device.index)
-    return choose_plan(m, w.n, w.k, info.sm_count, info.cc, w.group_size, _device_clusters(info), w.dtype,
+    return choose_plan(m, w.n, w.k, info.sm_count, info.cc, w.group_size, device_clusters(info, policy), w.dtype,
                        w.codebook, _device_table(info), info.smem_per_block_optin, w.zeros is not None)
 
 
@@ -255,105 +266,70 @@ def _kernel(dtype: torch.dtype, cfg, group_size: int, asym: bool, device_index: 
     return kern
 
 
-@functools.lru_cache(maxsize=None)
-def _smem_bytes(cfg, group_size: int, asym: bool) -> int:
-    return cfg.smem_bytes(group_size, asym)
-
-
-def _hopper_launches(cfg: HopperConfig, m: int, w: W4A16Weight, bias, slices: int | None, ctas: int | None, info):
+def _hopper_launches(cfg: HopperConfig, m: int, w: W4A16Weight, bias, slices: int | None, ctas: int | None, info,
+                     clusters, policy: LaunchPolicy):
     """The sm_90a wgmma kernel: a TMA map for x (mt x 64 boxes, 128-byte swizzle); grid (m tiles,
-    n tiles, k slices), or for a stream-K config (cfg.streamk) a 1-D grid of `ctas` CTAs (default one
-    wave: SMs x cfg.ctas_per_sm, at most one (tile, k stage) unit each). A 2-8 way k split whose
-    clusters all fit at once runs as clusters of its slices: grid (m tiles x slices, n tiles). A
-    partial last wave that _separate_tail picks runs as a second, 1-D launch from tile_base."""
+    n tiles, k slices), or for a stream-K config (cfg.streamk) a 1-D grid of `ctas` CTAs; a 2-8 way
+    k split whose clusters all fit at once as clusters of its slices, grid (m tiles x slices, n
+    tiles); a partial last wave as a second, 1-D launch from tile_base (geometry.separate_tail).
+    All of it is launch_geometry's; the kernel's `slices` argument carries the CTA count in
+    stream-K mode (wgmma.cu)."""
     if info.cc != 90:
         raise ValueError(f"config {cfg.label()} uses wgmma / TMA (sm_90a) and runs on Hopper (sm_90) only; "
                          f"this GPU is sm_{info.cc}")
     asym = w.zeros is not None
-    # n % 64 == 0 (check_shape); a last column tile narrower than cfg.bn runs ragged (wgmma.cu)
-    n_tiles, m_tiles, k_stages = column_tiles(cfg, w.n), -(-m // cfg.mt), w.k // HOPPER_BK
-    tiles = n_tiles * m_tiles
-    units = tiles * k_stages
+    n_tiles = column_tiles(cfg, w.n)  # n % 64 == 0 (check_shape); a last column tile narrower than cfg.bn runs ragged
+    units = n_tiles * -(-m // cfg.mt) * (w.k // HOPPER_BK)
     if units >= 2**31:
         raise ValueError(f"m={m}, n={w.n}, k={w.k}: {units} (tile, k stage) units exceed the wgmma kernel's "
                          "32-bit unit index; split m into several calls")
-    if cfg.streamk:
-        ctas = max(1, min(ctas or info.sm_count * cfg.ctas_per_sm(w.group_size, asym), units, 2**31 - 1))
-        # the kernel's `slices` argument carries the CTA count in stream-K mode (wgmma.cu)
-        slices, grid, ws_floats = ctas, ctas, ctas * 2 * cfg.mt * cfg.bn
-    else:
-        slices = slices or choose_hopper_slices(cfg, m, w.n, w.k, info.sm_count, _device_clusters(info),
-                                                w.group_size != -1)
-        slices = max(1, min(slices, k_stages, 65535))  # gridDim.z
-        if n_tiles > 65535:
-            raise ValueError(f"n={w.n} gives {n_tiles} column tiles of {cfg.bn}, more than gridDim.y allows (65535)")
-        grid, ws_floats = (m_tiles, n_tiles, slices), tiles * slices * cfg.mt * cfg.bn if slices > 1 else 0
-    # A k split of a tile runs as one thread-block cluster of its slices, which add their partials
-    # through distributed shared memory, when all the clusters fit at once (a cluster must sit
-    # inside one GPC; else the rest run as a second wave) and with one CTA an SM (a cluster whose
-    # CTAs double up on SMs leaves others idle, much slower). Otherwise, for stream-K
-    # and for splits wider than a portable cluster, the slices sum through fp32 partials in global memory.
+    if not cfg.streamk and n_tiles > 65535:
+        raise ValueError(f"n={w.n} gives {n_tiles} column tiles of {cfg.bn}, more than gridDim.y allows (65535)")
     kern = _kernel(w.dtype, cfg, w.group_size, asym, w.packed.device.index, w.codebook)
-    smem = _smem_bytes(cfg, w.group_size, asym)
-    cluster = 1
-    if _split_runs_as_clusters(cfg, kern, tiles, slices, smem):
-        grid, ws_floats, cluster, smem = (m_tiles * slices, n_tiles, 1), 0, slices, max(smem, ONE_CTA_PER_SM_SMEM)
-    counted = cfg.streamk or (slices > 1 and cluster == 1)  # the fixups that meet at a tile counter
+    geo = _hopper_geometry(cfg, kern, slices, ctas, m, w.n, w.k, info.sm_count, w.group_size, asym, clusters,
+                           policy)
     box = (cfg.mt, HOPPER_BK)
-    tail = (i32(m), i32(w.n), i32(w.k), i32(slices), i32(int(cluster > 1)))
+    tail = (i32(m), i32(w.n), i32(w.k), i32(geo.ctas if cfg.streamk else geo.slices), i32(int(geo.cluster > 1)))
     head = _weight_args(w, bias)
-    scratch = (ws_floats, tiles if counted else 0)
-    split = _separate_tail(cfg, tiles, slices, cluster, w.group_size, asym, info.sm_count)
-    if split:
-        return [(kern, prepare_launch(kern, tiles - split, cfg.threads, smem), box, head, tail + (i32(0),)),
-                (kern, prepare_launch(kern, split, cfg.threads, smem), box, head, tail + (i32(tiles - split),))], \
-            *scratch
-    return [(kern, prepare_launch(kern, grid, cfg.threads, smem, cluster), box, head, tail + (i32(0),))], *scratch
+    return [(kern, prepare_launch(kern, launch.grid, cfg.threads, geo.smem, launch.cluster), box, head,
+             tail + (i32(launch.first_tile),)) for launch in geo.launches], geo
 
 
-def _separate_tail(cfg: HopperConfig, tiles: int, slices: int, cluster: int, group_size: int, asym: bool,
-                   sm_count: int) -> int:
-    """How many tiles of a whole-tile launch (no k split) to run as a launch of their own (0: one
-    launch): the partial last wave of a per-channel weight's plan, when the kernel fits two CTAs an
-    SM and that wave fits one CTA an SM but fills more than half the SMs.
-
-    Why: in one launch the hardware hands each pair of slots freed together to two tail CTAs. The
-    per-channel kernel's CTAs finish a wave nearly together, so a large tail runs two an SM on half
-    the SMs (each at ~1.6x the time of a CTA alone) while the other SMs idle; a launch of its own
-    starts on an idle GPU, which places CTAs one an SM first. With group scales the first wave's
-    CTAs finish apart and the tail spreads by itself, and a small tail gains little: there the
-    second launch only adds its start and the wait for the first wave's last CTA (~5 us). The
-    measurements are in docs/w4a16.md."""
-    if HOPPER_SEPARATE_TAIL not in ("rule", "never", "always"):
-        raise ValueError("ops.w4a16.launch.HOPPER_SEPARATE_TAIL must be 'rule', 'never' or 'always', got "
-                         f"{HOPPER_SEPARATE_TAIL!r}")
-    if (HOPPER_SEPARATE_TAIL == "never" or cfg.streamk or slices != 1 or cluster != 1
-            or cfg.ctas_per_sm(group_size, asym) != 2):
-        return 0
-    slots = 2 * sm_count
-    tail = tiles % slots
-    if tiles <= slots or tail > sm_count:
-        return 0
-    return tail if HOPPER_SEPARATE_TAIL == "always" or (group_size == -1 and tail > sm_count // 2) else 0
-
-
-def _split_runs_as_clusters(cfg: HopperConfig, kern, tiles: int, slices: int, smem: int) -> bool:
-    """Whether a k split of `tiles` tiles into `slices` runs as clusters (the DSMEM fixup): a tile
-    mode split of 2..MAX_CLUSTER_SLICES whose clusters, one CTA an SM, all fit at once."""
-    if cfg.streamk or not 1 < slices <= MAX_CLUSTER_SLICES or not HOPPER_DSMEM_SPLIT:
-        return False
-    return tiles <= kern.max_active_clusters(slices, cfg.threads, max(smem, ONE_CTA_PER_SM_SMEM))
+def _hopper_geometry(cfg: HopperConfig, kern, slices, ctas, m, n, k, sm_count, group_size, asym, clusters,
+                     policy: LaunchPolicy) -> LaunchGeometry:
+    """launch_geometry, with the one check the launch adds: a k split planned as clusters runs as
+    clusters only where the driver's occupancy answer for the loaded kernel has room for all of
+    them at once. The capacity table the geometry reads is the driver's answer for an empty kernel
+    at one CTA an SM, and a cluster launch runs one CTA an SM, so the two agree; should they not
+    (a premise broken), the split sums through the global workspace instead (correct, and never a
+    cluster launch that does not fit), with a warning that plan() no longer describes it."""
+    geo = launch_geometry(cfg, slices, ctas, m, n, k, sm_count, group_size, asym, clusters, policy.separate_tail)
+    if geo.cluster == 1:
+        return geo
+    fits = kern.max_active_clusters(geo.cluster, cfg.threads, geo.smem)
+    if geo.ctas // geo.cluster <= fits:
+        return geo
+    warnings.warn(f"{cfg.label()}/x{geo.slices}: the cluster capacity table has room for "
+                  f"{geo.ctas // geo.cluster} clusters of {geo.cluster}, the driver for {fits} of this kernel; "
+                  "the split runs through the global workspace (plan() reports clusters)", RuntimeWarning,
+                  stacklevel=4)
+    return launch_geometry(cfg, geo.slices, None, m, n, k, sm_count, group_size, asym, (), policy.separate_tail)
 
 
 def hopper_split_uses_clusters(cfg: HopperConfig, m: int, n: int, k: int, slices: int, group_size: int,
-                               asym: bool, dtype: torch.dtype, device: torch.device) -> bool:
-    """What _hopper_launches decides for this plan (sweeps record it next to the time)."""
+                               asym: bool, dtype: torch.dtype, device: torch.device,
+                               policy: LaunchPolicy | None = None) -> bool:
+    """Whether LaunchPlan.build runs this k split as clusters on `device` under `policy` (None: the
+    active one); sweeps record it next to the time."""
+    policy = resolve_policy(policy)
+    info = device_info(device.index)
     kern = get_kernel(kernel_spec(dtype, cfg, group_size, asym), device)
-    tiles = column_tiles(cfg, n) * -(-m // cfg.mt)
-    return _split_runs_as_clusters(cfg, kern, tiles, slices, cfg.smem_bytes(group_size, asym))
+    return _hopper_geometry(cfg, kern, slices, None, m, n, k, info.sm_count, group_size, asym,
+                            device_clusters(info, policy), policy).cluster > 1
 
 
-def _skinny_launches(cfg: SkinnyConfig, m: int, w: W4A16Weight, bias, ctas: int | None, info):
+def _skinny_launches(cfg: SkinnyConfig, m: int, w: W4A16Weight, bias, slices, ctas: int | None, info, clusters,
+                     policy: LaunchPolicy):
     """The sm_90a stream-K kernel: a TMA map for x (mt x 64 boxes, 128-byte swizzle), a 1-D grid of
     `ctas` CTAs (default SMs x cfg.ctas_per_sm, at most one unit of (tile, 128-k stage) each; with
     k % 128 == 64 a tile's last stage is half of one)."""
@@ -365,10 +341,10 @@ def _skinny_launches(cfg: SkinnyConfig, m: int, w: W4A16Weight, bias, ctas: int 
     if w.n % cfg.bn:
         raise ValueError(f"config {cfg.label()} needs n % {cfg.bn} == 0 (n={w.n})")
     asym = w.zeros is not None
-    tiles = w.n // cfg.bn
-    units = tiles * -(-w.k // SKINNY_BK)  # k % 128 == 64: each tile's last stage is a half one
-    ctas = max(1, min(ctas or info.sm_count * cfg.ctas_per_sm, units, 2**31 - 1))
+    geo = launch_geometry(cfg, None, ctas, m, w.n, w.k, info.sm_count, w.group_size, asym, clusters,
+                          policy.separate_tail)
     kern = _kernel(w.dtype, cfg, w.group_size, asym, w.packed.device.index, w.codebook)
-    config = prepare_launch(kern, ctas, cfg.threads, _smem_bytes(cfg, w.group_size, asym))
     tail = (i32(m), i32(w.n), i32(w.k))
-    return [(kern, config, (cfg.mt, 64), _weight_args(w, bias), tail)], ctas * 2 * cfg.mt * cfg.bn, tiles
+    head = _weight_args(w, bias)
+    return [(kern, prepare_launch(kern, launch.grid, cfg.threads, geo.smem), (cfg.mt, 64), head, tail)
+            for launch in geo.launches], geo

@@ -4,7 +4,9 @@ plan(m, n, k, ...) answers, without launching anything and without a GPU when on
 (runtime.GpuSpec): which kernel and configuration, how many CTAs, the k split or stream-K grid,
 thread-block clusters, shared memory, scratch bytes, where the decision came from and the time
 model's prediction. The launcher (launch.py) takes its configuration and split from the same
-decision (dispatch.decide) with the present GPU's numbers, so a plan printed here is the plan that runs.
+decision (dispatch.decide) and its grids, clusters, shared memory and scratch from the same
+geometry (dispatch.launch_geometry) with the present GPU's numbers, so a plan printed here is the
+plan that runs. Both are made under a LaunchPolicy (policy.py): the active one unless one is given.
 """
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ import torch
 from ...runtime.device import GpuSpec
 from .configs import GemmConfig, HopperConfig, SkinnyConfig
 from .dispatch import MODEL_MAX_M, decide, plan_geometry
+from .geometry import Launch
 from .layout import CODEBOOKS, DTYPES, check_shape
+from .policy import LaunchPolicy, resolve_policy
 from .time_model import predicted_hopper_us
 from .tuned import gpu_key, table_for
 
@@ -30,7 +34,8 @@ class MatmulPlan:
     smem_bytes: dynamic shared memory a CTA; workspace_bytes: scratch a call takes (fp32 partial
     sums, from the caching allocator, plus tile counters); source: "table", "nearby", "model" or
     "rule" (dispatch.decide); predicted_us: the fitted time model's time (wgmma plans it covers),
-    else None."""
+    else None; launches: the kernel launches (grid in CTAs, cluster, first tile: two where the
+    partial last wave runs apart, geometry.separate_tail); policy: the LaunchPolicy it was made under."""
 
     m: int
     n: int
@@ -44,6 +49,8 @@ class MatmulPlan:
     workspace_bytes: int
     source: str
     predicted_us: float | None
+    launches: tuple[Launch, ...] = ()
+    policy: LaunchPolicy = LaunchPolicy()
 
     @property
     def kernel(self) -> str:
@@ -61,9 +68,11 @@ class MatmulPlan:
 
 
 def plan(m: int, n: int, k: int, *, group_size: int = 128, dtype: torch.dtype = torch.float16,
-         codebook: str = "int4", zero_points: bool = False, gpu: GpuSpec | None = None) -> MatmulPlan:
+         codebook: str = "int4", zero_points: bool = False, gpu: GpuSpec | None = None,
+         policy: LaunchPolicy | None = None) -> MatmulPlan:
     """The launch plan of x [m, k] @ a 4-bit weight [k, n] (group_size: -1 per channel; codebook
-    "int4" or "nf4"; zero_points: asymmetric int4) on `gpu` (default: the current CUDA device)."""
+    "int4" or "nf4"; zero_points: asymmetric int4) on `gpu` (default: the current CUDA device) under
+    `policy` (default: the active one, ops.w4a16.launch_policy)."""
     for name, v in (("m", m), ("n", n), ("k", k)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -74,20 +83,18 @@ def plan(m: int, n: int, k: int, *, group_size: int = 128, dtype: torch.dtype = 
         raise ValueError(f"codebook must be one of {CODEBOOKS}, got {codebook!r}")
     if codebook == "nf4" and (zero_points or group_size == -1):
         raise ValueError("codebook 'nf4' takes group scales and no zero points")
+    policy = resolve_policy(policy)
     gpu = GpuSpec.current() if gpu is None else gpu
     if not isinstance(gpu, GpuSpec):
         raise TypeError(f"gpu must be a tilefish.GpuSpec or None (the current GPU), got {type(gpu).__name__}")
+    clusters = policy.planner_clusters(gpu.clusters)
     table = table_for(gpu_key(gpu.name, gpu.sm_count))
-    chosen, source = decide(m, n, k, gpu.sm_count, gpu.cc, group_size, gpu.clusters, dtype, codebook, table,
+    chosen, source = decide(m, n, k, gpu.sm_count, gpu.cc, group_size, clusters, dtype, codebook, table,
                             gpu.smem_per_block, zero_points)
-    return _geometry(chosen, m, n, k, group_size, zero_points, gpu, source)
-
-
-def _geometry(chosen, m, n, k, group, asym, gpu: GpuSpec, source: str) -> MatmulPlan:
-    """The chosen plan with the launchers' grid, split and scratch, and the model's prediction."""
-    slices, ctas, cluster, smem, scratch = plan_geometry(chosen, m, n, k, gpu.sm_count, group, asym, gpu.clusters)
+    geo = plan_geometry(chosen, m, n, k, gpu.sm_count, group_size, zero_points, clusters, policy.separate_tail)
     cfg, predicted = chosen.cfg, None
     if isinstance(cfg, HopperConfig) and m < MODEL_MAX_M:
-        predicted = predicted_hopper_us(cfg, None if cfg.streamk else slices, m, n, k, gpu.sm_count, gpu.clusters,
-                                        group != -1)
-    return MatmulPlan(m, n, k, gpu, cfg, slices, ctas, cluster, smem, scratch, source, predicted)
+        predicted = predicted_hopper_us(cfg, None if cfg.streamk else geo.slices, m, n, k, gpu.sm_count, clusters,
+                                        group_size != -1)
+    return MatmulPlan(m, n, k, gpu, cfg, geo.slices, geo.ctas, geo.cluster, geo.smem, geo.scratch_bytes, source,
+                      predicted, geo.launches, policy)

@@ -92,8 +92,10 @@ def hopper_plan_features(cfg: HopperConfig, slices: int | None, m: int, n: int, 
 
 def split_fits_clusters(cfg: HopperConfig, slices: int | None, m: int, n: int,
                         clusters: tuple[tuple[int, int], ...]) -> bool:
-    """Whether _hopper_launches will run this k split as clusters (DSMEM fixup), judged from the
-    device's cluster capacity ((size, clusters resident at once), ...) instead of the kernel."""
+    """Whether this k split runs as clusters (DSMEM fixup): a tile-mode split of
+    2..MAX_CLUSTER_SLICES whose clusters all fit at once by the device's cluster capacity ((size,
+    clusters resident at once), ...). The one copy of the rule: the time model weighs it and
+    geometry.split_geometry launches it."""
     if cfg.streamk or slices is None or not 1 < slices <= MAX_CLUSTER_SLICES:
         return False
     return column_tiles(cfg, n) * -(-m // cfg.mt) <= dict(clusters).get(slices, 0)
