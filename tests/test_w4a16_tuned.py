@@ -1,6 +1,7 @@
 """Tuned W4A16 plan tables (ops/w4a16/tuned.py) and `tilefish tune`'s candidate list, on the CPU:
 given a table, the dispatcher's plan is a pure function of it and the call."""
 import json
+from pathlib import Path
 import math
 import pathlib
 import warnings
@@ -247,6 +248,23 @@ def test_nearby_weights_predict_held_out_weights_at_small_m():
         assert len(table_loss) >= 120, m
         assert _geomean(table_loss) < 1.06 and _geomean(table_loss) <= _geomean(model_loss), m
         assert max(table_loss) <= max(model_loss), m
+
+
+def test_held_out_halves_protocol_on_the_h100_tune():
+    """The committed protocol (scripts/heldout_w4a16.py): a table of one half of the model list decides
+    the other half's weights, both ways. Every m is evaluated on both halves' weights, and the table
+    never makes a case worse than the model alone would, in the worst case or on average."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("heldout", Path(__file__).parents[1] / "scripts/heldout_w4a16.py")
+    heldout = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(heldout)
+    assert heldout.held_out("a") and heldout.held_out("b") and not heldout.held_out("a") & heldout.held_out("b")
+    report = heldout.report(json.loads(RESULTS_H100.read_text()), "halves", 132)
+    assert set(report) >= {1, 16, 64, 256, 1024}
+    for m, (cases, missing, geomean, worst, model_geomean, model_worst) in report.items():
+        assert cases >= 100 and missing <= cases // 5, m
+        assert worst[0] <= model_worst + 1e-9 and geomean <= model_geomean + 1e-9, (m, worst)
 
 
 @pytest.mark.parametrize("argv", [["--groups", "100"], ["--groups", "x"], ["--groups", "-1", "--codebook", "nf4"],
