@@ -706,6 +706,13 @@ def _run_w4a16(pid: str, a: dict, dev) -> dict:
         perm = torch.randperm(k, generator=gen) if int(a.get("perm", 0)) else None
         weight = w4.pack(q, perm)
         ref_fn = lambda x, b: reference.w4a16_matmul(x if perm is None else x[:, perm], q, b)  # noqa: E731
+    elif cb == "mxfp4":
+        from tilefish.quant import mxfp4
+
+        mx = mxfp4.quantize(torch.randn(n, k, generator=gen) * 0.5)
+        weight = w4.pack(mxfp4.to_int4_weight(mx, dt), codebook="mxfp4")
+        wf = mx.dequantize(torch.float64)
+        ref_fn = lambda x, b: (x.double() @ wf.t() + (0 if b is None else b.double())).to(x.dtype)  # noqa: E731
     else:
         from tilefish import nf4
 

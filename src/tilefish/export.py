@@ -53,7 +53,7 @@ KNOWN_LAYERS = (W4A16Linear, NF4Linear, FusedW4A16Linear, W4A16Slice)
 # Layers whose weights are in a format of their own (their packages save them), and tilefish's tensor-parallel
 # wrappers, which hold one rank's shard: writing their tensors as dense ones would make a wrong checkpoint.
 FOREIGN_LAYER_PACKAGES = ("bitsandbytes", "auto_gptq", "gptqmodel", "awq", "optimum", "hqq", "torchao", "quanto",
-                          "tilefish.distributed")
+                          "tilefish.distributed", "tilefish.experts")
 SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # transformers' max_shard_size units
 

@@ -8,14 +8,15 @@ from torch import nn
 from . import nf4 as _nf4
 from . import w4a16 as _w4a16
 from .ops.nf4 import MATMUL_DTYPES, NF4MatmulWeight, check_matmul_shape, prepare
-from .ops.w4a16 import CODEBOOKS, W4A16Weight, check_perm, check_shape, layer_counters, make_layer_counters
+from .ops.w4a16.policy import active_policy_key
+from .ops.w4a16 import W4A16Weight, check_perm, check_shape, layer_counters, make_layer_counters
 from .quant import nf4 as _nf4_format
 from .quant.nf4 import NF4Weight
 from .runtime import current_stream_handle
 
 _WEIGHT_FIELDS = ("packed", "scales", "zeros", "perm", "bias")
 _KERNEL_CONSTANTS = ("group_size", "out_features", "in_features", "codebook")  # the op's non-tensor arguments
-MAX_PLANS = 64  # launch plans a layer keeps (one per input shape and stream); past this it starts afresh
+MAX_PLANS = 64  # launch plans a layer keeps (one per input shape, stream and launch policy); past this it starts afresh
 
 
 class WeightInfo:
@@ -92,7 +93,7 @@ class W4A16Linear(nn.Module):
 
     - x of the layer's dtype runs the W4A16 kernel on CUDA (the float64 reference on CPU); another
       floating dtype (e.g. fp32) is cast to the layer's dtype and the result back.
-    - Eager CUDA calls keep a launch plan per input shape and stream: the checks and the kernel
+    - Eager CUDA calls keep a launch plan per input shape, stream and launch policy: the checks and the kernel
       choice happen on the first call, later calls only allocate the output and launch.
     - Scratch: the tile counters of split plans are shared by the layers of a device and made when a
       weight is set on or moved to it, never inside a call (ops/w4a16/workspace.py). Nothing a call
@@ -184,8 +185,8 @@ class W4A16Linear(nn.Module):
             key = prefix + name
             if key in state_dict and getattr(self, name) is None:
                 value = state_dict[key]
-                if name == "zeros" and self.codebook == "nf4":
-                    error_msgs.append(f"{key}: a layer with codebook 'nf4' has no zero points")
+                if name == "zeros" and self.codebook != "int4":
+                    error_msgs.append(f"{key}: a layer with codebook {self.codebook!r} has no zero points")
                     continue
                 if name == "perm":
                     try:
@@ -244,7 +245,7 @@ class W4A16Linear(nn.Module):
         if (isinstance(x, torch.Tensor) and x.is_cuda and not torch.compiler.is_compiling()
                 and not (x.requires_grad and torch.is_grad_enabled())):
             dev = x.get_device()
-            key = (x.shape, x.dtype, dev, current_stream_handle(dev))
+            key = (x.shape, x.dtype, dev, current_stream_handle(dev), active_policy_key())
             plan = self._plans.get(key)
             if plan is None and x.dtype == self.scales.dtype:
                 if len(self._plans) >= MAX_PLANS:
@@ -283,13 +284,10 @@ class W4A16Linear(nn.Module):
 
 
 def _check_codebook(codebook: str, group_size: int, symmetric: bool) -> None:
-    """The kernels read "int4" codes with any group size and zero points, "nf4" codes with group scales
-    and no zero points (NF4 values are signed already)."""
-    if codebook not in CODEBOOKS:
-        raise ValueError(f"codebook must be one of {CODEBOOKS}, got {codebook!r}")
-    if codebook == "nf4" and (not symmetric or group_size == -1):
-        raise ValueError(f"codebook 'nf4' needs group scales (group_size 32, 64 or 128) and no zero points "
-                         f"(symmetric=True); got group_size={group_size}, symmetric={symmetric}")
+    """The kernels' rules for each codebook (ops.w4a16.check_codebook)."""
+    from .ops.w4a16.layout import check_codebook
+
+    check_codebook(codebook, group_size, symmetric)
 
 
 # ---- NF4Linear: a bitsandbytes NF4 weight on the W4A16 kernels ----------------------------------------------------

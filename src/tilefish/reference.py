@@ -106,3 +106,43 @@ def w4a16_matmul(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.
     if bias is not None:
         y = y + bias.to(torch.float64)
     return y.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Mixture of experts (the op's definition: ops/moe.py)
+
+def moe_activation(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate, up) of the expert op, in gate's dtype: "silu" silu(gate) * up; "swiglu_oai" (gpt-oss)
+    (clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g) with g = min(gate, 7)."""
+    from .ops.moe import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+
+    if activation == "silu":
+        return torch.nn.functional.silu(gate) * up
+    if activation == "swiglu_oai":
+        g = gate.clamp(max=SWIGLU_OAI_LIMIT)
+        u = up.clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
+        return (u + 1) * g * torch.sigmoid(SWIGLU_OAI_ALPHA * g)
+    raise ValueError(f"unknown activation {activation!r}")
+
+
+def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up, down,
+                activation: str = "silu", gate_up_bias: torch.Tensor | None = None,
+                down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The grouped expert op (ops/moe.py), expert by expert as transformers' experts modules loop: only the
+    experts some slot names are dequantized (float64, exact); both matmuls, the activation and the weighted
+    sum in float64; the activation rounded once to x.dtype (what the second matmul reads) and the result
+    rounded once to x.dtype. Ids are taken as valid (the op checks them)."""
+    tokens, hidden = x.shape
+    inter = down.k
+    out = torch.zeros(tokens, hidden, dtype=torch.float64, device=x.device)
+    for e in torch.unique(topk_ids).tolist():
+        token, slot = (topk_ids == e).nonzero(as_tuple=True)
+        h = x[token].double() @ gate_up.expert(e).dequantize(torch.float64).t()
+        if gate_up_bias is not None:
+            h = h + gate_up_bias[e].double()
+        a = _round_f64_to(moe_activation(h[:, :inter], h[:, inter:], activation), x.dtype).double()
+        y = a @ down.expert(e).dequantize(torch.float64).t()
+        if down_bias is not None:
+            y = y + down_bias[e].double()
+        out.index_add_(0, token, y * topk_weights[token, slot].double()[:, None])
+    return _round_f64_to(out, x.dtype)

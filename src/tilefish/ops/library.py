@@ -106,3 +106,38 @@ w4a16_matmul_op.register_autograd(_w4a16_backward, setup_context=_w4a16_setup_co
 def w4a16_matmul(x: Tensor, w, bias: Tensor | None = None, counters: Tensor | None = None) -> Tensor:
     return w4a16_matmul_op(x, w.packed, w.scales, w.zeros, w.perm, bias, w.group_size, w.n, w.k, w.codebook,
                            counters)
+
+
+def _expert_weights(packed, scales, zeros, group_size, n, k, codebook):
+    from .expert_weights import ExpertWeights
+
+    return ExpertWeights(packed, scales, zeros, group_size, n, k, codebook)
+
+
+@torch.library.custom_op("tilefish::moe_experts", mutates_args=())
+def moe_experts_op(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_packed: Tensor, gate_up_scales: Tensor,
+                   gate_up_zeros: Optional[Tensor], down_packed: Tensor, down_scales: Tensor,
+                   down_zeros: Optional[Tensor], gate_up_bias: Optional[Tensor], down_bias: Optional[Tensor],
+                   gate_up_group: int, down_group: int, gate_up_codebook: str, down_codebook: str, intermediate: int,
+                   activation: str) -> Tensor:
+    # No autograd: the expert weights are frozen and no backward is registered (inference only).
+    from .moe import moe_experts_impl
+
+    hidden = x.shape[-1]
+    gate_up = _expert_weights(gate_up_packed, gate_up_scales, gate_up_zeros, gate_up_group, 2 * intermediate, hidden,
+                              gate_up_codebook)
+    down = _expert_weights(down_packed, down_scales, down_zeros, down_group, hidden, intermediate, down_codebook)
+    return moe_experts_impl(x, topk_ids, topk_weights, gate_up, down, activation, gate_up_bias, down_bias)
+
+
+@moe_experts_op.register_fake
+def _(x, topk_ids, topk_weights, gate_up_packed, gate_up_scales, gate_up_zeros, down_packed, down_scales, down_zeros,
+      gate_up_bias, down_bias, gate_up_group, down_group, gate_up_codebook, down_codebook, intermediate, activation):
+    return x.new_empty(x.shape)
+
+
+def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up, down, activation: str,
+                gate_up_bias: Tensor | None = None, down_bias: Tensor | None = None) -> Tensor:
+    return moe_experts_op(x, topk_ids, topk_weights, gate_up.packed, gate_up.scales, gate_up.zeros, down.packed,
+                          down.scales, down.zeros, gate_up_bias, down_bias, gate_up.group_size, down.group_size,
+                          gate_up.codebook, down.codebook, down.k, activation)

@@ -68,8 +68,23 @@ template <> struct NF4Bytes<__nv_bfloat16> {
     static constexpr u32 kHiA0 = 0xbebfbfbf, kHiA1 = 0x00bdbebe, kHiB0 = 0x3e3f3f3f, kHiB1 = 0x3d3e3e3e;
 };
 
-template <typename T> struct DequantNF4 {
-    struct Zero {};  // the interface of Dequant<T>; NF4 has no zero point
+// ---- MXFP4 (OCP FP4 E2M1 codes: bit 3 the sign, bits 0-2 index 0 0.5 1 1.5 2 3 4 6; scaled by the
+// block's power-of-two scale like any group scale): the same lookup with E2M1's bytes, every value exact
+// in both dtypes. Entries 8-15 are the negatives of 0-7 (code 8 is -0). tests/test_mxfp4.py checks the
+// constants against quant/mxfp4.py's E2M1_VALUES.
+template <typename T> struct MXFP4Bytes;
+template <> struct MXFP4Bytes<__half> {
+    static constexpr u32 kLoA0 = 0x00000000, kLoA1 = 0x00000000, kLoB0 = 0x00000000, kLoB1 = 0x00000000;
+    static constexpr u32 kHiA0 = 0x3e3c3800, kHiA1 = 0x46444240, kHiB0 = 0xc0c2c4c6, kHiB1 = 0x80b8bcbe;
+};
+template <> struct MXFP4Bytes<__nv_bfloat16> {
+    static constexpr u32 kLoA0 = 0xc0800000, kLoA1 = 0xc0804000, kLoB0 = 0x004080c0, kLoB1 = 0x000080c0;
+    static constexpr u32 kHiA0 = 0x3f3f3f00, kHiA1 = 0x40404040, kHiB0 = 0xc0c0c0c0, kHiB1 = 0x80bfbfbf;
+};
+
+// The table decoder of both codebooks: Bytes is NF4Bytes<T> or MXFP4Bytes<T>.
+template <typename T, typename Bytes> struct DequantTable {
+    struct Zero {};  // the interface of Dequant<T>; a table codebook has no zero point
     static __device__ __forceinline__ Zero zero(float) { return {}; }
     // Word -> 4 pairs: the same (nib0,nib4) (nib1,nib5) (nib2,nib6) (nib3,nib7) of the int4 layout,
     // stored as physical nibbles 0..7 = logical 0 4 1 5 2 6 3 7.
@@ -82,7 +97,7 @@ template <typename T> struct DequantNF4 {
     }
     // Four codes (selector nibbles of s) -> two pairs: (entry of nibble 0, of nibble 1), (2, 3).
     static __device__ __forceinline__ void half(u32 s, u32 mask, u32& r0, u32& r1) {
-        using B = NF4Bytes<T>;
+        using B = Bytes;
         const u32 ns = ~s;
         const u32 lo = lop3<kLopSelect>(prmt(B::kLoA0, B::kLoA1, s), prmt(B::kLoB0, B::kLoB1, ns), mask);
         const u32 hi = lop3<kLopSelect>(prmt(B::kHiA0, B::kHiA1, s), prmt(B::kHiB0, B::kHiB1, ns), mask);
@@ -91,9 +106,19 @@ template <typename T> struct DequantNF4 {
     }
 };
 
-// The kernels' decoder: -D TF_W4A16_NF4 builds them for NF4 codes, else for int4 with zero points.
-#ifdef TF_W4A16_NF4
+template <typename T> using DequantNF4 = DequantTable<T, NF4Bytes<T>>;
+template <typename T> using DequantMXFP4 = DequantTable<T, MXFP4Bytes<T>>;
+
+// The kernels' decoder: -D TF_W4A16_NF4 builds them for NF4 codes, -D TF_W4A16_MXFP4 for E2M1 codes,
+// else for int4 with zero points.
+#if defined(TF_W4A16_NF4) && defined(TF_W4A16_MXFP4)
+#error "TF_W4A16_NF4 and TF_W4A16_MXFP4 select one codebook each: define one"
+#endif
+#if defined(TF_W4A16_NF4)
 template <typename T> using WeightDecoder = DequantNF4<T>;
+constexpr bool kDecoderHasZeros = false;
+#elif defined(TF_W4A16_MXFP4)
+template <typename T> using WeightDecoder = DequantMXFP4<T>;
 constexpr bool kDecoderHasZeros = false;
 #else
 template <typename T> using WeightDecoder = Dequant<T>;

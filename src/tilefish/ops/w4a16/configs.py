@@ -216,15 +216,19 @@ def ragged_waste_ok(cfg, n: int) -> bool:
     return fits_n(cfg, n) and 8 * (column_tiles(cfg, n) * cfg.bn - n) <= n
 
 
+# A table codebook builds every kernel with its decoder (kernels/w4a16/dequant.cuh: WeightDecoder).
+CODEBOOK_DEFINES = {"nf4": "TF_W4A16_NF4", "mxfp4": "TF_W4A16_MXFP4"}
+
+
 @functools.lru_cache(maxsize=None)
 def kernel_spec(dtype: torch.dtype, cfg: GemmConfig | HopperConfig | SkinnyConfig, group_size: int,
                 asym: bool, codebook: str = "int4") -> KernelSpec:
     if codebook != "int4":
-        if codebook != "nf4" or asym:
+        if codebook not in CODEBOOK_DEFINES or asym:
             raise ValueError(f"codebook {codebook!r} with asym={asym}: the kernels build int4 (with or without "
-                             "zero points) or symmetric nf4")
+                             "zero points) or symmetric nf4 / mxfp4")
         spec = kernel_spec(dtype, cfg, group_size, False)
-        return replace(spec, defines=spec.defines + (("TF_W4A16_NF4", "1"),))
+        return replace(spec, defines=spec.defines + ((CODEBOOK_DEFINES[codebook], "1"),))
     group = 0 if group_size == -1 else group_size
     if isinstance(cfg, SkinnyConfig):
         name = (f"w4a16_skinny<{DTYPES[dtype]}, {cfg.mt}, {cfg.ns}, {cfg.wk}, {cfg.stages}, {cfg.ctas_per_sm}, {group}, "

@@ -22,7 +22,7 @@ from ...runtime import KernelSpec
 from .configs import (H200_CLUSTERS, HOPPER_BK, HOPPER_CONFIGS, SKINNY_BK, GemmConfig, HopperConfig, SkinnyConfig,
                       column_tiles, kernel_spec, ragged_waste_ok)
 from .geometry import LaunchGeometry, split_geometry
-from .layout import BK, DTYPES
+from .layout import BK, DTYPES, MXFP4_GROUP, TABLE_CODEBOOKS
 from .time_model import hopper_time_model, predicted_hopper_us
 from .tuned import Plan, TunedTable
 
@@ -259,7 +259,7 @@ def choose_config(m: int, n: int, k: int, sm_count: int, cc: int = 80, group: in
         if skinny is not None:
             return skinny
     if cc == 90 and _uses_hopper(m, n, k):
-        if codebook == "nf4" and 128 < m < MODEL_MAX_M and ragged_waste_ok(NF4_TALL_TILE, n):
+        if codebook in TABLE_CODEBOOKS and 128 < m < MODEL_MAX_M and ragged_waste_ok(NF4_TALL_TILE, n):
             return NF4_TALL_TILE
         return choose_hopper_config(m, n, sm_count, k, clusters, group != -1)
     return choose_mma_config(m, n, k, sm_count)
@@ -438,7 +438,7 @@ def _rules_plan(m, n, k, sm_count, cc, group, clusters, dtype, codebook, smem_li
     cfg = choose_config(m, n, k, sm_count, cc, group, clusters, dtype, codebook)
     if isinstance(cfg, GemmConfig):
         return Plan(fit_mma_smem(cfg, group, zero_points, smem_limit)), "rule"
-    from_model = (isinstance(cfg, HopperConfig) and m < MODEL_MAX_M and not (codebook == "nf4" and cfg == NF4_TALL_TILE)
+    from_model = (isinstance(cfg, HopperConfig) and m < MODEL_MAX_M and not (codebook in TABLE_CODEBOOKS and cfg == NF4_TALL_TILE)
                   and cfg.label() in hopper_time_model(m))
     return Plan(cfg), "model" if from_model else "rule"  # the launcher's split: the model's where it planned one
 
@@ -467,7 +467,7 @@ def shipped_table_configs() -> set:
 
 class KernelBuild(NamedTuple):
     """One dispatchable kernel: a configuration built for one weight format (group_size -1: per
-    channel; codebook "int4" or "nf4")."""
+    channel; codebook "int4", "nf4" or "mxfp4")."""
 
     dtype: torch.dtype
     config: GemmConfig | HopperConfig | SkinnyConfig
@@ -483,7 +483,8 @@ class KernelBuild(NamedTuple):
 def _every_format(dtype: torch.dtype, cfg) -> list[KernelBuild]:
     """cfg in every weight format (a sanitizer or sweep may run any of them)."""
     return ([KernelBuild(dtype, cfg, g, asym) for g in (-1, 32, 64, 128) for asym in (False, True)]
-            + [KernelBuild(dtype, cfg, g, False, "nf4") for g in NF4_GROUPS])
+            + [KernelBuild(dtype, cfg, g, False, "nf4") for g in NF4_GROUPS]
+            + [KernelBuild(dtype, cfg, MXFP4_GROUP, False, "mxfp4")])
 
 
 def dispatch_builds(arch: str | None = None) -> list[KernelBuild]:

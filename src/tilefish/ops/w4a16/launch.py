@@ -23,7 +23,7 @@ from .configs import (HOPPER_BK, ONE_CTA_PER_SM_SMEM, THREADS, GemmConfig, Hoppe
                       kernel_spec)
 from .dispatch import choose_plan, launch_geometry
 from .geometry import LaunchGeometry
-from .layout import CODEBOOKS, DTYPES, W4A16Weight, check_shape, unpack
+from .layout import DTYPES, TABLE_CODEBOOKS, W4A16Weight, check_codebook, check_shape, unpack
 from .policy import LaunchPolicy, resolve_policy
 from .tuned import TunedTable, gpu_key, table_for
 from .workspace import _lock as _workspace_lock
@@ -47,8 +47,9 @@ def validate(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None) -> None
     if x.shape[-1] != w.k:
         raise ValueError(f"x has k={x.shape[-1]} (last dim) but the weight has in_features k={w.k}")
     check_shape(w.n, w.k, w.group_size)
-    if w.codebook not in CODEBOOKS or (w.codebook == "nf4" and (w.zeros is not None or w.group_size == -1)):
-        raise ValueError(f"codebook {w.codebook!r}: int4, or nf4 with group scales and no zero points")
+    if w.codebook in TABLE_CODEBOOKS and w.zeros is not None:
+        raise ValueError(f"codebook {w.codebook!r} has no zero points")
+    check_codebook(w.codebook, w.group_size, w.zeros is None)
     if w.packed.dtype != torch.int32 or w.packed.shape != (w.n // 64, 8 * w.k):
         raise ValueError(f"packed must be int32 [n/64, 8k] = {(w.n // 64, 8 * w.k)}, got {w.packed.dtype} "
                          f"{tuple(w.packed.shape)}")

@@ -9,9 +9,10 @@ Kernel layout (docs/w4a16.md has the fragment maps):
           lane's 8 scales (column 8 s + g, s = 0..7) are 16 contiguous bytes; per-channel scales stay
           in natural order (they multiply the accumulators in the epilogue).
   zeros   [groups, n] zero points as x-dtype values 0..15, permuted like grouped scales; None = 8.
-  codebook  what a nibble means: "int4" ((q - zero) x scale), or "nf4" (NF4_TABLE[q] x scale, bitsandbytes'
-          NormalFloat codes; no zero points). An nf4 word stores the nibbles above in the order
-          p = 0 4 1 5 2 6 3 7 (NF4_NIBBLE_ORDER), which its table lookup in kernels/w4a16/dequant.cuh needs.
+  codebook  what a nibble means: "int4" ((q - zero) x scale), "nf4" (NF4_TABLE[q] x scale, bitsandbytes'
+          NormalFloat codes), or "mxfp4" (E2M1_VALUES[q] x scale, OCP MXFP4 codes, group size 32, each scale a
+          power of two). The table codebooks have no zero points; their words store the nibbles above in the
+          order p = 0 4 1 5 2 6 3 7 (NF4_NIBBLE_ORDER), which the table lookup in kernels/w4a16/dequant.cuh needs.
 """
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ from ...quant.int4 import Int4Weight
 K_MULTIPLE = 64  # k must be a multiple of this: the packed layout's k16 rows come in 64-wide stages
 BK = 128  # the mma.sync kernel's k tile and the skinny kernel's stage; with k % 128 == 64 their last is half of one
 DTYPES = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
-CODEBOOKS = ("int4", "nf4")
-NF4_NIBBLE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # nibble i of an nf4 word holds int4-layout nibble NF4_NIBBLE_ORDER[i]
+CODEBOOKS = ("int4", "nf4", "mxfp4")
+TABLE_CODEBOOKS = ("nf4", "mxfp4")  # a 16-entry value table, looked up (no zero points)
+MXFP4_GROUP = 32  # one E8M0 scale per 32 weights (OCP MX)
+NF4_NIBBLE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # nibble i of a table-codebook word holds int4-layout nibble NF4_NIBBLE_ORDER[i]
 
 
 @dataclass
@@ -38,7 +41,7 @@ class W4A16Weight:
     n: int
     k: int
     perm: torch.Tensor | None = None  # act-order: the kernel computes x[..., perm] @ W^T
-    codebook: str = "int4"            # "int4" or "nf4" (module docstring)
+    codebook: str = "int4"            # "int4", "nf4" or "mxfp4" (module docstring)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -68,12 +71,37 @@ class W4A16Weight:
         q = unpack(self)
         if self.codebook == "int4":
             return q.dequantize(dtype)
-        from ...quant.nf4 import NF4_TABLE
-
         # a fresh tensor, not a copy of a cached one: under torch.compile's backward it is traced
-        values = torch.tensor(NF4_TABLE, dtype=torch.float64, device=q.q.device)[q.q.long()]
+        values = torch.tensor(codebook_values(self.codebook), dtype=torch.float64, device=q.q.device)[q.q.long()]
         scales = q.scales.double().repeat_interleave(self.group_size if self.group_size != -1 else self.k, dim=1)
         return (values * scales).to(dtype)
+
+
+def codebook_values(codebook: str) -> tuple[float, ...]:
+    """The 16 values a table codebook's codes stand for, in code order."""
+    if codebook == "nf4":
+        from ...quant.nf4 import NF4_TABLE
+
+        return tuple(NF4_TABLE)
+    if codebook == "mxfp4":
+        from ...quant.mxfp4 import E2M1_VALUES
+
+        return E2M1_VALUES
+    raise ValueError(f"codebook {codebook!r} has no value table (the table codebooks are {TABLE_CODEBOOKS})")
+
+
+def check_codebook(codebook: str, group_size: int, symmetric: bool) -> None:
+    """What the kernels read: "int4" codes with any group size and zero points; "nf4" codes with group
+    scales and no zero points (NF4 values are signed already); "mxfp4" codes with group size 32 and no
+    zero points (E2M1 values are signed; one scale a 32-weight block)."""
+    if codebook not in CODEBOOKS:
+        raise ValueError(f"codebook must be one of {CODEBOOKS}, got {codebook!r}")
+    if codebook == "nf4" and (not symmetric or group_size == -1):
+        raise ValueError(f"codebook 'nf4' needs group scales (group_size 32, 64 or 128) and no zero points "
+                         f"(symmetric=True); got group_size={group_size}, symmetric={symmetric}")
+    if codebook == "mxfp4" and (not symmetric or group_size != MXFP4_GROUP):
+        raise ValueError(f"codebook 'mxfp4' needs group_size {MXFP4_GROUP} (one scale a block) and no zero points "
+                         f"(symmetric=True); got group_size={group_size}, symmetric={symmetric}")
 
 
 def check_perm(perm: torch.Tensor, k: int) -> None:
@@ -110,13 +138,15 @@ def check_shape(n: int, k: int, group_size: int) -> None:
 
 def pack(w: Int4Weight, perm: torch.Tensor | None = None, codebook: str = "int4") -> W4A16Weight:
     """Int4Weight (q [n, k], scales/zeros [n, groups]) -> the kernel layout. Pure torch, any device.
-    codebook "nf4": q holds NF4 codes (tilefish.nf4.prepare builds these), symmetric only."""
+    codebook "nf4": q holds NF4 codes (tilefish.nf4.prepare builds these); "mxfp4": E2M1 codes with
+    group size 32 (quant.mxfp4.to_int4_weight); both without zero points."""
     n, k = w.n, w.k
     check_shape(n, k, w.group_size)
     if codebook not in CODEBOOKS:
         raise ValueError(f"codebook must be one of {CODEBOOKS}, got {codebook!r}")
-    if codebook == "nf4" and w.zeros is not None:
-        raise ValueError("an nf4 codebook weight has no zero points")
+    if codebook in TABLE_CODEBOOKS and w.zeros is not None:
+        raise ValueError(f"an {codebook} codebook weight has no zero points")
+    check_codebook(codebook, w.group_size, w.zeros is None)
     if perm is not None:
         check_perm(perm, k)
     q = w.q.to(torch.int64)
@@ -124,7 +154,7 @@ def pack(w: Int4Weight, perm: torch.Tensor | None = None, codebook: str = "int4"
     v = q.view(n // 64, 4, 2, 8, k // 16, 2, 4, 2)          # S j h g r a t b
     v = v.permute(0, 4, 3, 6, 1, 7, 2, 5)                     # S r g t j b h a
     v = v.reshape(n // 64, k // 16, 32, 4, 8)
-    if codebook == "nf4":
+    if codebook in TABLE_CODEBOOKS:
         v = v[..., list(NF4_NIBBLE_ORDER)]
     shifts = torch.arange(0, 32, 4, device=q.device, dtype=torch.int64)
     words = (v << shifts).sum(-1)
@@ -145,7 +175,7 @@ def unpack(p: W4A16Weight) -> Int4Weight:
     words = p.packed.to(torch.int64) & 0xFFFFFFFF
     shifts = torch.arange(0, 32, 4, device=words.device, dtype=torch.int64)
     v = (words.view(n // 64, k // 16, 32, 4, 1) >> shifts) & 0xF        # S r (g t) j p
-    if p.codebook == "nf4":
+    if p.codebook in TABLE_CODEBOOKS:
         v = v[..., [NF4_NIBBLE_ORDER.index(i) for i in range(8)]]
     v = v.view(n // 64, k // 16, 8, 4, 4, 2, 2, 2)                      # S r g t j b h a
     v = v.permute(0, 4, 6, 2, 1, 7, 3, 5)                               # S j h g r a t b
