@@ -551,7 +551,7 @@ def test_quantize_model_rejects_arguments_of_the_other_method():
         quantize_model(_model(), "nf4", blocksize=100)
     with pytest.raises(TypeError, match="double_quant must be a bool"):
         quantize_model(_model(), "nf4", double_quant="yes")
-    with pytest.raises(ValueError, match=r"method must be one of \('w4a16', 'nf4'\)"):
+    with pytest.raises(ValueError, match=r"method must be one of \('w4a16', 'nf4', 'mxfp4'\)"):
         quantize_model(_model(), "fp4")
     with pytest.raises(TypeError, match="dtype"):
         quantize_model(_model(), "nf4", dtype=torch.float32)
