@@ -17,9 +17,12 @@ import torch
 from tilefish import cli
 from tilefish.bench import e2e as bench_e2e
 from tilefish.bench import e2e_generate as bench_e2e_generate
+from tilefish.bench import hgemm as bench_hgemm
 from tilefish.bench import nf4 as bench_nf4
-from tilefish.bench import progress, quick, suites
+from tilefish.bench import progress, quick
+from tilefish.bench import sgemm as bench_sgemm
 from tilefish.bench import w4a16 as bench_w4a16
+from tilefish.bench.families import FAMILIES as BENCH_FAMILIES
 from tilefish.bench.report import Report, Row
 
 FAMILIES = {"w4a16", "nf4", "sgemm", "hgemm", "e2e"}
@@ -47,11 +50,28 @@ def test_quick_plan_is_small_covers_every_family_and_fits_two_minutes():
     assert all(s.cases for s in steps) and 20 <= len(cases) <= 60
     # the estimate the ETA starts from: measurements (the e2e step's two generate() compiles the largest part),
     # plus compiling ~40 kernels on 16 cores, inside 2 minutes with room for the process start and the writing
-    assert sum(c.weight for c in cases) + quick.compile_s(40, 16) < 110
+    assert sum(c.weight for c in cases) + progress.compile_s(40, 16) < 110
     full = quick.full_plan(parse("--full"))
     by_family = lambda plan: {f: sum(len(s.cases) for s in plan if s.family == f) for f in FAMILIES}  # noqa: E731
     assert all(by_family(full)[f] >= by_family(steps)[f] for f in FAMILIES)
     assert sum(by_family(full).values()) > 5 * len(cases)
+
+
+def test_every_family_is_one_object_with_its_own_steps():
+    """bench/families: one BenchFamily each, in the run's (and the summary's) order; its quick and --full steps
+    are its own, with cases; it builds them from its own flags' defaults."""
+    from tilefish.bench.family import BenchFamily, defaults
+
+    assert list(BENCH_FAMILIES) == ["w4a16", "nf4", "sgemm", "hgemm", "e2e"]
+    for name, fam in BENCH_FAMILIES.items():
+        assert isinstance(fam, BenchFamily) and fam.name == name and fam.title and fam.help
+        args = defaults(fam, reps=7)
+        assert args.family is None and args.reps == 7
+        for full in (False, True):
+            steps = fam.steps(args, full)
+            assert steps and all(s.family == name and s.cases for s in steps), (name, full)
+        assert fam.headlines(Report("empty")) == [] and fam.heading(Report("empty")) == fam.title
+    assert [s.family for s in quick.quick_plan(parse())] == ["w4a16", "nf4", "nf4", "sgemm", "hgemm", "e2e"]
 
 
 def test_quick_plan_kernels_are_the_dispatchers_picks(monkeypatch):
@@ -59,7 +79,7 @@ def test_quick_plan_kernels_are_the_dispatchers_picks(monkeypatch):
     dtype), NF4 and int4 codes for the NF4 matmul, the auto steps of the GEMM ladders."""
     from tilefish.ops import w4a16 as ops
 
-    monkeypatch.setattr(ops, "_device_clusters", lambda info: ops.H200_CLUSTERS)
+    monkeypatch.setattr(ops.launch, "device_clusters", lambda info, policy=None: ops.H200_CLUSTERS)
     steps = {s.title: s for s in quick.quick_plan(parse())}
     w4 = steps["W4A16 vs cuBLAS"].kernels(H100)
     cfg = ops.choose_config(1, 4096, 4096, 132, 90, 128, ops.H200_CLUSTERS, torch.float16)
@@ -183,7 +203,7 @@ def fake_bench(monkeypatch):
     def nf4_run_matmul(shapes, ms, dtypes, **kw):
         calls.append(("nf4_matmul", dict(shapes=shapes, ms=ms, dtypes=dtypes, **kw)))
         rep = bench_nf4.NF4Report("NF4 fused matmul", {"copy GB/s": 3000.0})
-        with bench_e2e._Progress(len(shapes) * len(ms)) as p:  # the real one draws its progress this way
+        with progress.InnerProgress(len(shapes) * len(ms)) as p:  # the real one draws its progress this way
             for d in dtypes:
                 for k, n in shapes:
                     for m in ms:
@@ -211,7 +231,7 @@ def fake_bench(monkeypatch):
     def e2e_run(layers, batches, prefill, modes, impls, **kw):
         calls.append(("e2e", dict(layers=layers, batches=batches, prefill=prefill, modes=modes, impls=impls)))
         rep = Report("End-to-end decoder")
-        with bench_e2e._Progress(3) as p:
+        with progress.InnerProgress(3) as p:
             for label in ("fp16: build", "fp16 compiled decode 1", "w4a16: build"):
                 p.step(label)
         print("w4a16 (...): logits vs fp16 ...")  # e2e prints its checks: they go to log.txt, not the screen
@@ -235,15 +255,17 @@ def fake_bench(monkeypatch):
     monkeypatch.setattr(bench_w4a16, "run", w4a16_run)
     monkeypatch.setattr(bench_nf4, "run", nf4_run)
     monkeypatch.setattr(bench_nf4, "run_matmul", nf4_run_matmul)
-    monkeypatch.setattr(quick, "sgemm_auto", gemm("sgemm"))
-    monkeypatch.setattr(quick, "hgemm_auto", gemm("hgemm"))
+    monkeypatch.setattr(bench_sgemm, "run_auto", gemm("sgemm"))
+    monkeypatch.setattr(bench_hgemm, "run_auto", gemm("hgemm"))
     monkeypatch.setattr(bench_e2e, "run", e2e_run)
     monkeypatch.setattr(bench_e2e_generate, "run", generate_run)
     # the kernels: a fake list, "compiled" by a fake warm-up that reports each one
-    monkeypatch.setattr(quick, "w4a16_kernels", lambda info, shapes, ms, dtypes, group, codebooks=("int4",):
+    monkeypatch.setattr(bench_w4a16, "dispatched_kernels", lambda info, shapes, ms, dtypes, group, codebooks=("int4",):
                         [("w4a16", d, k, n, m, cb) for d in dtypes for k, n in shapes for m in ms for cb in codebooks])
-    monkeypatch.setattr(quick, "_gemm_kernels", lambda info, fam, shapes, steps=("auto",), dtype="fp16":
-                        [(fam, s) for s in shapes])
+    monkeypatch.setattr(bench_sgemm, "kernel_specs", lambda info, shapes, steps=("auto",):
+                        [("sgemm", s) for s in shapes])
+    monkeypatch.setattr(bench_hgemm, "kernel_specs", lambda info, shapes, steps=("auto",), dtype="fp16":
+                        [("hgemm", s) for s in shapes])
     monkeypatch.setattr(progress, "uncached", lambda specs, arch: list(dict.fromkeys(specs)))
 
     def warm(specs, arch, on_done=None, processes=None):
@@ -293,7 +315,7 @@ def test_quick_run_end_to_end(fake_bench, tmp_path, capsys):
     assert set(summary["headlines"]) == FAMILIES and len(Report.from_json(out / "summary.json").rows) > 0
     assert "== NF4: dequantization and fused matmul ==" in (out / "tables.txt").read_text()
     assert f"results: {out}/" in screen
-    assert bench_e2e._Progress.__name__ == "_Progress"  # e2e's own progress is back after the run
+    assert progress.InnerProgress.display is None  # e2e's own progress draws itself again after the run
 
 
 def test_ctrl_c_writes_what_was_measured_and_returns_130(fake_bench, tmp_path, capsys):
@@ -344,9 +366,10 @@ def test_full_runs_every_familys_complete_suite(fake_bench, tmp_path, monkeypatc
             return rep
         return run
 
-    monkeypatch.setattr(suites, "FAMILIES", {name: family(name) for name in suites.FAMILIES})
+    for name, fam in BENCH_FAMILIES.items():
+        monkeypatch.setattr(fam, "run", family(name))
     assert cli.main(["bench", "--full", "--out", str(tmp_path)]) == 0
-    assert sorted(seen) == sorted((name, None) for name in suites.FAMILIES)  # each once, as the all-families run
+    assert sorted(seen) == sorted((name, None) for name in BENCH_FAMILIES)  # each once, as the all-families run
     assert not fake_bench.calls  # none of the quick plan's calls
     assert "tilefish bench (full run)" in capsys.readouterr().out
     assert json.loads((tmp_path / "summary.json").read_text())["run"]["mode"] == "full"
@@ -354,10 +377,18 @@ def test_full_runs_every_familys_complete_suite(fake_bench, tmp_path, monkeypatc
 
 @pytest.mark.parametrize("argv, says", [(["--full", "nf4"], "--full is for the all-families run"),
                                         (["--shapes", "4096x4096"], "--shapes applies to one family"),
-                                        (["--m", "1,2"], "--m applies to one family")])
+                                        (["--m", "1,2"], "--m applies to one family"),
+                                        (["--full", "--variants"], "--variants applies to one family"),
+                                        (["nf4", "--full"], "unrecognized arguments: --full"),
+                                        (["sgemm", "--peers", "marlin"], "unrecognized arguments: --peers marlin")])
 def test_bench_flag_combinations_refused(fake_bench, capsys, argv, says):
-    assert cli.main(["bench", *argv]) == 2
-    assert says in capsys.readouterr().err and not fake_bench.calls
+    """Exit status 2 with the reason: from the command (--full with a family) or the parser (a family's flag
+    without it, a flag the named family does not define)."""
+    try:
+        rc = cli.main(["bench", *argv])
+    except SystemExit as e:
+        rc = e.code
+    assert rc == 2 and says in capsys.readouterr().err and not fake_bench.calls
 
 
 def test_one_family_keeps_its_behaviour_and_takes_out(fake_bench, tmp_path, capsys):
@@ -394,7 +425,7 @@ def test_a_failing_family_costs_neither_the_others_nor_its_rows(fake_bench, tmp_
         rep.add(Row("sgemm", "1024^3", "tilefish auto", 1.0, 1.0, "TFLOP/s", 90.0, {"cuBLAS": 0.9}))
         raise RuntimeError("no kernel image\nsecond line")
 
-    monkeypatch.setattr(quick, "sgemm_auto", broken)
+    monkeypatch.setattr(bench_sgemm, "run_auto", broken)
     assert cli.main(["bench", "--out", str(tmp_path)]) == 1
     screen = capsys.readouterr().out
     assert [c[0] for c in fake_bench.calls][-3:] == ["hgemm", "e2e", "e2e-generate"]  # the families after it ran

@@ -6,7 +6,7 @@ import pytest
 
 from tilefish import cli
 from tilefish.bench import shapes
-from tilefish.bench import suites
+from tilefish.bench.families import FAMILIES
 from tilefish.bench import w4a16 as bench_w4a16
 
 from test_cli import parse  # the namespace `tilefish <argv>` hands to its command
@@ -125,10 +125,10 @@ def test_suite_passes_models_and_shapes(monkeypatch):
     monkeypatch.setattr(bench_w4a16, "run", lambda **kw: calls.append(("run", kw)))
     monkeypatch.setattr(bench_w4a16, "sweep", lambda **kw: calls.append(("sweep", kw)))
     argv = ["bench", "w4a16", "--models", "qwen2.5-7b"]
-    suites.FAMILIES["w4a16"](parse(monkeypatch, *argv))
-    suites.FAMILIES["w4a16"](parse(monkeypatch, *argv, "--shapes", "4096x4096"))
-    suites.FAMILIES["w4a16"](parse(monkeypatch, *argv, "--variants"))
-    suites.FAMILIES["w4a16"](parse(monkeypatch, "bench", "w4a16"))
+    FAMILIES["w4a16"].run(parse(monkeypatch, *argv))
+    FAMILIES["w4a16"].run(parse(monkeypatch, *argv, "--shapes", "4096x4096"))
+    FAMILIES["w4a16"].run(parse(monkeypatch, *argv, "--variants"))
+    FAMILIES["w4a16"].run(parse(monkeypatch, "bench", "w4a16"))
     assert [(c, kw["models"], kw["shapes"]) for c, kw in calls] == [
         ("run", "qwen2.5-7b", None), ("run", "qwen2.5-7b", [(4096, 4096)]), ("sweep", "qwen2.5-7b", None),
         ("run", None, None)]

@@ -17,7 +17,7 @@ import torch
 
 from tilefish import cli
 from tilefish.bench import nf4 as bench_nf4
-from tilefish.bench import suites
+from tilefish.bench.families import FAMILIES
 from tilefish.bench.report import Report, Row
 
 
@@ -214,7 +214,8 @@ def parse(monkeypatch, *argv) -> argparse.Namespace:
 def test_bench_nf4_flags(monkeypatch):
     a = parse(monkeypatch, "bench", "nf4")
     assert (a.only, a.quick, a.m, a.dtypes, a.blocksize, a.single_quant) == (None, False, None, None, 64, False)
-    assert a.impls is None and a.loops == "harness,generate"  # every variant of each loop
+    e = parse(monkeypatch, "bench", "e2e")
+    assert e.impls is None and e.loops == "harness,generate"  # every variant of each loop
     a = parse(monkeypatch, "bench", "nf4", "--only", "matmul", "--quick", "--m", "1,16", "--dtypes", "bf16,fp16",
               "--blocksize", "128", "--single-quant", "--shapes", "4096x4096,8192x28672")
     assert (a.only, a.quick, a.m, a.dtypes, a.blocksize, a.single_quant) == ("matmul", True, "1,16", "bf16,fp16",
@@ -236,9 +237,10 @@ def test_bench_rejects_bad_flags(monkeypatch, capsys, family, argv):
 
 def test_cli_e2e_impls_match_the_bench():
     from tilefish.bench import e2e, e2e_generate
+    from tilefish.bench.families import e2e as e2e_family
 
-    assert cli.E2E_IMPLS == e2e.IMPLS and set(e2e.LABELS) == set(e2e.IMPLS)
-    assert cli.E2E_GENERATE_IMPLS == e2e_generate.IMPLS and set(e2e_generate.LABELS) == set(e2e_generate.IMPLS)
+    assert e2e_family.HARNESS_IMPLS == e2e.IMPLS and set(e2e.LABELS) == set(e2e.IMPLS)
+    assert e2e_family.GENERATE_IMPLS == e2e_generate.IMPLS and set(e2e_generate.LABELS) == set(e2e_generate.IMPLS)
 
 
 def test_bench_e2e_loop_flags(monkeypatch):
@@ -270,7 +272,7 @@ def nf4_calls(monkeypatch):
 
 
 def test_nf4_suite_maps_flags(monkeypatch, nf4_calls):
-    run = lambda *argv: (nf4_calls.clear(), suites.FAMILIES["nf4"](parse(monkeypatch, "bench", "nf4", *argv)))[1]
+    run = lambda *argv: (nf4_calls.clear(), FAMILIES["nf4"].run(parse(monkeypatch, "bench", "nf4", *argv)))[1]
     rep = run()
     (_, d), (_, m) = nf4_calls
     assert [c[0] for c in nf4_calls] == ["dequantize", "matmul"]
@@ -300,7 +302,7 @@ def test_nf4_suite_maps_flags(monkeypatch, nf4_calls):
     args = parse(monkeypatch, "bench", "nf4")
     args.family = None  # the all-families run: the quick sets, and it says so
     nf4_calls.clear()
-    suites.FAMILIES["nf4"](args)
+    FAMILIES["nf4"].run(args)
     assert nf4_calls[1][1]["ms"] == bench_nf4.QUICK_M and "all-families" in nf4_calls[1][1]["title_note"]
 
 
@@ -557,7 +559,7 @@ def test_warm_kernel_cache_compiles_the_runs_kernels_once(monkeypatch, tmp_path)
     monkeypatch.setenv("TILEFISH_CACHE_DIR", str(tmp_path))
     info = types.SimpleNamespace(sm_count=132, cc=90, arch="sm_90", index=0)
     monkeypatch.setattr(tilefish.runtime, "device_info", lambda *a: info)
-    monkeypatch.setattr(ops, "_device_clusters", lambda i: ops.H200_CLUSTERS)
+    monkeypatch.setattr(ops.launch, "device_clusters", lambda i, policy=None: ops.H200_CLUSTERS)
     note = bench_nf4.warm_kernel_cache([(4096, 4096)], [1], ["bf16"], 64, processes=2)
     assert note.startswith("kernel cache warmed before timing: 2 of the run's 2 kernels compiled")
     assert "failed" not in note
@@ -598,3 +600,123 @@ def test_compile_builds_the_kernels_of_each_arch(monkeypatch, capsys):
     want = [[s.target(a), fam] for a in ("sm_120", "sm_90") for fam, s in kernel_specs(arch=a)]
     assert rc == 0 and rows == want and f"{len(want)} kernel(s), 0 failure(s)" in out
     assert {r[0] for r in rows} == {"sm_120", "sm_90", "sm_90a"}
+
+
+# ---- `tilefish bench`'s command line: one subcommand per family, each with its own flags --------------------------
+
+COMMON_BENCH_FLAGS = {"-h", "--help", "--out", "--json", "--plot", "--reps"}
+
+
+def own_flags(family) -> set[str]:
+    """The flags a family's add_arguments defines."""
+    p = argparse.ArgumentParser(add_help=False)
+    family.add_arguments(p)
+    return {flag for action in p._actions for flag in action.option_strings}
+
+
+def test_the_command_line_is_built_without_torch():
+    code = "import sys, tilefish.cli as c; c.build_parser(); print('torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
+
+
+def test_bench_help_lists_the_families_and_each_family_shows_its_own_flags(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    out = capsys.readouterr().out
+    for name, family in FAMILIES.items():
+        assert re.search(rf"^ +{name} +{re.escape(family.help)}$", out, re.M), (name, out)
+    everyone = set().union(*(own_flags(f) for f in FAMILIES.values()))
+    listed = set(re.findall(r"^  (?:-h, )?(--[a-z0-9-]+)", out, re.M))
+    assert listed == {"--help", "--out", "--json", "--plot", "--reps", "--full"} and not listed & everyone, out
+    for name, family in FAMILIES.items():
+        with pytest.raises(SystemExit) as e:
+            cli.main(["bench", name, "--help"])
+        out = capsys.readouterr().out
+        usage = out.split("\n\n")[0]
+        assert e.value.code == 0 and usage.startswith(f"usage: tilefish bench {name} ")
+        assert set(re.findall(r"\[(--?[a-z0-9-]+)", usage)) == own_flags(family) | COMMON_BENCH_FLAGS - {"--help"}
+        listed = set(re.findall(r"^  (?:-h, )?(--[a-z0-9-]+)", out, re.M))  # the options' flag column
+        assert listed == own_flags(family) | COMMON_BENCH_FLAGS - {"-h"}, (name, out)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_a_family_rejects_every_flag_it_does_not_define(monkeypatch, capsys, name):
+    """`tilefish bench sgemm --peers marlin` and the like: argparse's usage error for that family, exit 2."""
+    monkeypatch.setattr(cli, "cmd_bench", lambda args: 0)
+    foreign = set().union(*(own_flags(f) for f in FAMILIES.values())) - own_flags(FAMILIES[name])
+    assert foreign
+    for flag in sorted(foreign) + (["--peers"] if name == "sgemm" else []):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["bench", name, flag, "marlin"] if flag == "--peers" else ["bench", name, flag])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"tilefish bench {name}: error: unrecognized arguments: {flag}" in err, err
+
+
+def test_common_bench_flags_stand_before_or_after_the_family(monkeypatch):
+    a = parse(monkeypatch, "bench", "--out", "d", "--reps", "7", "w4a16")
+    assert (a.family, a.out, a.reps, a.json) == ("w4a16", "d", 7, None)
+    a = parse(monkeypatch, "bench", "w4a16", "--out", "d", "--json", "x.json")
+    assert (a.out, a.reps, a.json, a.plot) == ("d", 50, "x.json", None)
+    a = parse(monkeypatch, "bench", "--full", "--reps", "9")
+    assert (a.family, a.full, a.reps, a.out) == (None, True, 9, None)
+
+
+def documented_bench_commands() -> list[tuple[str, str]]:
+    """(file, what follows `bench`) of every `tilefish bench` command line in README.md, docs/*.md and
+    scripts/*.sh: inline code, fenced code blocks (a line each) and gpu_job.sh's "name: command" steps."""
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "scripts").glob("*.sh"))]:
+        text = path.read_text()
+        fence = re.compile(r"^```[a-z]*\n(.*?)^```", re.M | re.S)
+        spans = [line for block in fence.findall(text) for line in block.splitlines()]
+        rest = fence.sub("", text)
+        spans += re.findall(r'"[a-z]+: ([^"]*)"', rest) if path.suffix == ".sh" else re.findall(r"`([^`]+)`", rest)
+        for span in spans:
+            m = re.search(r"(?:tilefish|-m tilefish\.cli) bench\b([^`]*)", " ".join(span.split(" #")[0].split()))
+            if m and not m.group(1).lstrip().startswith("("):  # "tilefish bench (quick run) on ...": its screen
+                found.append((path.name, m.group(1)))
+    return found
+
+
+def takes_value(family: str, flag: str) -> bool:
+    p = argparse.ArgumentParser(add_help=False)
+    FAMILIES[family].add_arguments(p)
+    return flag in p._option_string_actions and p._option_string_actions[flag].nargs != 0
+
+
+def expand(command: str) -> list[list[str]]:
+    """A documented command's argv lists: <family> and [a|b|c] give one per choice, [--flag V] is kept, a
+    placeholder value ("--shapes ...", "--shapes <the other half's>") drops its flag, and so does a flag named
+    without its value at the end (a heading's `tilefish bench e2e --tp`); a parenthesized aside goes."""
+    command = command.replace("<family>", "[" + "|".join(FAMILIES) + "]")
+    command = re.sub(r"<[^>]*>", "...", re.sub(r"\([^)]*\)", "", command))
+    if choice := re.search(r"\[([a-z0-9-]+(?:\|[a-z0-9-]+)+)\]", command):
+        return [argv for c in choice.group(1).split("|") for argv in expand(command.replace(choice.group(0), c, 1))]
+    argv: list[str] = []
+    for token in command.replace("[", " ").replace("]", " ").split():
+        if token == "...":
+            if argv and argv[-1].startswith("--"):
+                argv.pop()
+            continue
+        argv.append(token)
+    if len(argv) > 1 and argv[0] in FAMILIES and takes_value(argv[0], argv[-1]):
+        argv.pop()
+    return [argv]
+
+
+def test_every_documented_bench_command_parses(monkeypatch):
+    commands = documented_bench_commands()
+    assert len(commands) >= 30 and any(f == "gpu_job.sh" for f, _ in commands), commands
+    seen = []
+    monkeypatch.setattr(cli, "cmd_bench", lambda args: seen.append(args) or 0)
+    for where, command in commands:
+        for argv in expand(command):
+            if "--help" in argv:
+                with pytest.raises(SystemExit) as e:
+                    cli.main(["bench", *argv])
+                assert e.value.code == 0, (where, command, argv)
+            else:
+                assert cli.main(["bench", *argv]) == 0, (where, command, argv)
+    assert {a.family for a in seen} == set(FAMILIES) | {None}

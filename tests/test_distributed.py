@@ -283,14 +283,15 @@ def _bench_worker(rank: int, world: int, init: str, out: str):
 def test_cli_tp_flags_reach_the_tp_bench(monkeypatch):
     import argparse
 
-    from tilefish.bench import e2e_tp, suites
+    from tilefish.bench import e2e_tp
+    from tilefish.bench.families import FAMILIES
     from tilefish.bench.report import Report
 
     calls = []
     monkeypatch.setattr(e2e_tp, "run", lambda tps, **kw: calls.append((tps, kw)) or Report("tp"))
     args = argparse.Namespace(family="e2e", tp="1,2", impls="fp16,w4a16,nf4", layers=8, batches=None, context=256,
                               modes=None, model="builtin", reps=9, prefill="512", int4_lm_head=False)
-    suites.FAMILIES["e2e"](args)
+    FAMILIES["e2e"].run(args)
     tps, kw = calls[-1]
     assert tps == [1, 2] and kw["batches"] == [1, 16] and kw["modes"] == ["compiled"]
     assert kw["impls"] == ["fp16", "w4a16", "nf4"]  # e2e_tp.run notes that it skips bitsandbytes' nf4

@@ -10,7 +10,8 @@ import weakref
 import pytest
 import torch
 
-from tilefish.bench import e2e, suites
+from tilefish.bench import e2e
+from tilefish.bench.families import FAMILIES
 from tilefish.bench.report import Report
 from tilefish.models.llama import LlamaConfig, LlamaForCausalLM, hf_config
 
@@ -170,8 +171,10 @@ def test_weight_bytes_counts_shared_storage_once_and_quant_state():
 
 
 def test_progress_without_rich_prints_a_line_per_step(monkeypatch, capsys):
+    from tilefish.bench.progress import InnerProgress  # the bench functions' own steps (bench e2e, bench nf4's matmul)
+
     monkeypatch.setitem(sys.modules, "rich.progress", None)  # import fails: the plain fallback
-    with e2e._Progress(2) as progress:
+    with InnerProgress(2) as progress:
         progress.step("fp16: build")
         progress.step("fp16 eager decode 1")
     out = capsys.readouterr().out.splitlines()
@@ -317,11 +320,11 @@ def test_suite_maps_cli_flags(monkeypatch):
     monkeypatch.setattr(e2e, "run", lambda **kw: calls.append(kw) or Report("e2e"))
     args = argparse.Namespace(family="e2e", layers=4, batches="1,8", prefill="128", context=256, modes="eager",
                               model="builtin", int4_lm_head=True, impls="fp16,w4a16", reps=7)
-    suites.FAMILIES["e2e"](args)
+    FAMILIES["e2e"].run(args)
     assert calls[-1] == dict(layers=4, batches=[1, 8], prefill=[128], context=256, modes=["eager"],
                              impls=["fp16", "w4a16"], model="builtin", int4_lm_head=True, reps=7)
     args.family = None  # the all-families run: reduced, and says so
-    suites.FAMILIES["e2e"](args)
+    FAMILIES["e2e"].run(args)
     reduced = calls[-1]
     assert reduced["layers"] == 8 and reduced["batches"] == [1, 16] and reduced["modes"] == ["compiled"]
     assert reduced["prefill"] == [] and "reduced" in reduced["title_note"]

@@ -428,7 +428,7 @@ def test_marlin_matches_reference(cuda, group):
 
 def test_bench_peers_flag_reaches_run(monkeypatch, capsys):
     from tilefish import cli
-    from tilefish.bench import suites
+    from tilefish.bench.families import FAMILIES
     from tilefish.bench import w4a16 as bench_w4a16
 
     seen, calls = [], []
@@ -437,7 +437,7 @@ def test_bench_peers_flag_reaches_run(monkeypatch, capsys):
     assert cli.main(["bench", "w4a16", "--peers", "marlin"]) == 0
     assert cli.main(["bench", "w4a16"]) == 0
     for args in seen:
-        suites.FAMILIES["w4a16"](args)
+        FAMILIES["w4a16"].run(args)
     assert [kw["peers"] for kw in calls] == [("marlin",), ()]
     with pytest.raises(SystemExit) as e:
         cli.main(["bench", "w4a16", "--peers", "exllama"])

@@ -94,114 +94,70 @@ def cmd_compile(args) -> int:
 # H100 / H200, B200, RTX 50xx).
 COMPILE_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
 
-# bench e2e's variants, of the harness loop (bench/e2e.py IMPLS) and of the generate() loop (bench/e2e_generate.py
-# IMPLS); tests/test_cli.py checks that they agree: kept here so that parsing the command line imports no torch.
-E2E_IMPLS = ("fp16", "w4a16", "nf4", "tilefish-nf4")
-E2E_GENERATE_IMPLS = ("fp16", "bf16", "w4a16", "w4a16-bf16", "tilefish-nf4", "nf4", "tinygemm")
-E2E_LOOPS = ("harness", "generate")
+
+class _Parser(argparse.ArgumentParser):
+    """A subcommand's parser: a flag it does not define is its own usage error, under its own usage line (argparse
+    leaves unknown flags to the top level, whose usage names no subcommand). On `tilefish bench`, a family's flag
+    given with no family named is an error naming the families that take it (argparse alone would read the
+    flag's value as a family's name)."""
+    family_flags: dict[str, list[str]] = {}  # `tilefish bench`: flag -> the families that define it
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        if not {name for names in self.family_flags.values() for name in names}.intersection(args):
+            for flag in (a.split("=", 1)[0] for a in args):
+                if flag in self.family_flags:
+                    self.error(f"{flag} applies to one family (tilefish bench {'|'.join(self.family_flags[flag])} "
+                               f"{flag} ...); the all-families run, quick or --full, has a fixed plan")
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
 
 
-def _positive_int(text: str) -> int:
-    """An int of 1 or more (compile --jobs)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer (1 or more), got {text!r}")
-    return value
+def _bench_flags(all_families: bool) -> argparse.ArgumentParser:
+    """The flags of every `tilefish bench` run, as a parent parser. A family's copy has no defaults (SUPPRESS):
+    `tilefish bench` itself sets them, so a value given before the family (bench --out DIR w4a16) stands."""
+    def default(value):
+        return value if all_families else argparse.SUPPRESS
 
-
-def _int_list(text: str) -> str:
-    """A comma-separated list of positive ints (kept as the text; the suites split it)."""
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return text
-
-
-def _choice_list(choices):
-    """A comma-separated subset of `choices` (kept as the text)."""
-    def parse(text: str) -> str:
-        items = [v for v in text.split(",") if v]
-        bad = [v for v in items if v not in choices]
-        if not items or bad:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(choices)}; got {text!r}")
-        return text
-    return parse
-
-
-def _peer_names(text: str) -> str:
-    """bench w4a16 --peers: comma-separated, each one of the known peers."""
-    names = [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in names if v != "marlin"]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(f"unknown peer(s) {bad or [text]}; known: marlin")
-    return ",".join(names)
-
-
-def _model_names(text: str) -> str:
-    """bench w4a16 --models: comma-separated names of bench/shapes.py's MODELS, 'all', or 'list' (kept as
-    the text). Imports the table (and with bench/, torch) only when the flag is given."""
-    if text.strip().lower() == "list":
-        return "list"
-    from .bench.shapes import parse_models
-
-    try:
-        parse_models(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
-
-
-def _parse_shapes(text: str | None):
-    if not text:
-        return None
-    return [tuple(int(x) for x in s.lower().split("x")) for s in text.split(",") if s]
-
-
-# Flags of one family (or of --full, which hands them to every family); the quick run has its own plan.
-_FAMILY_FLAGS = {"shapes": "--shapes", "m": "--m", "groups": "--groups", "models": "--models", "peers": "--peers",
-                 "dtypes": "--dtypes", "only": "--only", "quick": "--quick", "variants": "--variants",
-                 "single_quant": "--single-quant", "batches": "--batches", "modes": "--modes", "tp": "--tp",
-                 "int4_lm_head": "--int4-lm-head"}
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--out", metavar="DIR", default=default(None),
+                   help="all families: where the JSON / PNG / summary go (default ./tilefish-results/<gpu>-<date>); "
+                   "one family: DIR/<family>.json and .png")
+    p.add_argument("--json", metavar="PATH", default=default(None),
+                   help="write the report as JSON here (all families: the summary report, besides --out)")
+    p.add_argument("--plot", metavar="PATH", default=default(None),
+                   help="write a PNG plot here (all families: the summary report's)")
+    p.add_argument("--reps", type=int, default=default(50), help="timed runs per measurement (default 50)")
+    return p
 
 
 def cmd_bench(args) -> int:
-    import torch
+    from .bench.families import FAMILIES
 
-    from .bench import suites
-
-    if args.list_models or args.models == "list":  # the model shape table: no GPU needed
-        from .bench.shapes import table
-
-        print(table())
-        return 0
-    if args.family and args.full:
+    family = FAMILIES.get(args.family)
+    if family is not None and args.full:
         print(f"tilefish bench: --full is for the all-families run; `tilefish bench {args.family}` already runs "
               f"its complete set", file=sys.stderr)
         return 2
-    if not args.family and not args.full:
-        given = [flag for dest, flag in _FAMILY_FLAGS.items() if getattr(args, dest, None)]
-        if given:
-            print(f"tilefish bench: {', '.join(given)} applies to one family (tilefish bench <family> "
-                  f"{given[0]} ...) or to the complete run (--full); the quick run has a fixed plan", file=sys.stderr)
-            return 2
+    if family is not None and (text := family.text_instead_of_run(args)) is not None:  # needs no GPU
+        print(text)
+        return 0
+    import torch
+
     if not torch.cuda.is_available():
         print("tilefish bench needs an NVIDIA GPU (sm_80 or newer); none is visible to torch.", file=sys.stderr)
         return 2
-    if not args.family:  # every family: the quick plan or --full, one progress bar, one summary (bench/quick.py)
+    if family is None:  # every family: the quick plan or --full, one progress bar, one summary (bench/quick.py)
         from .bench import quick
 
         return quick.run(args, full=args.full, out=args.out)
-    rep = suites.FAMILIES[args.family](args)
+    rep = family.run(args)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun (bench e2e --tp) rank 0 reports
         return 0
     print(rep.table(), flush=True)
-    if args.family in suites.SUMMARIES and (summary := suites.SUMMARIES[args.family](rep)):
+    if summary := family.summary(rep):
         print("\n" + summary, flush=True)
     print()
     json_path, plot_path = args.json, args.plot
@@ -315,98 +271,58 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The whole command line (main parses with it; the tests read its subcommands off it)."""
+    """The whole command line (main parses with it; the tests read its subcommands off it). Imports no torch."""
+    from .bench.families import FAMILIES
+    from .bench.families.w4a16 import model_names
+    from .bench.family import choice_list, int_list, positive_int, shape_list
+
     p = argparse.ArgumentParser(
         prog="tilefish", description="Hand-written CUDA 4-bit matmul kernels for LLM inference, driven from "
         "PyTorch: the command line.", epilog="`tilefish COMMAND --help` lists a command's flags.")
-    sub = p.add_subparsers(dest="cmd", required=True, title="commands", metavar="COMMAND")
+    sub = p.add_subparsers(dest="cmd", required=True, title="commands", metavar="COMMAND", parser_class=_Parser)
     sub.add_parser("info", help="GPU, versions, kernel cache").set_defaults(fn=cmd_info)
     c = sub.add_parser("compile", help="compile every kernel variant (no GPU needed); print resources")
     c.add_argument("--arch", action="append", choices=COMPILE_ARCHS,
                    help=f"target (repeatable: --arch sm_86 --arch sm_120), one of {', '.join(COMPILE_ARCHS)}; "
                    "the kernels the dispatchers launch on that GPU; default sm_80 and sm_90")
     c.add_argument("--all", action="store_true", help="also the benchmark-only design-space variants")
-    c.add_argument("--jobs", "-j", type=_positive_int, default=1, help="parallel compile processes (default 1)")
+    c.add_argument("--jobs", "-j", type=positive_int, default=1, help="parallel compile processes (default 1)")
     c.set_defaults(fn=cmd_compile)
     b = sub.add_parser("bench", help="benchmark against peers and ceilings (needs a GPU)",
+                       parents=[_bench_flags(all_families=True)],
                        description=f"Without a family: a quick run of every family ({QUICK_RUN_TIME}) "
                        "with a progress bar, then one summary screen; the JSON and "
                        "PNG of every family go to --out (default ./tilefish-results/<gpu>-<date>/). Ctrl-C "
-                       "writes what was measured and exits 130. --full runs every family's complete sweep.")
-    b.add_argument("family", nargs="?", choices=["nf4", "w4a16", "sgemm", "hgemm", "e2e"],
-                   help="one family (its complete set, its own table); default: every family, quick, one summary")
+                       "writes what was measured and exits 130. --full runs every family's complete sweep. "
+                       "With a family: its complete set, its own table and flags (tilefish bench FAMILY --help).")
     b.add_argument("--full", action="store_true",
                    help="all families: each one's complete default sweep instead of the quick plan (many minutes)")
-    b.add_argument("--out", metavar="DIR",
-                   help="all families: where the JSON / PNG / summary go (default ./tilefish-results/<gpu>-<date>); "
-                   "with a family: DIR/<family>.json and .png")
-    b.add_argument("--shapes", help="comma-separated list: nf4 dequantize RxC (4096x4096,...), w4a16 and nf4 matmul "
-                   "KxN (4096x6144,...), sgemm S (S^3) or MxNxK")
-    b.add_argument("--m", type=_int_list,
-                   help="w4a16 / nf4 matmul: comma-separated batch sizes (default 1,2,4,...,4096)")
-    b.add_argument("--groups", help="w4a16: comma-separated group sizes (default 128,-1)")
-    b.add_argument("--models", type=_model_names,
-                   help="w4a16: real models' layer shapes, comma-separated names or 'all' (default llama-3-8b,"
-                   "llama-3-70b); 'list' prints the table of models and shapes; --shapes overrides")
-    b.add_argument("--list-models", action="store_true", help="w4a16: print the table of models and their shapes")
-    b.add_argument("--peers", type=_peer_names, default=None,
-                   help="w4a16: extra peers to time beside cuBLAS: 'marlin' (the original Marlin, built from the "
-                   "vendored sources in .peers/marlin, scripts/vendor_marlin.sh; fp16, groups -1 / 128)")
-    b.add_argument("--dtypes", type=_choice_list(("fp16", "bf16")),
-                   help="w4a16 / nf4 matmul: comma-separated fp16,bf16 (default: w4a16 both; nf4 matmul --dtype, "
-                   "or bf16 where --dtype is fp32)")
-    b.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
-                   help="nf4 dequantize output dtype / hgemm operand dtype (default bf16)")
-    b.add_argument("--blocksize", type=int, default=64, help="nf4: NF4 blocksize (default 64)")
-    b.add_argument("--single-quant", action="store_true", help="NF4 without double quantization")
-    n = b.add_argument_group("nf4 (the dequantization table and the fused matmul table)")
-    n.add_argument("--only", choices=["dequantize", "matmul"], help="nf4: run one of the two tables (default both)")
-    n.add_argument("--quick", action="store_true",
-                   help="nf4: the short sets (matmul: 3 shapes x m 1,16,64,256,1024; dequantize: 8192x8192); "
-                   "--shapes / --m still override")
-    b.add_argument("--variants", action="store_true",
-                   help="sweep the kernel design space (nf4 variants, w4a16 configs, sgemm autotune)")
-    b.add_argument("--reps", type=int, default=50, help="timed runs per measurement (default 50)")
-    e = b.add_argument_group("e2e (a Llama-3-8B-shaped decoder end to end)")
-    e.add_argument("--layers", type=int, default=32, help="decoder layers (default 32; fewer if the GPU cannot hold them)")
-    e.add_argument("--batches", type=_int_list, help="decode batch sizes (default 1,4,16,64; with --tp 1,16)")
-    e.add_argument("--prefill", default="512,2048", help="prefill prompt lengths, batch 1 (default 512,2048; '' for none)")
-    e.add_argument("--context", type=int, default=512, help="tokens in the KV cache before a decode step (default 512)")
-    e.add_argument("--modes", help="compiled (torch.compile per layer + CUDA graph) and/or eager (default both; "
-                   "with --tp compiled)")
-    e.add_argument("--model", default="auto", choices=["auto", "hf", "builtin"],
-                   help="transformers' LlamaForCausalLM or tilefish.models.llama (default: hf when importable)")
-    e.add_argument("--impls", type=_choice_list(tuple(dict.fromkeys(E2E_IMPLS + E2E_GENERATE_IMPLS))),
-                   help="variants to time: fp16, bf16 (dense), w4a16 / w4a16-bf16 (tilefish), nf4 (bitsandbytes "
-                   "Linear4bit), tilefish-nf4 (tilefish NF4, fused), tinygemm (torch's int4 kernel, bf16); each loop "
-                   f"runs the ones it has (default: all; harness {','.join(E2E_IMPLS)}, generate "
-                   f"{','.join(E2E_GENERATE_IMPLS)})")
-    e.add_argument("--loops", default=",".join(E2E_LOOPS), type=_choice_list(E2E_LOOPS),
-                   help="harness: tilefish's own decode loop (each layer compiled, one CUDA graph a step); generate: "
-                   "Hugging Face's model.generate with the static cache and its own compile, as users run it "
-                   "(default both)")
-    e.add_argument("--new-tokens", type=_positive_int, default=128,
-                   help="generate loop: tokens generated per call (default 128)")
-    e.add_argument("--generate-batches", type=_int_list, help="generate loop: batch sizes (default 1,16)")
-    e.add_argument("--tp", type=_int_list,
-                   help="tensor-parallel sizes, e.g. 1,2: run under torchrun with one process per GPU "
-                   "(torchrun --nproc_per_node 2 -m tilefish.cli bench e2e --tp 1,2); times fp16, w4a16 and "
-                   "tilefish-nf4 sharded by tilefish.distributed, decode only (default batches 1,16)")
-    e.add_argument("--int4-lm-head", action="store_true",
-                   help="w4a16 and tilefish-nf4 also quantize lm_head (default: kept fp16)")
-    b.add_argument("--json", help="write the report as JSON here (all families: the summary report, besides --out)")
-    b.add_argument("--plot", help="write a PNG plot here (all families: the summary report's)")
+    families = b.add_subparsers(dest="family", title="families", metavar="FAMILY", parser_class=_Parser,
+                                help="one family (its complete set, its own table); default: every family, quick, "
+                                "one summary")
+    family_flags: dict[str, list[str]] = {}
+    for family in FAMILIES.values():
+        # no abbreviations: another family's flag is not taken for one of this family's (--dtype for --dtypes)
+        fp = families.add_parser(family.name, help=family.help, description=family.help[:1].upper() + family.help[1:]
+                                 + ".", parents=[_bench_flags(all_families=False)], allow_abbrev=False)
+        family.add_arguments(fp)
+        for action in fp._actions:
+            for flag in action.option_strings:
+                if flag not in b._option_string_actions:
+                    family_flags.setdefault(flag, []).append(family.name)
+    b.family_flags = family_flags
     b.set_defaults(fn=cmd_bench)
     u = sub.add_parser("tune", help="time your weights' W4A16 plans on this GPU, keep the fastest",
                        description="Measure the W4A16 plans of your model's weights on this GPU and keep the "
                        "fastest (the dispatcher then takes them on this GPU).")
-    u.add_argument("--models", type=_model_names,
+    u.add_argument("--models", type=model_names,
                    help="comma-separated models of `tilefish bench w4a16 --list-models`, or 'all' "
                         "(default: the Llama-3 set)")
-    u.add_argument("--shapes", help="comma-separated KxN weights (in_features x out_features); overrides --models")
-    u.add_argument("--m", type=_int_list, help="comma-separated row counts to tune (default 1,2,4,...,256,1024,4096; "
+    u.add_argument("--shapes", type=shape_list,
+                   help="comma-separated KxN weights (in_features x out_features); overrides --models")
+    u.add_argument("--m", type=int_list, help="comma-separated row counts to tune (default 1,2,4,...,256,1024,4096; "
                                                "a tuned m serves calls within 2x of it)")
-    u.add_argument("--dtypes", type=_choice_list(("fp16", "bf16")), default="fp16,bf16")
+    u.add_argument("--dtypes", type=choice_list(("fp16", "bf16")), default="fp16,bf16")
     u.add_argument("--groups", default="128,-1", help="comma-separated group sizes (default 128,-1)")
     u.add_argument("--codebook", default="int4", choices=["int4", "nf4"],
                    help="nf4: the fused NF4 matmul's plans (--groups are NF4 blocksizes then, e.g. 64)")
@@ -425,7 +341,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    args.shapes = _parse_shapes(getattr(args, "shapes", None))
     return args.fn(args)
 
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..models.llama import LlamaConfig, LlamaForCausalLM, causal_mask, hf_config
+from .progress import InnerProgress
 from .report import Report, Row
 
 DEFAULT_BATCHES = (1, 4, 16, 64)
@@ -122,7 +123,7 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-def _has_transformers() -> bool:
+def has_transformers() -> bool:
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -287,42 +288,6 @@ def _measure(runner, phase: str, size: int, context: int, mode: str, vocab: int,
     return ms, setup_s
 
 
-class _Progress:
-    """One step per model build and per measurement: a rich progress bar when rich is importable,
-    else a line per step with elapsed time and an ETA."""
-
-    def __init__(self, total: int):
-        self.total, self.done, self.t0 = total, -1, time.perf_counter()
-        self._bar = None
-
-    def __enter__(self):
-        try:
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                       TimeRemainingColumn)
-        except ImportError:
-            return self
-        self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                             TimeElapsedColumn(), TimeRemainingColumn())
-        self._bar.start()
-        self._task = self._bar.add_task("e2e", total=self.total)
-        return self
-
-    def step(self, label: str) -> None:
-        """The previous step is done; `label` starts."""
-        self.done += 1
-        if self._bar is not None:
-            self._bar.update(self._task, completed=self.done, description=label)
-            return
-        elapsed = time.perf_counter() - self.t0
-        eta = f"{elapsed / self.done * (self.total - self.done):.0f} s" if self.done else "?"
-        print(f"[{self.done + 1}/{self.total}] {label}  (elapsed {elapsed:.0f} s, ETA {eta})", flush=True)
-
-    def __exit__(self, *exc):
-        if self._bar is not None:
-            self._bar.update(self._task, completed=self.total)
-            self._bar.stop()
-
-
 def _fit_layers(cfg: LlamaConfig, kv_tokens: int, free_bytes: int) -> int:
     """How many decoder layers fit in `free_bytes`: fp16 weights, a KV cache of `kv_tokens` tokens
     (batch x length) per layer, embedding + lm_head, and HEADROOM."""
@@ -348,7 +313,7 @@ class _Plan:
     int4_lm_head: bool
 
 
-def _variant(plan: _Plan, impl: str, reference: torch.Tensor | None, timed: bool, progress: _Progress,
+def _variant(plan: _Plan, impl: str, reference: torch.Tensor | None, timed: bool, progress: InnerProgress,
              info: dict, times: dict, notes: list[str], built: dict | None = None) -> torch.Tensor:
     """Build `impl` from the seed, check its logits against `reference` (None: this is the
     reference), record its weight bytes and logits error in info[impl], and time every (mode, case)
@@ -434,10 +399,10 @@ def run(layers: int = 32, batches=DEFAULT_BATCHES, prefill=DEFAULT_PREFILL, cont
     layers (tests). backend: torch.compile's (tests use "eager")."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if model == "auto":
-        model = "hf" if _has_transformers() else "builtin"
+        model = "hf" if has_transformers() else "builtin"
     if model not in ("hf", "builtin"):
         raise ValueError(f"model must be auto, hf or builtin; got {model!r}")
-    if model == "hf" and not _has_transformers():
+    if model == "hf" and not has_transformers():
         raise ValueError("--model hf needs transformers (pip install transformers)")
     unknown = set(modes) - set(MODES) | set(impls) - set(IMPLS)
     if unknown:
@@ -477,7 +442,7 @@ def run(layers: int = 32, batches=DEFAULT_BATCHES, prefill=DEFAULT_PREFILL, cont
     info: dict[str, dict] = {}
     built: dict[str, torch.Tensor] = {}  # bitsandbytes nf4's check logits, for tilefish-nf4's
     reference = None
-    with torch.no_grad(), _Progress(len(build) + len(timed) * len(plan.modes) * len(plan.cases)) as progress, \
+    with torch.no_grad(), InnerProgress(len(build) + len(timed) * len(plan.modes) * len(plan.cases)) as progress, \
             torch._dynamo.config.patch(recompile_limit=max(8, len(plan.cases) + 2)):
         for impl in build:
             progress.step(f"{impl}: build")

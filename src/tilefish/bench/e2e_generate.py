@@ -148,7 +148,8 @@ def run(layers: int = 32, batches=BATCHES, impls=IMPLS, new_tokens: int = NEW_TO
         seed: int = 0, report: Report | None = None, title_note: str = "") -> Report:
     """The generate() rows (added to `report` when given). config: a LlamaConfig instead of Llama-3-8B
     with `layers` layers (tests)."""
-    from .e2e import _Progress, _rel, weight_bytes
+    from .e2e import _rel, weight_bytes
+    from .progress import InnerProgress
 
     device = torch.device(device or "cuda")
     if device.type != "cuda":
@@ -172,7 +173,7 @@ def run(layers: int = 32, batches=BATCHES, impls=IMPLS, new_tokens: int = NEW_TO
     results: dict[str, dict[int, dict]] = {}
     info: dict[str, dict] = {}
     reference: dict[torch.dtype, torch.Tensor] = {}
-    with _Progress(len(order) * (1 + len(batches))) as progress:
+    with InnerProgress(len(order) * (1 + len(batches))) as progress:
         for impl in order:
             progress.step(f"generate {impl}: build")
             if (why := unavailable(impl)) is not None:

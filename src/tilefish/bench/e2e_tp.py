@@ -59,7 +59,7 @@ def run(tps, impls=TP_IMPLS, layers: int = 32, batches=TP_BATCHES, context: int 
     rank, world, device = _init()
     tps = check_tp_sizes(tps, world)
     if model == "auto":
-        model = "hf" if e2e._has_transformers() else "builtin"
+        model = "hf" if e2e.has_transformers() else "builtin"
     unknown = set(impls) - set(e2e.IMPLS)
     if unknown:
         raise ValueError(f"unknown impls {sorted(unknown)}; --tp runs {', '.join(TP_IMPLS)}")

@@ -162,3 +162,37 @@ def run(args) -> Report:
     report.notes.append(f"host overhead per call (64^3, wrapper + launch): tilefish {us:.1f} us, "
                         f"torch.matmul {us_cub:.1f} us")
     return report
+
+
+def run_auto(shapes, dtype: str = "fp16", reps: int = 50) -> Report:
+    """kernel="auto" against cuBLAS (paired rounds) at each (shape, b as [N, K], label): run()'s comparison,
+    one kernel a shape (the all-families quick run's HGEMM part)."""
+    import importlib
+
+    ops = importlib.import_module("tilefish.ops.hgemm")
+    dt = torch.bfloat16 if dtype == "bf16" else torch.float16
+    report = Report(f'HGEMM {dtype} C = A @ B (fp32 accumulation): kernel="auto" vs cuBLAS')
+    report.notes.append(PEAK_NOTE)
+    report.notes.append("% ceil = x cuBLAS as a percentage, cuBLAS re-timed in rounds alternating with the kernel; "
+                        "`tilefish bench hgemm` runs every ladder step and the sweeps")
+    for shape, nk, label in shapes:
+        cub = _compare(report, ops, label, tuple(shape), dt, nk, ["auto"], reps, 2e-2 if dtype == "bf16" else 5e-3)
+        if not nk:
+            report.ceilings[f"cuBLAS {dtype} TFLOP/s @{_case(shape)}"] = cub
+    return report
+
+
+def kernel_specs(info, shapes, steps=("auto",), dtype: str = "fp16") -> list:
+    """The KernelSpecs the ladder `steps` launch for ((m, n, k), b as [N, K]) pairs on the device `info`
+    (device_info()); step 07 (sm_90a) only on sm_90."""
+    import importlib
+
+    ops = importlib.import_module("tilefish.ops.hgemm")
+    dt = torch.bfloat16 if dtype == "bf16" else torch.float16
+    specs = []
+    for (m, n, _), nk in shapes:
+        for step in steps:
+            cfg = ops.select(m, n, step, info.sm_count, info.cc, info.smem_per_block_optin)
+            if not (cfg.info.hopper and info.cc != 90):
+                specs.append(cfg.spec(dt, nk))
+    return specs

@@ -343,7 +343,7 @@ def run_matmul(shapes=None, ms=None, dtypes=("bf16",), blocksize: int = 64, doub
     from .. import nf4, w4a16
     from ..ops import nf4 as nf4_ops
     from ..ops import w4a16 as w4_ops
-    from .e2e import _Progress
+    from .progress import InnerProgress
     from .w4a16 import COOLDOWN_S, HEAVY_MS
 
     shapes = [tuple(s) for s in (shapes or MATMUL_KN)]
@@ -381,7 +381,7 @@ def run_matmul(shapes=None, ms=None, dtypes=("bf16",), blocksize: int = 64, doub
         report.notes.append(warm_note)
     per_round = max(4, -(-reps // ROUNDS))
     failures: list[str] = []
-    with torch.no_grad(), _Progress(len(dtypes) * len(shapes) * (1 + len(ms))) as progress:
+    with torch.no_grad(), InnerProgress(len(dtypes) * len(shapes) * (1 + len(ms))) as progress:
         for dname in dtypes:
             dt = DTYPES[dname]
             for k, n in shapes:

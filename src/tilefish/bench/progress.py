@@ -5,9 +5,14 @@ will report) with a weight: the case's estimated seconds. The Tracker turns repo
 step's own inner progress, the time spent in the current case) into a completed weight and an ETA; a display
 draws it: a rich progress bar on a terminal where rich is importable (the `bench` extra), else one plain line
 per case on stderr. warm_kernels compiles the run's kernels in parallel processes first, reporting each one.
+The case weights come from the ETA model at the end (the harness's own structure at an H100's rates), the one
+the families' steps all use. InnerProgress is a bench function's own progress (a step per build or measurement),
+which moves the run's bar inside a case.
 """
 from __future__ import annotations
 
+import contextlib
+import math
 import sys
 import threading
 import time
@@ -263,6 +268,64 @@ def make_display(tracker: Tracker, stream=None, rich: bool | None = None):
     return RichDisplay(tracker, stream) if rich else PlainDisplay(tracker, stream)
 
 
+# ---- a bench function's own progress ----------------------------------------------------------------------------
+
+class InnerProgress:
+    """A bench function's progress, one step per model build or measurement (bench e2e, bench nf4's matmul): a
+    rich bar where rich is importable, else a line per step with elapsed time and an ETA. Inside the
+    all-families run (inner_progress_into) the steps move that run's bar instead of drawing a second one."""
+
+    display = None  # the all-families run's display, while inner_progress_into holds it
+
+    def __init__(self, total: int):
+        self.total, self.done, self.t0 = total, -1, time.perf_counter()
+        self._bar = None
+        self._into = None
+
+    def __enter__(self):
+        self._into = InnerProgress.display
+        if self._into is not None:
+            return self
+        try:
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
+        except ImportError:
+            return self
+        self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                             TimeElapsedColumn(), TimeRemainingColumn())
+        self._bar.start()
+        self._task = self._bar.add_task("e2e", total=self.total)
+        return self
+
+    def step(self, label: str) -> None:
+        """The previous step is done; `label` starts."""
+        self.done += 1
+        if self._into is not None:
+            self._into.set_inner(self.done / max(1, self.total), label)
+            return
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.done, description=label)
+            return
+        elapsed = time.perf_counter() - self.t0
+        eta = f"{elapsed / self.done * (self.total - self.done):.0f} s" if self.done else "?"
+        print(f"[{self.done + 1}/{self.total}] {label}  (elapsed {elapsed:.0f} s, ETA {eta})", flush=True)
+
+    def __exit__(self, *exc):
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.total)
+            self._bar.stop()
+
+
+@contextlib.contextmanager
+def inner_progress_into(display):
+    """Every InnerProgress opened inside the block moves `display`'s current case (display.set_inner)."""
+    InnerProgress.display = display
+    try:
+        yield
+    finally:
+        InnerProgress.display = None
+
+
 # ---- the kernel cache, warmed in parallel before anything is timed ---------------------------------------------
 
 # Run in a fresh interpreter (as bench/nf4.py's warm_kernel_cache does: its workers neither inherit the
@@ -334,3 +397,48 @@ def warm_kernels(specs, arch: str, on_done=None, processes: int | None = None, t
     note = (f"kernel cache warmed before timing: {len(todo)} of the run's {len(specs)} kernels compiled in "
             f"{time.perf_counter() - t0:.0f} s ({processes} processes)")
     return note + (f", {failed} failed to compile (they raise where the run launches them)" if failed else "")
+
+
+# ---- the ETA model: case times estimated (seconds on an H100 SXM) ----------------------------------------------
+# The harness's structure (bench/timing.py) with an H100's rates: each timed block settles for WARM_MS (at most
+# WARM_MAX_CALLS calls), then every rep reads the L2 flush buffer (256 MiB), spins ~50 us and runs the kernel.
+# The families' steps weigh their cases with these; only the family knows what its case launches.
+HBM_BPS = 3.0e12          # bytes/s a kernel streams from HBM
+TENSOR_FLOPS = 650e12     # fp16/bf16 dense, cuBLAS-class
+FP32_FLOPS = 50e12        # FFMA, cuBLAS-class
+HOST_S = 25e-6            # one eager call's host time
+FLUSH_S = (256 << 20) / HBM_BPS
+SPIN_S = 50e-6
+NVRTC_S = 1.0             # one kernel's NVRTC 13.0 compile: 0.2-0.9 s each (the quick run's 31, on a 2-core CPU)
+COMPILE_START_S = 4.0     # the compile processes' start (each imports torch)
+
+
+def kernel_s(nbytes: float, flops: float, peak: float = TENSOR_FLOPS) -> float:
+    """A kernel's time: its bytes at HBM rate or its flops at `peak`, whichever is longer, plus a launch."""
+    return max(nbytes / HBM_BPS, flops / peak) + 4e-6
+
+
+def samples_s(t: float, reps: int, warmup: int = 5, min_reps: int = 10, max_seconds: float = 5.0) -> float:
+    """timing.time_cuda's time for a kernel of t seconds."""
+    from .timing import WARM_MAX_CALLS, WARM_MS
+
+    call = max(t, HOST_S)
+    settle = warmup * call + min(WARM_MS / 1e3, WARM_MAX_CALLS * call)
+    n = max(min_reps, min(reps, int(max_seconds / max(t, 1e-6))))
+    return settle + call + n * (FLUSH_S + SPIN_S + t) + 2e-3
+
+
+def paired_s(t_a: float, t_b: float, reps: int, rounds: int = 3) -> float:
+    """timing.time_paired's time."""
+    per = max(10, -(-reps // rounds))
+    return rounds * sum(samples_s(t, per, 5, min(10, per), 5.0 / rounds) for t in (t_a, t_b))
+
+
+def alternating_s(times, rounds: int = 4, per_round: int = 13, warmup: int = 2) -> float:
+    """timing.time_alternating_us's time."""
+    return rounds * sum(samples_s(t, per_round, warmup, per_round, 10.0) for t in times)
+
+
+def compile_s(kernels: int, processes: int) -> float:
+    """warm_kernels' time for `kernels` kernels in `processes` processes."""
+    return math.ceil(kernels / max(1, processes)) * NVRTC_S + (COMPILE_START_S if kernels else 0.0)

@@ -161,3 +161,46 @@ def run(args) -> Report:
     report.notes.append(f"host overhead per call (64^3, wrapper + launch): tilefish {us:.1f} us, "
                         f"torch.mm {us_cub:.1f} us")
     return report
+
+
+def run_auto(sizes, reps: int = 50) -> Report:
+    """kernel="auto" (the ladder's best step) against cuBLAS fp32 at S^3 for S in sizes: run()'s sweep rows
+    without the ladder's slow first steps (the all-families quick run's SGEMM part)."""
+    import importlib
+
+    ops = importlib.import_module("tilefish.ops.sgemm")
+    report = Report('SGEMM fp32 C = A @ B (TF32 off): kernel="auto" (the best ladder step) vs cuBLAS')
+    report.notes.append(FFMA_PEAK_NOTE)
+    report.notes.append("% ceil = % of cuBLAS fp32 at the same shape, measured in this process; "
+                        "`tilefish bench sgemm` runs every ladder step")
+    for s in sizes:
+        shape = (s, s, s)
+        a, b = _operands(shape)
+        ref = torch.empty(s, s, device="cuda")
+        c = torch.empty_like(ref)
+        tc = _time_cublas(a, b, ref, reps)
+        cub = _tflops(shape, tc.median_ms)
+        report.ceilings[f"cuBLAS fp32 TFLOP/s @{_case(shape)}"] = cub
+        report.add(Row("sgemm", _case(shape), "cuBLAS", tc.median_us, cub, "TFLOP/s", 100.0, {}))
+        fn = lambda: ops.sgemm(a, b, c)  # noqa: E731
+        fn()
+        torch.cuda.synchronize()
+        err = _rel(c, ref)
+        t = time_cuda(fn, reps=reps)
+        cfg = ops.select(s, s, ops.vector_ok(a, b, c), "auto")
+        tf = _tflops(shape, t.median_ms)
+        row = report.add(Row("sgemm", _case(shape), "tilefish auto", t.median_us, tf, "TFLOP/s", 100.0 * tf / cub,
+                             {"cuBLAS": tc.median_ms / t.median_ms}, {"config": cfg.label(), "rel_err_vs_cublas": err}))
+        if err > 1e-4:
+            report.notes.append(f"WARNING: {row.impl} at {row.case} differs from cuBLAS: rel err {err:.3g}")
+        del a, b, c, ref
+        torch.cuda.empty_cache()
+    return report
+
+
+def kernel_specs(info, shapes, steps=("auto",)) -> list:
+    """The KernelSpecs the ladder `steps` launch for (m, n, k) shapes on the device `info` (device_info())."""
+    import importlib
+
+    ops = importlib.import_module("tilefish.ops.sgemm")
+    return [ops.select(m, n, True, step, info.sm_count).spec for m, n, _ in shapes for step in steps]

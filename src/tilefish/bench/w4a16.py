@@ -218,19 +218,29 @@ def run(shapes=None, ms=None, groups=(128, -1), dtypes=("fp16", "bf16"), reps: i
     return report
 
 
-def warm_run_kernels(kn, ms, dtypes, groups, codebook: str = "int4") -> str:
-    """Compile the kernels of every plan the run will launch (the dispatcher's, this GPU's tuned
-    table included) in parallel processes first, so the timed loop never compiles one at a time."""
+def dispatched_kernels(info, shapes, ms, dtypes, group: int, codebooks=("int4",)) -> list:
+    """The KernelSpecs of the dispatcher's plans for these calls on the device `info` (device_info(); its tuned
+    table first, as matmul_impl): (k, n) shapes x ms x dtypes x codebooks; a shape whose k the group does not
+    divide is left out (the run skips it)."""
     from .. import w4a16
     from ..ops.w4a16 import kernel_spec
     from ..runtime import GpuSpec
+
+    gpu = GpuSpec.of(info)
+    return [kernel_spec(DTYPES[d], w4a16.plan(m, n, k, group_size=group, dtype=DTYPES[d], codebook=cb,
+                                              gpu=gpu).config, group, False, cb)
+            for d in dtypes for k, n in shapes if group < 0 or k % group == 0 for m in ms for cb in codebooks]
+
+
+def warm_run_kernels(kn, ms, dtypes, groups, codebook: str = "int4") -> str:
+    """Compile the kernels of every plan the run will launch in parallel processes first, so the timed loop
+    never compiles one at a time."""
+    from ..runtime import device_info
     from .progress import warm_kernels
 
-    gpu = GpuSpec.current()
-    specs = [kernel_spec(DTYPES[d], w4a16.plan(m, n, k, group_size=g, dtype=DTYPES[d], codebook=codebook,
-                                               gpu=gpu).config, g, False, codebook)
-             for d in dtypes for k, n in kn for g in groups for m in ms if g < 0 or k % g == 0]
-    return warm_kernels(specs, gpu.arch)
+    info = device_info()
+    return warm_kernels([s for g in groups for s in dispatched_kernels(info, kn, ms, dtypes, g, (codebook,))],
+                        info.arch)
 
 
 def _marlin_weight(marlin, q, p, dtype, group: int, k: int, n: int, report):

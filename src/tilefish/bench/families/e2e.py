@@ -1,0 +1,186 @@
+"""The e2e family (`tilefish bench e2e`: a Llama-3-8B-shaped decoder end to end, in the harness's loop,
+bench/e2e.py, in the user's, bench/e2e_generate.py, and tensor-parallel, bench/e2e_tp.py)."""
+from __future__ import annotations
+
+import argparse
+import re
+
+from ..family import BenchFamily, Step, checked_rows, choice_list, int_list, positive_int, ratio_line
+from ..progress import Case, samples_s
+
+# The variants of each loop (bench/e2e.py IMPLS, bench/e2e_generate.py IMPLS; tests check that they agree): kept
+# here too, so that the command line is built without torch.
+HARNESS_IMPLS = ("fp16", "w4a16", "nf4", "tilefish-nf4")
+GENERATE_IMPLS = ("fp16", "bf16", "w4a16", "w4a16-bf16", "tilefish-nf4", "nf4", "tinygemm")
+LOOPS = ("harness", "generate")
+# The quick plan: the decoder at 8 layers, fp16 against tilefish W4A16, compiled (torch.compile per layer + CUDA
+# graph), decode batch 1; and the same model through HF's generate() (static cache, its own compile: the user's
+# loop), 64 new tokens at batch 1.
+QUICK = dict(layers=8, batches=[1], prefill=[], modes=["compiled"], impls=["fp16", "w4a16"])
+QUICK_GENERATE = dict(batches=[1], impls=["fp16", "w4a16"], new_tokens=64)
+GENERATE_REPS = 3         # generate() calls timed per length in the quick plan (each is a whole generation)
+# The decoder's W4A16 linears (Llama-3-8B, q/k/v and gate/up fused; lm_head stays fp16): (k, n), for the warm-up.
+LINEARS = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
+# Estimated seconds: torch.compile of a decoder layer, the first variant (cold) and each later one; HF's
+# compile per layer in generate().
+INDUCTOR_S = (20.0, 8.0)
+GENERATE_COMPILE_S = 1.5
+
+
+def variant_s(layers: int, first: bool, batches: int, reps: int) -> float:
+    """One variant of the harness loop: build + quantize, the logits check, compile + capture per size, timing."""
+    build = 1.0 + 0.25 * layers
+    compile_s = INDUCTOR_S[0] if first else INDUCTOR_S[1]
+    step = layers * 250e-6 + 0.4e-3
+    return build + 0.5 + batches * (compile_s * (1 if batches == 1 else 0.6) + 0.5 + samples_s(step, reps))
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+class E2E(BenchFamily):
+    name = "e2e"
+    title = "End-to-end decoder"
+    help = "a Llama-3-8B-shaped decoder end to end: fp16 against tilefish W4A16 / NF4 and bitsandbytes NF4"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument("--layers", type=int, default=32,
+                       help="decoder layers (default 32; fewer if the GPU cannot hold them)")
+        p.add_argument("--batches", type=int_list, help="decode batch sizes (default 1,4,16,64; with --tp 1,16)")
+        p.add_argument("--prefill", default="512,2048",
+                       help="prefill prompt lengths, batch 1 (default 512,2048; '' for none)")
+        p.add_argument("--context", type=int, default=512,
+                       help="tokens in the KV cache before a decode step (default 512)")
+        p.add_argument("--modes", help="compiled (torch.compile per layer + CUDA graph) and/or eager (default both; "
+                       "with --tp compiled)")
+        p.add_argument("--model", default="auto", choices=["auto", "hf", "builtin"],
+                       help="transformers' LlamaForCausalLM or tilefish.models.llama (default: hf when importable)")
+        p.add_argument("--impls", type=choice_list(tuple(dict.fromkeys(HARNESS_IMPLS + GENERATE_IMPLS))),
+                       help="variants to time: fp16, bf16 (dense), w4a16 / w4a16-bf16 (tilefish), nf4 (bitsandbytes "
+                       "Linear4bit), tilefish-nf4 (tilefish NF4, fused), tinygemm (torch's int4 kernel, bf16); each "
+                       f"loop runs the ones it has (default: all; harness {','.join(HARNESS_IMPLS)}, generate "
+                       f"{','.join(GENERATE_IMPLS)})")
+        p.add_argument("--loops", default=",".join(LOOPS), type=choice_list(LOOPS),
+                       help="harness: tilefish's own decode loop (each layer compiled, one CUDA graph a step); "
+                       "generate: Hugging Face's model.generate with the static cache and its own compile, as users "
+                       "run it (default both)")
+        p.add_argument("--new-tokens", type=positive_int, default=128,
+                       help="generate loop: tokens generated per call (default 128)")
+        p.add_argument("--generate-batches", type=int_list, help="generate loop: batch sizes (default 1,16)")
+        p.add_argument("--tp", type=int_list,
+                       help="tensor-parallel sizes, e.g. 1,2: run under torchrun with one process per GPU "
+                       "(torchrun --nproc_per_node 2 -m tilefish.cli bench e2e --tp 1,2); times fp16, w4a16 and "
+                       "tilefish-nf4 sharded by tilefish.distributed, decode only (default batches 1,16)")
+        p.add_argument("--int4-lm-head", action="store_true",
+                       help="w4a16 and tilefish-nf4 also quantize lm_head (default: kept fp16)")
+
+    def run(self, args):
+        """The harness's loop and the user's loop in one report; --loops picks them, --impls the variants (each
+        loop runs the ones it knows). The all-families run (args.family None) takes a reduced set and says so."""
+        from .. import e2e, e2e_generate
+
+        loops = (getattr(args, "loops", None) or ",".join(LOOPS)).split(",")
+        generate = "generate" in loops and args.model != "builtin" and e2e.has_transformers()
+        if args.family is None:
+            report = e2e.run(layers=8, batches=[1, 16], prefill=[], modes=["compiled"], impls=list(e2e.IMPLS),
+                             model=args.model, reps=args.reps,
+                             title_note=" [reduced for the all-families run: 8 layers, decode b1/b16, compiled only; "
+                                        "`tilefish bench e2e` runs the full set]")
+            return e2e_generate.run(layers=8, report=report) if generate else report
+        if getattr(args, "tp", None):  # tensor-parallel, under torchrun
+            from .. import e2e_tp
+
+            return e2e_tp.run(_ints(args.tp), impls=args.impls.split(",") if args.impls else list(e2e.IMPLS),
+                              layers=args.layers, batches=_ints(args.batches or ",".join(map(str, e2e_tp.TP_BATCHES))),
+                              context=args.context, modes=(args.modes or "compiled").split(","), model=args.model,
+                              reps=args.reps)
+        batches = args.batches or ",".join(map(str, e2e.DEFAULT_BATCHES))
+        impls = args.impls.split(",") if args.impls else list(dict.fromkeys(e2e.IMPLS + e2e_generate.IMPLS))
+        report = None
+        if "harness" in loops:
+            report = e2e.run(layers=args.layers, batches=_ints(batches), prefill=_ints(args.prefill),
+                             context=args.context, modes=(args.modes or "compiled,eager").split(","),
+                             impls=[i for i in impls if i in e2e.IMPLS], model=args.model,
+                             int4_lm_head=args.int4_lm_head, reps=args.reps)
+        if generate and (chosen := [i for i in impls if i in e2e_generate.IMPLS]):
+            report = e2e_generate.run(layers=args.layers, impls=chosen,
+                                      batches=_ints(getattr(args, "generate_batches", None) or "1,16"),
+                                      new_tokens=getattr(args, "new_tokens", None) or e2e_generate.NEW_TOKENS,
+                                      int4_lm_head=args.int4_lm_head, report=report)
+        if report is None:
+            raise ValueError(f"bench e2e: nothing to run (loops {loops}, impls {impls}; the generate loop needs "
+                             "transformers and --model hf or auto)")
+        return report
+
+    def steps(self, args, full: bool) -> list[Step]:
+        if not full:
+            q = QUICK
+            return [self._step(args, q["layers"], q["batches"], q["prefill"], q["modes"], q["impls"],
+                               f" [quick: {q['layers']} layers, decode b{','.join(map(str, q['batches']))}, compiled; "
+                               "`tilefish bench e2e` runs the full set]", QUICK_GENERATE)]
+        from .. import e2e_generate
+
+        # run(args) with no family: 8 layers, decode b1 / b16, compiled, every variant
+        step = self._step(args, 8, [1, 16], [], ["compiled"], list(HARNESS_IMPLS), "",
+                          dict(batches=list(e2e_generate.BATCHES), impls=list(e2e_generate.IMPLS),
+                               new_tokens=e2e_generate.NEW_TOKENS))
+        step.run = lambda: self.run(args)
+        return [step]
+
+    def _step(self, args, layers, batches, prefill, modes, impls, title_note, generate=None) -> Step:
+        """bench/e2e.run, then (generate: e2e_generate.run's batches / impls / new_tokens) its rows in the
+        same report."""
+        from .. import e2e, e2e_generate
+        from .. import w4a16 as bench_w4a16
+
+        reps = args.reps
+        timed = [i for i in e2e.IMPLS if i in impls]
+        cases, first, per_impl = [], True, {}
+        for impl in ["fp16"] + [i for i in timed if i != "fp16"]:
+            per_impl[impl] = variant_s(layers, first, len(batches) + len(prefill), reps) * len(modes)
+            first = False
+        for mode in modes:
+            for size in list(batches) + list(prefill):
+                for impl in timed:
+                    cases.append(Case(f"{mode} {'decode b' if size in batches else 'prefill '}{size} {impl}",
+                                      per_impl[impl] / (len(modes) * (len(batches) + len(prefill)))))
+        for batch in (generate or {}).get("batches", []):
+            for impl in generate["impls"]:
+                calls = 2 + 2 * GENERATE_REPS + 2  # warm-ups, timed N and 1 tokens, the profiled pair
+                cases.append(Case(f"generate b{batch} {impl}", 1.0 + 0.25 * layers + GENERATE_COMPILE_S * layers
+                                  + calls * generate["new_tokens"] * (layers * 250e-6 + 1.5e-3)))
+
+        def kernels(info):
+            ms = sorted(set(batches) | set(prefill) | {e2e.CHECK_TOKENS})
+            specs = []
+            if "w4a16" in timed:
+                specs += bench_w4a16.dispatched_kernels(info, LINEARS, ms, ["fp16"], 128)
+            if "tilefish-nf4" in timed:
+                specs += bench_w4a16.dispatched_kernels(info, LINEARS, ms, ["fp16"], 64, ("nf4",))
+            return specs
+
+        def run():
+            report = e2e.run(layers=layers, batches=batches, prefill=prefill, modes=modes, impls=impls,
+                             model=args.model, reps=reps, title_note=title_note)
+            if generate and e2e.has_transformers():
+                e2e_generate.run(layers=layers, report=report, reps=GENERATE_REPS, **generate)
+            return report
+
+        return Step(self.name, "End-to-end decoder", cases, run, kernels, lambda r: True)
+
+    def headlines(self, report) -> list[dict]:
+        rows = checked_rows(report)
+        out = []
+        for impl in dict.fromkeys(r.impl for r in rows if "fp16" in r.ratios):
+            for r in (r for r in rows if r.impl == impl):
+                out.append(ratio_line(f"{impl} vs fp16, {re.sub(r' ctx[0-9]+', '', r.case)}", [r], "fp16",
+                                      lambda r: f"{r.metric:,.0f} {r.unit}"))
+        return [h for h in out if h is not None]
+
+    def heading(self, report) -> str:
+        layers = next((r.extra.get("layers") for r in report.rows if r.extra.get("layers")), None)
+        return self.title + (f", Llama-3-8B shapes, {layers} layers" if layers else "")
+
+
+FAMILY = E2E()
