@@ -226,16 +226,14 @@ def test_cpu_reference_path(dtype, b_transposed):
     assert hgemm(torch.randn(3, 5).half(), torch.randn(5, 7).half()).shape == (3, 7)
 
 
-def test_wgmma_step_refuses_other_gpus(monkeypatch):
-    """Step 07 by name on a non-Hopper GPU is a ValueError before any launch."""
-    from tilefish.runtime.device import DeviceInfo
-
-    fake = DeviceInfo(0, "A100", 8, 0, 108, 40 << 20, 163 << 10, 164 << 10, 80 << 30)
-    monkeypatch.setattr(ops, "device_info", lambda index=None: fake)
-    with pytest.raises(ValueError, match="sm_90"):
-        ops._check_arch(ops.TUNED["07_wgmma_tma"], torch.device("cuda", 0))
-    ops._check_arch(ops.TUNED["06_rasterized"], torch.device("cuda", 0))
-    assert ops.select(4096, 4096, "auto", fake.sm_count, fake.cc).step == "06_rasterized"
+def test_wgmma_step_refuses_other_gpus():
+    """Step 07 by name (or as a configuration) on a non-Hopper GPU is a ValueError of the decision the
+    launcher takes before any launch; "auto" there is step 06."""
+    for kernel in ("07_wgmma_tma", ops.TUNED["07_wgmma_tma"]):
+        with pytest.raises(ValueError, match="sm_90"):
+            ops.decide(4096, 4096, kernel, 108, 80, 163 << 10)
+    assert ops.decide(4096, 4096, "06_rasterized", 108, 80, 163 << 10)[0].step == "06_rasterized"
+    assert ops.decide(4096, 4096, "auto", 108, 80, 163 << 10)[0].step == "06_rasterized"
 
 
 def test_validation_errors_cpu():

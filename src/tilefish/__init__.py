@@ -6,21 +6,15 @@ __version__ = "0.1.0"
 
 import importlib as _importlib
 
-_LAZY = ("nf4", "w4a16", "nn", "reference", "runtime", "ops", "quant", "bench", "convert", "checkpoint", "models")
+# sgemm / hgemm: modules that are called as the op (tilefish.hgemm(a, b)) and hold its plan (tilefish.hgemm.plan)
+_LAZY = ("nf4", "w4a16", "sgemm", "hgemm", "nn", "reference", "runtime", "ops", "quant", "bench", "convert",
+         "checkpoint", "models", "moe", "experts")
 # Functions re-exported lazily: name -> submodule.
 _FUNCTIONS = {"quantize_model": "convert", "ConversionReport": "convert", "load_quantized": "checkpoint",
               "save_quantized": "export"}
 
 
 def __getattr__(name):  # submodules load on first use: `import tilefish` stays light
-    if name == "sgemm":
-        from .ops.sgemm import sgemm
-
-        return sgemm
-    if name == "hgemm":
-        from .ops.hgemm import hgemm
-
-        return hgemm
     if name == "GpuSpec":
         from .runtime.device import GpuSpec
 

@@ -29,6 +29,11 @@ kernel="auto": step 07 on sm_90 (wgmma needs the sm_90a target, which runs on Ho
 elsewhere, with TUNED[step], or TUNED_SMALL[step] when TUNED's tile gives fewer blocks than the GPU
 has SMs (small M x N; on sm_90 a narrower or shorter tile still where even those are few: see
 `_tuned_for`).  Asking for step 07 by name on another GPU raises ValueError.
+
+One decision, two callers: `decide` (a cached pure function of M, N, the kernel asked for and the GPU's
+SMs, cc and shared memory per block) picks the configuration and `launch_grid` its grid; the launcher
+asks both with the present GPU's numbers, `tilefish.hgemm.plan` (ops/gemm_plan.py) with any GPU's, so a
+printed plan is what runs.
 """
 from __future__ import annotations
 
@@ -38,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime import KernelSpec, device_info, get_kernel, i32, launch, tensor_map_2d
-from ..runtime.device import SMEM_PER_BLOCK_BY_CC
+from ..runtime.device import SMEM_PER_BLOCK_BY_CC, GpuSpec
 
 _INT_MAX = 2**31 - 1
 _STATIC_SMEM_LIMIT = 48 * 1024
@@ -168,6 +173,14 @@ class HgemmConfig:
         if self.step == "03_padded":  # max over the two B layouts
             return (bm * (bk + 8) + max(bk * (bn + 8), bn * (bk + 8))) * 2
         return (bm + bn) * bk * 2 * p.get("STAGES", 1)
+
+    def smem_for(self, b_nk: bool) -> int:
+        """Shared memory per block with B as [N, K] (b_nk) or [K, N]: step 03 pads each layout's rows
+        differently (smem_bytes is the larger); every other step takes smem_bytes in both."""
+        if self.step != "03_padded":
+            return self.smem_bytes
+        bm, bn, bk = self.BM, self.BN, self.BK
+        return (bm * (bk + 8) + (bn * (bk + 8) if b_nk else bk * (bn + 8))) * 2
 
     @property
     def dynamic_smem(self) -> int:
@@ -370,12 +383,44 @@ def _dedup(items) -> list:
     return out
 
 
-# --- validation ------------------------------------------------------------------------------
+# --- validation: the op's tensors; plan() checks its numbers with the same functions -------------
+def check_dtype(dtype, what: str = "dtype") -> None:
+    if dtype not in _DTYPES:
+        raise TypeError(f"hgemm takes float16 or bfloat16: {what} is {dtype}")
+
+
+def check_layout(b_transposed) -> None:
+    if not isinstance(b_transposed, bool):
+        raise TypeError(f"b_transposed must be a bool, got {type(b_transposed).__name__}")
+
+
+def check_kernel(kernel) -> None:
+    """kernel: "auto", a ladder step name or an HgemmConfig that can be instantiated."""
+    if not (isinstance(kernel, HgemmConfig) or (isinstance(kernel, str) and (kernel == "auto" or kernel in STEPS))):
+        raise ValueError(f"kernel must be 'auto', one of {KERNELS} or an HgemmConfig, got {kernel!r}")
+    if isinstance(kernel, HgemmConfig) and kernel.problem() is not None:
+        raise ValueError(f"{kernel.label()} cannot be instantiated: {kernel.problem()}")
+
+
+def check_sizes(m: int, n: int, k: int) -> None:
+    if max(m, n, k) > _INT_MAX:
+        raise ValueError(f"dimensions must fit in int32, got M={m}, N={n}, K={k}")
+
+
+def check_rows(n: int, k: int, b_nk: bool) -> None:
+    """The kernels copy rows in 16-byte chunks: K % 8 == 0, and N % 8 == 0 for b [K, N] (not for b [N, K])."""
+    if k % K_MULTIPLE:
+        raise ValueError(f"hgemm needs K % {K_MULTIPLE} == 0 (16-byte rows of a), got K={k}; "
+                         "pad K with zeros")
+    if not b_nk and n % K_MULTIPLE:
+        raise ValueError(f"hgemm with b [K, N] needs N % {K_MULTIPLE} == 0 (16-byte rows of b), got N={n}; "
+                         "pass b as [N, K] with b_transposed=True for any N")
+
+
 def _check_tensor(name: str, t) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _DTYPES:
-        raise TypeError(f"hgemm takes float16 or bfloat16: {name} has dtype {t.dtype}")
+    check_dtype(t.dtype, f"{name}.dtype")
     if t.dim() != 2:
         raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
 
@@ -385,8 +430,7 @@ def _validate(a, b, kernel, b_transposed) -> tuple[int, int, int]:
     _check_tensor("b", b)
     if a.dtype != b.dtype:
         raise TypeError(f"a and b must have the same dtype, got {a.dtype} and {b.dtype}")
-    if not isinstance(b_transposed, bool):
-        raise TypeError(f"b_transposed must be a bool, got {type(b_transposed).__name__}")
+    check_layout(b_transposed)
     m, k = a.shape
     n, kb = (b.shape[0], b.shape[1]) if b_transposed else (b.shape[1], b.shape[0])
     if k != kb:
@@ -396,22 +440,13 @@ def _validate(a, b, kernel, b_transposed) -> tuple[int, int, int]:
         raise ValueError(f"a and b must be on one device, got {a.device} and {b.device}")
     if a.device.type not in ("cuda", "cpu"):
         raise ValueError(f"hgemm runs on CUDA or CPU tensors, not {a.device}")
-    if not (isinstance(kernel, HgemmConfig) or kernel == "auto" or kernel in STEPS):
-        raise ValueError(f"kernel must be 'auto', one of {KERNELS} or an HgemmConfig, got {kernel!r}")
-    if isinstance(kernel, HgemmConfig) and kernel.problem() is not None:
-        raise ValueError(f"{kernel.label()} cannot be instantiated: {kernel.problem()}")
-    if max(m, n, k) > _INT_MAX:
-        raise ValueError(f"dimensions must fit in int32, got M={m}, N={n}, K={k}")
+    check_kernel(kernel)
+    check_sizes(m, n, k)
     return m, n, k
 
 
 def _check_kernel_preconditions(k: int, n: int, b_nk: bool, a: torch.Tensor, b: torch.Tensor) -> None:
-    if k % K_MULTIPLE:
-        raise ValueError(f"hgemm needs K % {K_MULTIPLE} == 0 (16-byte rows of a), got K={k}; "
-                         "pad K with zeros")
-    if not b_nk and n % K_MULTIPLE:
-        raise ValueError(f"hgemm with b [K, N] needs N % {K_MULTIPLE} == 0 (16-byte rows of b), got N={n}; "
-                         "pass b as [N, K] with b_transposed=True for any N")
+    check_rows(n, k, b_nk)
     for name, t in (("a", a), ("b", b)):
         if t.data_ptr() % 16:
             raise ValueError(f"{name} must be 16-byte aligned (data_ptr() % 16 == 0), got an offset of "
@@ -451,29 +486,38 @@ def _round_efficiency(cfg: HgemmConfig, m: int, n: int, sm_count: int) -> float:
     return tiles / (-(-tiles // ctas) * ctas) * _WGMMA_TILE_EFFICIENCY[cfg.tile]
 
 
-def _tuned_for(step: str, m: int, n: int, sm_count: int) -> HgemmConfig:
+def _tuned_for(step: str, m: int, n: int, sm_count: int) -> tuple[HgemmConfig, str]:
+    """A step's configuration for an M x N output and its source: "table" (TUNED / TUNED_SMALL) or "rule"
+    (step 07's narrow, short and mid tiles, which the rules below pick)."""
     cfg = TUNED[step]
     small = TUNED_SMALL.get(step)
     if small is not None and cfg.blocks(m, n) < sm_count:
         if step != AUTO_STEP_SM90:
-            return small
+            return small, "table"
         if m <= NARROW_MAX_M:
-            return WGMMA_NARROW
-        return WGMMA_SHORT if 2 * small.blocks(m, n) <= sm_count else small
+            return WGMMA_NARROW, "rule"
+        return (WGMMA_SHORT, "rule") if 2 * small.blocks(m, n) <= sm_count else (small, "table")
     if step == AUTO_STEP_SM90 and cfg.tile in _WGMMA_TILE_EFFICIENCY:
-        return max((cfg, WGMMA_MID), key=lambda c: _round_efficiency(c, m, n, sm_count))
-    return cfg
+        best = max((cfg, WGMMA_MID), key=lambda c: _round_efficiency(c, m, n, sm_count))
+        return best, "table" if best is cfg else "rule"
+    return cfg, "table"
+
+
+def _choose(m: int, n: int, kernel, sm_count: int, cc: int, smem_limit: int | None) -> tuple[HgemmConfig, str]:
+    if isinstance(kernel, HgemmConfig):
+        return kernel, "given"
+    cfg, source = _tuned_for(auto_step(cc) if kernel == "auto" else kernel, m, n, sm_count)
+    fitted = _fit_smem(cfg, smem_limit)
+    return (cfg, source) if fitted is cfg else (fitted, "table")
 
 
 @functools.lru_cache(maxsize=4096)
 def select(m: int, n: int, kernel="auto", sm_count: int = 132, cc: int = 90,
            smem_limit: int | None = None) -> HgemmConfig:
-    """The configuration `hgemm` runs for an M x N output on a GPU with sm_count SMs, compute
-    capability cc and smem_limit bytes of shared memory per block (None: as much as any config needs)."""
-    if isinstance(kernel, HgemmConfig):
-        return kernel
-    step = auto_step(cc) if kernel == "auto" else kernel
-    return _fit_smem(_tuned_for(step, m, n, sm_count), smem_limit)
+    """The tile configuration for an M x N output on a GPU with sm_count SMs, compute capability cc and
+    smem_limit bytes of shared memory per block (None: as much as any config needs): decide's choice
+    before its checks and N's epilogue (the tuning tools ask it for steps the GPU may not run)."""
+    return _choose(m, n, kernel, sm_count, cc, smem_limit)[0]
 
 
 def _fit_smem(cfg: HgemmConfig, smem_limit: int | None) -> HgemmConfig:
@@ -481,6 +525,50 @@ def _fit_smem(cfg: HgemmConfig, smem_limit: int | None) -> HgemmConfig:
     if smem_limit is not None and cfg.smem_bytes > smem_limit and cfg.step in TUNED_LOW_SMEM:
         return TUNED_LOW_SMEM[cfg.step]
     return cfg
+
+
+def store_for(cfg: HgemmConfig, n: int) -> HgemmConfig:
+    """Step 07 with the direct-store epilogue (TMA_STORE = 0) where C's rows are not 16-byte multiples
+    (N % 8 != 0: no tensor map for C); cfg itself otherwise."""
+    if cfg.info.hopper and cfg.TMA_STORE and n % 8:
+        return _direct_store(cfg)
+    return cfg
+
+
+@functools.lru_cache(maxsize=4096)
+def decide(m: int, n: int, kernel, sm_count: int, cc: int, smem_limit: int | None) -> tuple[HgemmConfig, str]:
+    """The configuration a call on an M x N output runs, and where it came from: "table" (an entry of
+    TUNED, TUNED_SMALL or TUNED_LOW_SMEM), "rule" (step 07's narrow / short / mid tile) or "given" (the
+    caller's HgemmConfig). A pure function of numbers: the launcher asks it with the present GPU's,
+    plan() with a described GPU's. Raises ValueError where the configuration cannot run on the GPU:
+    step 07 off sm_90, or more shared memory a block than smem_limit."""
+    cfg, source = _choose(m, n, kernel, sm_count, cc, smem_limit)
+    if cfg.info.hopper and cc != 90:
+        raise ValueError(f"{cfg.step} uses wgmma / TMA / setmaxnreg (sm_90a) and runs on Hopper (sm_90) "
+                         f"only; this GPU is sm_{cc}. Use kernel='auto' or a step <= 06")
+    if smem_limit is not None and cfg.smem_bytes > smem_limit:
+        raise ValueError(f"{cfg.label()} needs {cfg.smem_bytes} B of shared memory a block; this GPU allows "
+                         f"{smem_limit} B")
+    return store_for(cfg, n), source
+
+
+@functools.lru_cache(maxsize=4096)
+def launch_grid(cfg: HgemmConfig, m: int, n: int, sm_count: int,
+                clusters: tuple[tuple[int, int], ...] = ()) -> int | tuple[int, int]:
+    """The grid, in CTAs, that launches cfg on an M x N output (HgemmConfig.grid): for step 07 at most
+    one CTA an SM and, in clusters of CLUSTER > 1, at most the clusters the GPU holds at once
+    (clusters: GpuSpec.clusters, its capacity at one CTA an SM: exact for the dispatched and tuned step 07
+    tiles, which take over half an SM's shared memory; a smaller tile could only fit more). ValueError
+    where CUDA's grid limits refuse it."""
+    if cfg.info.hopper:
+        return cfg.grid(m, n, sm_count, dict(clusters).get(cfg.CLUSTER) if cfg.CLUSTER > 1 else None)
+    grid = cfg.grid(m, n)
+    if isinstance(grid, tuple) and grid[1] > 65535:
+        raise ValueError(f"M={m} needs {grid[1]} tile rows of {cfg.tile[0]}, more than gridDim.y allows "
+                         f"(65535); use kernel='06_rasterized' (1-D grid)")
+    if not isinstance(grid, tuple) and grid > _INT_MAX:
+        raise ValueError(f"{m} x {n} needs {grid} blocks, more than a 1-D grid holds")
+    return grid
 
 
 def hgemm_reference(a: torch.Tensor, b: torch.Tensor, b_transposed: bool = False) -> torch.Tensor:
@@ -500,17 +588,13 @@ def _b_operand(b: torch.Tensor, b_transposed: bool) -> tuple[torch.Tensor, bool]
 
 
 def launch_config(cfg: HgemmConfig, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, b_nk: bool) -> torch.Tensor:
-    """Launch one configuration on contiguous, validated CUDA operands (no checks: the tuner's hot path)."""
+    """Launch one configuration on contiguous, validated CUDA operands (no checks: the tuner's hot path),
+    on launch_grid's grid."""
     m, k = a.shape
     n = c.shape[1]
     if cfg.info.hopper:
-        return _launch_wgmma(cfg, a, b, c, b_nk)
-    grid = cfg.grid(m, n)
-    if isinstance(grid, tuple) and grid[1] > 65535:
-        raise ValueError(f"M={m} needs {grid[1]} tile rows of {cfg.tile[0]}, more than gridDim.y allows "
-                         f"(65535); use kernel='06_rasterized' (1-D grid)")
-    if not isinstance(grid, tuple) and grid > _INT_MAX:
-        raise ValueError(f"{m} x {n} needs {grid} blocks, more than a 1-D grid holds")
+        return _launch_wgmma(store_for(cfg, n), a, b, c, b_nk)
+    grid = launch_grid(cfg, m, n, device_info(a.device.index).sm_count)
     kern = get_kernel(cfg.spec(a.dtype, b_nk), a.device)
     launch(kern, grid, cfg.threads, a.data_ptr(), b.data_ptr(), c.data_ptr(), i32(m), i32(n), i32(k),
            smem=cfg.dynamic_smem)
@@ -525,28 +609,20 @@ def _direct_store(cfg: HgemmConfig) -> HgemmConfig:
 def _launch_wgmma(cfg: HgemmConfig, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, b_nk: bool) -> torch.Tensor:
     """Step 07: TMA maps for A (BM x 64 boxes) and B (BN x 64 K-major boxes for [N, K], 64 x 64
     N-major boxes for [K, N]), 128-byte swizzle, and for the TMA-store epilogue C (64 x 64 boxes);
-    a persistent grid of min(tiles, SMs) blocks."""
+    a persistent grid (launch_grid)."""
     m, k = a.shape
     n = c.shape[1]
-    if cfg.TMA_STORE and n % 8:  # C's rows are not 16-byte multiples: no tensor map for C
-        cfg = _direct_store(cfg)
-    info = device_info(a.device.index)
+    # clusters of 2 or more: as many as the GPU holds at once (GpuSpec.current measures it once a device)
+    clusters = GpuSpec.current(a.device).clusters if cfg.CLUSTER > 1 else ()
+    grid = launch_grid(cfg, m, n, device_info(a.device.index).sm_count, clusters)
     kern = get_kernel(cfg.spec(a.dtype, b_nk), a.device)
     map_a = tensor_map_2d(a, cfg.BM, WGMMA_BK)
     # B [N, K]: with a cluster each CTA loads (and multicasts) BN / CLUSTER rows of the box
     map_b = tensor_map_2d(b, cfg.BN // cfg.CLUSTER, WGMMA_BK) if b_nk else tensor_map_2d(b, WGMMA_BK, 64)
     map_c = tensor_map_2d(c, 64, 64) if cfg.TMA_STORE else map_a  # unused by TMA_STORE = 0
-    fit = kern.max_active_clusters(cfg.CLUSTER, cfg.threads, cfg.dynamic_smem)
-    launch(kern, cfg.grid(m, n, info.sm_count, fit), cfg.threads, map_a, map_b, map_c, c.data_ptr(), i32(m), i32(n),
-           i32(k), smem=cfg.dynamic_smem, cluster=cfg.CLUSTER)
+    launch(kern, grid, cfg.threads, map_a, map_b, map_c, c.data_ptr(), i32(m), i32(n), i32(k),
+           smem=cfg.dynamic_smem, cluster=cfg.CLUSTER)
     return c
-
-
-def _check_arch(cfg: HgemmConfig, device: torch.device) -> None:
-    cc = device_info(device.index).cc
-    if cfg.info.hopper and cc != 90:
-        raise ValueError(f"{cfg.step} uses wgmma / TMA / setmaxnreg (sm_90a) and runs on Hopper (sm_90) "
-                         f"only; this GPU is sm_{cc}. Use kernel='auto' or a step <= 06")
 
 
 def hgemm(a: torch.Tensor, b: torch.Tensor, kernel="auto", b_transposed: bool = False) -> torch.Tensor:
@@ -566,7 +642,6 @@ def hgemm(a: torch.Tensor, b: torch.Tensor, kernel="auto", b_transposed: bool = 
     if k == 0:
         return torch.zeros(m, n, dtype=a.dtype, device=a.device)
     info = device_info(a.device.index)
-    cfg = select(m, n, kernel, info.sm_count, info.cc, info.smem_per_block_optin)
-    _check_arch(cfg, a.device)
+    cfg, _ = decide(m, n, kernel, info.sm_count, info.cc, info.smem_per_block_optin)
     c = torch.empty(m, n, dtype=a.dtype, device=a.device)
     return launch_config(cfg, a_k, b_k, c, b_nk)

@@ -28,6 +28,11 @@ FALLBACK otherwise.  Its tile configuration is TUNED[step], unless the TUNED til
 fewer blocks than the GPU has SMs (small M x N), in which case TUNED_SMALL[step] (a smaller
 tile, more blocks) is used.  TUNED / TUNED_SMALL come from `python -m tilefish.bench.sgemm_autotune`
 on the H200 (see docs/sgemm.md).
+
+One decision, two callers: `decide` (a cached pure function of M, N, whether the operands allow float4
+access, the kernel asked for and the GPU's SMs and shared memory per block) picks the configuration and
+`launch_grid` its grid; the launcher asks both with the present GPU's numbers, `tilefish.sgemm.plan`
+(ops/gemm_plan.py) with any GPU's, so a printed plan is what runs.
 """
 from __future__ import annotations
 
@@ -101,7 +106,7 @@ class SgemmConfig:
     def info(self) -> Step:
         return STEPS[self.step]
 
-    @property
+    @functools.cached_property  # read several times per launch: build the dict once per config
     def params(self) -> dict[str, int]:
         return dict(zip(self.info.params, self.values))
 
@@ -133,7 +138,7 @@ class SgemmConfig:
         p = self.params
         return (p["BS"], p["BS"]) if "BS" in p else (p["BM"], p["BN"])
 
-    @property
+    @functools.cached_property  # threads, smem_bytes: read on every launch, fixed per config
     def threads(self) -> int:
         p = self.params
         if "BS" in p:
@@ -144,7 +149,7 @@ class SgemmConfig:
             return (p["BM"] // p["TM"]) * (p["BN"] // p["TN"])
         return p["BM"] * p["BN"] // p["TM"]
 
-    @property
+    @functools.cached_property
     def smem_bytes(self) -> int:
         """Shared memory per block (dynamic for step 09, static otherwise)."""
         p = self.params
@@ -331,7 +336,7 @@ def _dedup(specs) -> list[KernelSpec]:
     return out
 
 
-# --- validation ------------------------------------------------------------------------------
+# --- validation: the op's tensors; plan() checks its numbers with the same functions -------------
 def _check_tensor(name: str, t) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -339,6 +344,19 @@ def _check_tensor(name: str, t) -> None:
         raise TypeError(f"sgemm is fp32 only: {name} has dtype {t.dtype}")
     if t.dim() != 2:
         raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+
+
+def check_kernel(kernel) -> None:
+    """kernel: "auto", a ladder step name or an SgemmConfig that can be instantiated."""
+    if not (isinstance(kernel, SgemmConfig) or (isinstance(kernel, str) and (kernel == "auto" or kernel in STEPS))):
+        raise ValueError(f"kernel must be 'auto', one of {KERNELS} or an SgemmConfig, got {kernel!r}")
+    if isinstance(kernel, SgemmConfig) and kernel.problem() is not None:
+        raise ValueError(f"{kernel.label()} cannot be instantiated: {kernel.problem()}")
+
+
+def check_sizes(m: int, n: int, k: int) -> None:
+    if max(m, n, k) > _INT_MAX:
+        raise ValueError(f"dimensions must fit in int32, got M={m}, N={n}, K={k}")
 
 
 def _validate(a, b, c, alpha, beta, kernel) -> None:
@@ -361,20 +379,25 @@ def _validate(a, b, c, alpha, beta, kernel) -> None:
     dev = a.device
     if dev.type not in ("cuda", "cpu"):
         raise ValueError(f"sgemm runs on CUDA or CPU tensors, not {dev}")
-    if not (isinstance(kernel, SgemmConfig) or kernel == "auto" or kernel in STEPS):
-        raise ValueError(f"kernel must be 'auto', one of {KERNELS} or an SgemmConfig, got {kernel!r}")
-    if isinstance(kernel, SgemmConfig) and kernel.problem() is not None:
-        raise ValueError(f"{kernel.label()} cannot be instantiated: {kernel.problem()}")
-    m, k = a.shape
-    n = b.shape[1]
-    if max(m, n, k) > _INT_MAX:
-        raise ValueError(f"dimensions must fit in int32, got M={m}, N={n}, K={k}")
+    check_kernel(kernel)
+    check_sizes(a.shape[0], b.shape[1], a.shape[1])
+
+
+def can_vectorize(k: int, n: int, aligned: bool) -> bool:
+    """The vectorized steps' preconditions: K % 4 == 0, N % 4 == 0 and a, b, c 16-byte aligned."""
+    return k % 4 == 0 and n % 4 == 0 and aligned
 
 
 def vector_ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
     """The vectorized steps' preconditions, for the contiguous buffers the kernel would see."""
-    k, n = a.shape[1], b.shape[1]
-    return k % 4 == 0 and n % 4 == 0 and not (a.data_ptr() % 16 or b.data_ptr() % 16 or c.data_ptr() % 16)
+    return can_vectorize(a.shape[1], b.shape[1], not (a.data_ptr() % 16 or b.data_ptr() % 16 or c.data_ptr() % 16))
+
+
+def check_vector(kernel, vector_ok_: bool) -> None:
+    """An explicit SgemmConfig is strict: a vectorized one needs operands that allow float4 access."""
+    if isinstance(kernel, SgemmConfig) and kernel.info.vectorized and not vector_ok_:
+        raise ValueError(f"{kernel.label()} needs K % 4 == 0, N % 4 == 0 and 16-byte aligned a, b, c; "
+                         f"use a ladder step name to get the {FALLBACK} fallback")
 
 
 def _tuned_for(step: str, m: int, n: int, sm_count: int) -> SgemmConfig:
@@ -385,17 +408,41 @@ def _tuned_for(step: str, m: int, n: int, sm_count: int) -> SgemmConfig:
     return cfg
 
 
+@functools.lru_cache(maxsize=4096)
 def select(m: int, n: int, vector_ok_: bool, kernel="auto", sm_count: int = 132) -> SgemmConfig:
-    """The configuration `sgemm` runs for an M x N output (see the module docstring)."""
+    """The configuration `sgemm` runs for an M x N output (see the module docstring); decide's choice
+    before its shared-memory check."""
     if isinstance(kernel, SgemmConfig):
-        if kernel.info.vectorized and not vector_ok_:
-            raise ValueError(f"{kernel.label()} needs K % 4 == 0, N % 4 == 0 and 16-byte aligned a, b, c; "
-                             f"use a ladder step name to get the {FALLBACK} fallback")
+        check_vector(kernel, vector_ok_)
         return kernel
     step = AUTO_STEP if kernel == "auto" else kernel
     if STEPS[step].vectorized and not vector_ok_:
         step = FALLBACK
     return _tuned_for(step, m, n, sm_count)
+
+
+@functools.lru_cache(maxsize=4096)
+def decide(m: int, n: int, vector_ok_: bool, kernel, sm_count: int,
+           smem_limit: int | None = None) -> tuple[SgemmConfig, str]:
+    """The configuration a call on an M x N output runs, and where it came from: "table" (TUNED or
+    TUNED_SMALL: every step name and "auto" resolve to an entry) or "given" (the caller's SgemmConfig).
+    A pure function of numbers: the launcher asks it with the present GPU's, plan() with a described
+    GPU's (no step is arch-specific, so cc does not enter). ValueError where the configuration cannot run:
+    a vectorized SgemmConfig without vector_ok_, more shared memory a block than smem_limit."""
+    cfg = select(m, n, vector_ok_, kernel, sm_count)
+    if smem_limit is not None and cfg.smem_bytes > smem_limit:
+        raise ValueError(f"{cfg.label()} needs {cfg.smem_bytes} B of shared memory a block; this GPU allows "
+                         f"{smem_limit} B")
+    return cfg, "given" if isinstance(kernel, SgemmConfig) else "table"
+
+
+@functools.lru_cache(maxsize=4096)
+def launch_grid(cfg: SgemmConfig, m: int, n: int) -> int:
+    """The 1-D grid, in CTAs, that launches cfg on an M x N output (one CTA a tile); ValueError past CUDA's limit."""
+    grid = cfg.grid(m, n)
+    if grid > _INT_MAX:
+        raise ValueError(f"{m} x {n} needs {grid} blocks of {cfg.tile}, more than a 1-D grid holds")
+    return grid
 
 
 def _overlaps(x: torch.Tensor, y: torch.Tensor) -> bool:
@@ -419,9 +466,7 @@ def launch_config(cfg: SgemmConfig, a: torch.Tensor, b: torch.Tensor, c: torch.T
     """Launch one configuration on contiguous CUDA fp32 operands (no validation: the autotuner's hot path)."""
     m, k = a.shape
     n = b.shape[1]
-    grid = cfg.grid(m, n)
-    if grid > _INT_MAX:
-        raise ValueError(f"{m} x {n} needs {grid} blocks of {cfg.tile}, more than a 1-D grid holds")
+    grid = launch_grid(cfg, m, n)
     kern = get_kernel(cfg.spec, a.device)
     launch(kern, grid, cfg.threads, a.data_ptr(), b.data_ptr(), c.data_ptr(), i32(m), i32(n), i32(k),
            f32(alpha), f32(beta), smem=cfg.dynamic_smem)
@@ -465,7 +510,8 @@ def sgemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, alpha
     if c is not None and (_overlaps(c_k, a_k) or _overlaps(c_k, b_k)):
         raise ValueError("c must not share memory with a or b")
 
-    cfg = select(m, n, vector_ok(a_k, b_k, c_k), kernel, device_info(a.device.index).sm_count)
+    info = device_info(a.device.index)
+    cfg, _ = decide(m, n, vector_ok(a_k, b_k, c_k), kernel, info.sm_count, info.smem_per_block_optin)
     launch_config(cfg, a_k, b_k, c_k, alpha, beta)
     if c is not None and c_k is not c:
         c.copy_(c_k)
