@@ -23,6 +23,7 @@ from torch import nn
 
 from .ops.expert_weights import ExpertWeights
 from .ops.w4a16.layout import DTYPES
+from .ops.w4a16.workspace import make_layer_counters
 
 __all__ = ["QuantizedExperts", "DenseExpertsLayout", "dense_layout", "is_dense_experts"]
 
@@ -166,6 +167,7 @@ class QuantizedExperts(nn.Module):
         for name, t in zip(_TENSORS, (gate_up.packed, gate_up.scales, gate_up.zeros, down.packed, down.scales,
                                       down.zeros, gate_up_bias, down_bias)):
             self.register_buffer(name, t)
+        make_layer_counters(gate_up.scales.device)  # the split-k tile counters the device's layers share
         # the dense module's class and attributes (its tensors on meta) and how it stored its weights, for
         # to_dense; not a submodule: its meta tensors are no state of this module
         object.__setattr__(self, "dense_template", template)
@@ -269,7 +271,9 @@ class QuantizedExperts(nn.Module):
 
             def fn(t):
                 return t.to(device) if t.is_floating_point() else move(t)
-        return super()._apply(fn, *args, **kwargs)
+        out = super()._apply(fn, *args, **kwargs)
+        make_layer_counters(self.gate_up_scales.device)  # scratch made on the move, never inside a call
+        return out
 
     def extra_repr(self) -> str:
         g, d = self.gate_up, self.down

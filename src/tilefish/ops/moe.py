@@ -123,8 +123,13 @@ def launch_cuda(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     Called with validated arguments: every tensor on one CUDA device and contiguous, T >= 1, K >= 1;
     x fp16 / bf16 [T, H]; topk_ids int32 / int64 [T, K] (ids outside [0, E) are skipped, not read);
     topk_weights fp32 / fp16 / bf16 [T, K]; gate_up [E, 2I, H] and down [E, H, I] in x.dtype, each with its
-    own group size and codebook; the biases None or x.dtype [E, 2I] / [E, H]."""
-    raise NotImplementedError("CUDA grouped expert kernel: lead's part")
+    own group size and codebook; the biases None or x.dtype [E, 2I] / [E, H]. A k split sums through
+    the tile counters the layers of the device share (made when a layer moves there), else fresh ones."""
+    from .moe_kernels import grouped_experts_cuda
+    from .w4a16.workspace import layer_counters
+
+    return grouped_experts_cuda(x, topk_ids, topk_weights, gate_up, down, activation, gate_up_bias, down_bias,
+                                counters=layer_counters(x.device))
 
 
 def _contiguous(w: ExpertWeights) -> ExpertWeights:

@@ -32,10 +32,43 @@
 // range. Each writes its fp32 partial tile to a workspace slot; the last one to arrive sums them in
 // slice order and resets the tile's counter (the protocol of w4a16/fixup.cuh: bitwise
 // deterministic, the workspace clean for the next launch, no block ever waits on another).
+//
+// Grouped (-D TF_W4A16_GROUPED: the expert GEMMs of mixture-of-experts layers, ops/moe_kernels.py): the
+// weights are E experts stacked (expert e's packed / scales / zeros / bias start e * their stride elements
+// in), and blockIdx.x indexes a block table (kernels/moe/align.cu) instead of m tiles: entry b holds an
+// expert (-1: unused), the first sorted row and the row count (<= BM; <= 8 in swap mode). Tile row r reads
+// x row src_rows[first + r] (null: first + r) and writes y row o = dst_rows[first + r] (null: first + r),
+// scaled by row_scale[o] (null: 1) after the bias, before the store. An unused entry's blocks, all its k
+// slices, exit before anything else, so its tile counter is never touched. The pipeline, the decoding and
+// the fixup protocol are the same code; without the define the kernel is exactly the dense one.
 #include "w4a16/dequant.cuh"
 #include "w4a16/fixup.cuh"
 
 using namespace tf;
+
+#ifdef TF_W4A16_GROUPED
+constexpr bool kGrouped = true;
+#define TF_W4A16_GROUPED_PARAMS                                                                          \
+    , const int* __restrict__ block_expert, const int* __restrict__ block_start,                        \
+        const int* __restrict__ block_rows, const int* __restrict__ src_rows, const int* __restrict__ dst_rows, \
+        const float* __restrict__ row_scale, long long w_stride, long long scale_stride, long long zero_stride, \
+        long long bias_stride
+#else
+constexpr bool kGrouped = false;
+#define TF_W4A16_GROUPED_PARAMS
+#endif
+
+// A grouped block's rows (the header's "Grouped"): which x row tile row r reads, which y row it writes,
+// and that row's scale. Dense builds declare one and never read it.
+struct GroupRows {
+    int first;
+    const int* src;
+    const int* dst;
+    const float* scale;
+    __device__ __forceinline__ int x_row(int r) const { return src != nullptr ? src[first + r] : first + r; }
+    __device__ __forceinline__ int out_row(int r) const { return dst != nullptr ? dst[first + r] : first + r; }
+    __device__ __forceinline__ float factor(int row) const { return scale != nullptr ? scale[row] : 1.f; }
+};
 
 constexpr int kThreads = 256;
 constexpr int kBK = 128;  // k per pipeline tile (k % 128 == 64: the last tile is half of one)
@@ -59,7 +92,8 @@ template <typename T, int MB, int WN, int WK, int STAGES, int GROUP, bool ASYM, 
 __global__ void __launch_bounds__(kThreads, MB == 1 ? 2 : 1)
 w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __restrict__ scales,
            const T* __restrict__ zeros, const T* __restrict__ bias, T* __restrict__ out,
-           float* __restrict__ workspace, int* __restrict__ counters, int m, int n, int k, int slices) {
+           float* __restrict__ workspace, int* __restrict__ counters, int m, int n, int k,
+           int slices TF_W4A16_GROUPED_PARAMS) {
     static_assert(WN * WK == 8, "8 warps");
     static_assert(!SWAP || MB == 1, "swap handles up to 8 rows: one 16-row block");
     constexpr int NJ = SWAP ? 4 : 8;  // accumulator tiles per 16-row block: 16x8 each
@@ -74,6 +108,20 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wn = warp % WN, wk = warp / WN;
     const int g = lane >> 2, t = lane & 3;
+    GroupRows grp{};
+#ifdef TF_W4A16_GROUPED
+    // Block table entry blockIdx.x: its expert's weights, and m becomes its row count (m0 = 0 below).
+    {
+        const int expert = block_expert[blockIdx.x];
+        if (expert < 0) return;
+        grp = GroupRows{block_start[blockIdx.x], src_rows, dst_rows, row_scale};
+        m = block_rows[blockIdx.x];
+        w = reinterpret_cast<const uint4*>(reinterpret_cast<const int*>(w) + expert * w_stride);
+        scales += expert * scale_stride;
+        if (zeros != nullptr) zeros += expert * zero_stride;
+        if (bias != nullptr) bias += expert * bias_stride;
+    }
+#endif
     // Output coordinates (row within the block tile, column within the strip) of acc[a][j][c].
     auto acc_row = [&](int a, int j, int c) { return SWAP ? 2 * t + (c & 1) : a * 16 + g + 8 * (c >> 1); };
     auto acc_col = [&](int j, int c) { return SWAP ? 16 * j + g + 8 * (c >> 1) : j * 8 + 2 * t + (c & 1); };
@@ -82,7 +130,7 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
     // weights come from DRAM once (then L2) however many 16-row blocks m has.
     const int m_tiles = gridDim.x;
     const int tile = blockIdx.y * m_tiles + blockIdx.x;
-    const int n0 = blockIdx.y * BN, m0 = blockIdx.x * BM;
+    const int n0 = blockIdx.y * BN, m0 = kGrouped ? 0 : blockIdx.x * BM;
     const int k_tiles = (k + kBK - 1) / kBK;
     const int half_kt = k % kBK ? k_tiles - 1 : -1;  // the half tile (host-checked: k % 64 == 0), or none
     const int slice = blockIdx.z;
@@ -106,7 +154,9 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
     for (int i = 0; i < kACopies; ++i) {
         const int c = tid + i * kThreads, row = c >> 4, col = c & 15;
         const bool valid = c < BM * 16 && m0 + row < m;
-        a_src[i] = x + (size_t)(valid ? m0 + row : 0) * k + col * 8;
+        int src = valid ? m0 + row : 0;
+        if constexpr (kGrouped) src = valid ? grp.x_row(row) : 0;
+        a_src[i] = x + (size_t)src * k + col * 8;
         a_dst[i] = row * kBK + ((col ^ (row & 7)) << 3);
         a_valid |= (valid ? 1u : 0u) << i;
     }
@@ -357,8 +407,15 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
             float2 sc = make_float2(1.f, 1.f), bi = make_float2(0.f, 0.f);
             if constexpr (GROUP == 0) sc = V2::to_float2(*reinterpret_cast<const typename V2::type*>(scales + gcol));
             if (bias != nullptr) bi = V2::to_float2(*reinterpret_cast<const typename V2::type*>(bias + gcol));
-            *reinterpret_cast<typename V2::type*>(out + (size_t)(m0 + row) * n + gcol) =
-                V2::make(sum.x * sc.x + bi.x, sum.y * sc.y + bi.y);
+            float v0 = sum.x * sc.x + bi.x, v1 = sum.y * sc.y + bi.y;
+            int orow = m0 + row;
+            if constexpr (kGrouped) {
+                orow = grp.out_row(row);
+                const float f = grp.factor(orow);
+                v0 *= f;
+                v1 *= f;
+            }
+            *reinterpret_cast<typename V2::type*>(out + (size_t)orow * n + gcol) = V2::make(v0, v1);
         }
         if (tid == 0) fixup_reset(counters + tile);
         return;
@@ -376,7 +433,12 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
                 float v = acc[0][j][c];
                 if constexpr (GROUP == 0) v *= to_float(scales[col]);
                 if (bias != nullptr) v += to_float(bias[col]);
-                out[(size_t)row * n + col] = V2::one(v);
+                int orow = row;
+                if constexpr (kGrouped) {
+                    orow = grp.out_row(row);
+                    v *= grp.factor(orow);
+                }
+                out[(size_t)orow * n + col] = V2::one(v);
             }
     } else {
 #pragma unroll
@@ -391,8 +453,15 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
             for (int h = 0; h < 2; ++h) {
                 const int row = m0 + a * 16 + g + 8 * h;
                 if (row < m) {
-                    typename V2::type v = V2::make(acc[a][j][2 * h] * sc.x + bi.x, acc[a][j][2 * h + 1] * sc.y + bi.y);
-                    *reinterpret_cast<typename V2::type*>(out + (size_t)row * n + col) = v;
+                    float v0 = acc[a][j][2 * h] * sc.x + bi.x, v1 = acc[a][j][2 * h + 1] * sc.y + bi.y;
+                    int orow = row;
+                    if constexpr (kGrouped) {
+                        orow = grp.out_row(row);
+                        const float f = grp.factor(orow);
+                        v0 *= f;
+                        v1 *= f;
+                    }
+                    *reinterpret_cast<typename V2::type*>(out + (size_t)orow * n + col) = V2::make(v0, v1);
                 }
             }
         }

@@ -1,0 +1,443 @@
+"""The grouped expert GEMMs of mixture-of-experts layers on CUDA: the launches behind ops/moe.py's CUDA path.
+
+    y = grouped_experts_cuda(x, topk_ids, topk_weights, gate_up, down, "silu", gate_up_bias, down_bias, counters)
+
+computes ops/moe.py's op (y[t] = sum_j w[t, j] * down_e(act(gate_up_e(x[t]))), e = ids[t, j]) in five launches
+on the current stream, S = T * K slots:
+
+  1. moe/align.cu      sorts the slots by expert and cuts each expert's rows into blocks of <= BM rows: the block
+                       table (max_blocks entries, unused ones -1), sorted_slot / sorted_token.
+  2. w4a16/gemm.cu     -D TF_W4A16_GROUPED (blockIdx.x = block table entry): h [S, 2I] = x[sorted_token] @ gate_up_e^T
+                       (+ bias), rows in sorted order.
+  3. moe/act.cu        a [S, I] = act(gate, up) in fp32, rounded to x.dtype.
+  4. w4a16/gemm.cu     grouped again: rows of a in sorted order, each written to its slot's row t*K + j of
+                       out [S, H], times topk_weights[t, j] (fp32, after the bias, before the rounding).
+  5. moe/combine.cu    y[t] = sum_j out[t*K + j] in fp32, slot order, rounded once.
+
+Every launch size is a function of (T, K, E, the shapes, the GPU) only, never of the routing values: the plan
+(plan_grouped) holds the grids, so the op can be captured in a CUDA graph and replayed with new routing in the
+captured input buffers. An expert id outside [0, E) is dropped by the alignment (its slot adds nothing; no
+memory outside the tensors is touched for any id value).
+
+Configuration (plan_grouped): the rows an active expert is expected to get, S / (expected active experts),
+pick the mma.sync tile like the dense dispatcher picks it from m: <= 8 rows the swap configuration (blocks of 8
+rows), <= 16 16-row tiles, else 32-row tiles; the column tile is the widest of 256 / 128 / 64 dividing n
+(gpt-oss' 2880 = 45 x 64); the k split puts about two CTAs an SM on the expected active blocks
+(dispatch.choose_slices); the shared memory is fitted to the GPU (dispatch.fit_mma_smem).
+
+Scratch (ops/w4a16/workspace.py's rules): the index lists, h, a, out and fp32 partials come from torch's caching
+allocator per call and die with it; a k split's tile counters are the caller's `counters` (zero, and left zero
+by the fixup) when they have room, else fresh zeroed ones.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import replace
+from typing import NamedTuple
+
+import torch
+
+from ..runtime import (KernelSpec, current_stream_handle, device_info, get_kernel, i32, i64, launch_prepared,
+                       prepare_launch)
+from ..runtime.device import SMEM_PER_BLOCK_BY_CC
+from .w4a16.configs import THREADS, GemmConfig, kernel_spec
+from .w4a16.dispatch import NF4_GROUPS, choose_slices, fit_mma_smem
+from .w4a16.layout import BK, CODEBOOKS, DTYPES, MXFP4_GROUP, TABLE_CODEBOOKS, check_shape
+from .w4a16.workspace import _lock as _workspace_lock
+from .w4a16.workspace import check_counters, hand_over
+
+__all__ = ["ACTIVATION_CODES", "GROUPED_DEFINE", "MAX_EXPERTS", "Alignment", "GroupedGemm", "GroupedPlan",
+           "StackedFormat", "act_spec", "align_experts", "align_spec", "check_grouped_args", "combine_spec",
+           "expected_active_experts", "grouped_config", "grouped_experts_cuda", "grouped_gemm_spec", "kernel_specs",
+           "max_blocks", "plan_grouped", "stacked_format"]
+
+GROUPED_DEFINE = "TF_W4A16_GROUPED"
+ALIGN_SOURCE, ACT_SOURCE, COMBINE_SOURCE = "moe/align.cu", "moe/act.cu", "moe/combine.cu"
+ACTIVATION_CODES = {"silu": 0, "swiglu_oai": 1}  # moe/act.cu's ACT template argument
+ID_TYPES = {torch.int32: "int", torch.int64: "long long"}
+# The alignment keeps 3E + 1 ints of shared memory: 2048 experts stay under the 48 KB a launch gets
+# without opting in (the largest MoE models have 512).
+MAX_EXPERTS = 2048
+SWAP_BLOCK_ROWS = 8     # a swap-mode block takes 8 rows (gemm.cu: x^T is the 8-column B operand)
+EPILOGUE_THREADS = 128  # act.cu / combine.cu: 8 columns a thread
+
+
+class StackedFormat(NamedTuple):
+    """What the kernels need of one stacked projection (ExpertWeights, or a dict / object with these fields)."""
+
+    packed: torch.Tensor          # int32 [E, n/64, 8k]
+    scales: torch.Tensor          # [E, groups, n], the activation dtype
+    zeros: torch.Tensor | None    # like scales, or None (symmetric)
+    n: int
+    k: int
+    group_size: int
+    codebook: str
+
+    @property
+    def num_experts(self) -> int:
+        return self.packed.shape[0]
+
+    @property
+    def groups(self) -> int:
+        return 1 if self.group_size == -1 else self.k // self.group_size
+
+
+def stacked_format(w, name: str = "weight") -> StackedFormat:
+    """A StackedFormat from an ExpertWeights-like object or a dict with packed, scales, zeros, n, k, group_size,
+    codebook (optional, "int4"); a missing field is a TypeError naming it."""
+    get = w.get if isinstance(w, dict) else lambda key, default=None: getattr(w, key, default)
+    missing = [f for f in ("packed", "scales", "n", "k", "group_size") if get(f) is None]
+    if missing:
+        raise TypeError(f"{name} must be an ExpertWeights or a dict of packed, scales, zeros, n, k, group_size, "
+                        f"codebook; it has no {', '.join(missing)}")
+    return StackedFormat(get("packed"), get("scales"), get("zeros"), int(get("n")), int(get("k")),
+                         int(get("group_size")), get("codebook", "int4") or "int4")
+
+
+# ---- the plan (pure functions of numbers: tested on the CPU) ---------------------------------------------------
+
+def expected_active_experts(tokens: int, topk: int, experts: int) -> float:
+    """Experts with at least one slot, expected under uniform routing (each token's K ids distinct):
+    E (1 - (1 - K/E)^T); K for one token, min(S, E) at most."""
+    if topk >= experts:
+        return float(experts)
+    return experts * (1.0 - (1.0 - topk / experts) ** tokens)
+
+
+def max_blocks(slots: int, experts: int, block_m: int) -> int:
+    """Block table entries that hold any routing: the sum over experts of ceil(rows / BM) is at most
+    S / BM + (experts with rows) (1 - 1/BM) <= ceil(S / BM) + min(E, S)."""
+    return -(-slots // block_m) + min(experts, slots)
+
+
+def grouped_config(rows_per_expert: float, n: int) -> GemmConfig:
+    """The mma.sync configuration of a grouped GEMM whose active experts get about rows_per_expert rows, over
+    n columns (n % 64 == 0): the tile height as the dense dispatcher picks it from m (<= 8 rows: swapped
+    operands, weights in a register ring; <= 16: 16-row tiles; else 32-row tiles), the widest column tile of
+    256 / 128 / 64 dividing n (the dense dispatcher's configurations of that height and width)."""
+    wn = 4 if n % 256 == 0 else 2 if n % 128 == 0 else 1
+    if rows_per_expert <= SWAP_BLOCK_ROWS:
+        return {4: GemmConfig(1, 4, 2, 3, swap=True, breg=True), 2: GemmConfig(1, 2, 4, 6, swap=True, breg=True),
+                1: GemmConfig(1, 1, 8, 4, swap=True, breg=True)}[wn]
+    if rows_per_expert <= 16:
+        return {4: GemmConfig(1, 4, 2, 4), 2: GemmConfig(1, 2, 4, 4, breg=True), 1: GemmConfig(1, 1, 8, 4)}[wn]
+    return GemmConfig(2, wn, 8 // wn, 4)
+
+
+def block_rows_of(cfg: GemmConfig) -> int:
+    """Rows of one block table entry for cfg: 8 in swap mode, else the tile height."""
+    return SWAP_BLOCK_ROWS if cfg.swap else cfg.bm
+
+
+class GroupedGemm(NamedTuple):
+    """One grouped GEMM's launch: configuration, k split, dynamic shared memory, column tiles, and the scratch it
+    needs (fp32 partial sums, tile counters; both 0 without a k split). Grid (max_blocks, n_tiles, slices)."""
+
+    config: GemmConfig
+    slices: int
+    smem: int
+    n_tiles: int
+    partial_floats: int
+    tile_counters: int
+
+
+class GroupedPlan(NamedTuple):
+    """The launches of one grouped expert call: rows a block table entry takes (block_m), the table's length,
+    and the two GEMMs (gate_up: n = 2I, k = H; down: n = H, k = I)."""
+
+    block_m: int
+    max_blocks: int
+    gate_up: GroupedGemm
+    down: GroupedGemm
+
+
+def _gemm_plan(cfg: GemmConfig, blocks: int, expected_blocks: int, n: int, k: int, group: int, zero_points: bool,
+               sm_count: int, smem_limit: int | None) -> GroupedGemm:
+    cfg = fit_mma_smem(cfg, group, zero_points, smem_limit)
+    n_tiles = n // cfg.bn
+    slices = max(1, min(choose_slices(expected_blocks * n_tiles, -(-k // BK), sm_count), 65535))
+    split = slices > 1
+    tiles = blocks * n_tiles
+    return GroupedGemm(cfg, slices, cfg.smem_bytes(group, zero_points), n_tiles,
+                       tiles * slices * cfg.bm * cfg.bn if split else 0, tiles if split else 0)
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_grouped(tokens: int, topk: int, experts: int, hidden: int, inter: int,
+                 gate_up_format: tuple[int, bool], down_format: tuple[int, bool], sm_count: int,
+                 smem_limit: int | None = None) -> GroupedPlan:
+    """The plan of a call with x [tokens, hidden], K = topk, E = experts, gate_up [E, 2 inter, hidden] and
+    down [E, hidden, inter] of formats (group_size, zero points) on a GPU of sm_count SMs and smem_limit bytes
+    of shared memory per block (None: no limit). Cached; depends on no routing value.
+
+    The k split: on the H100 (bf16, CUDA graphs) it came within 0-9% of the best of 20 forced splits (gate_up
+    x1-4, down x1-8) on six decode shapes (gpt-oss E 32 / 128 at T 1 / 4 / 16, Mixtral T 1, Qwen3-30B T 1)."""
+    slots = tokens * topk
+    active = expected_active_experts(tokens, topk, experts)
+    rows = slots / active
+    cfg1, cfg2 = grouped_config(rows, 2 * inter), grouped_config(rows, hidden)
+    block_m = block_rows_of(cfg1)  # the same height for both (one block table): it depends on rows only
+    blocks = max_blocks(slots, experts, block_m)
+    expected_blocks = max(1, round(active * math.ceil(rows / block_m)))
+    return GroupedPlan(block_m, blocks,
+                       _gemm_plan(cfg1, blocks, expected_blocks, 2 * inter, hidden, *gate_up_format, sm_count,
+                                  smem_limit),
+                       _gemm_plan(cfg2, blocks, expected_blocks, hidden, inter, *down_format, sm_count, smem_limit))
+
+
+# ---- kernel specs ----------------------------------------------------------------------------------------------
+
+def grouped_gemm_spec(dtype: torch.dtype, cfg: GemmConfig, group_size: int, zero_points: bool,
+                      codebook: str = "int4") -> KernelSpec:
+    """The mma.sync kernel of cfg and this weight format, built grouped (gemm.cu's TF_W4A16_GROUPED)."""
+    spec = kernel_spec(dtype, cfg, group_size, zero_points, codebook)
+    return replace(spec, defines=spec.defines + ((GROUPED_DEFINE, "1"),))
+
+
+def align_spec(id_dtype: torch.dtype) -> KernelSpec:
+    return KernelSpec(ALIGN_SOURCE, f"moe_align<{ID_TYPES[id_dtype]}>", hot=True)
+
+
+def act_spec(dtype: torch.dtype, activation: str) -> KernelSpec:
+    return KernelSpec(ACT_SOURCE, f"moe_act<{DTYPES[dtype]}, {ACTIVATION_CODES[activation]}>", hot=True)
+
+
+def combine_spec(dtype: torch.dtype, id_dtype: torch.dtype) -> KernelSpec:
+    return KernelSpec(COMBINE_SOURCE, f"moe_combine<{DTYPES[dtype]}, {ID_TYPES[id_dtype]}>", hot=True)
+
+
+# Every weight format a stacked projection may have: (group_size, zero points, codebook).
+FORMATS = ([(g, zp, "int4") for g in (-1, 32, 64, 128) for zp in (False, True)]
+           + [(g, False, "nf4") for g in NF4_GROUPS] + [(MXFP4_GROUP, False, "mxfp4")])
+
+
+def kernel_specs(arch: str | None = None) -> list[KernelSpec]:
+    """Every KernelSpec grouped_experts_cuda can launch on a GPU of `arch` ("sm_80"; None: any GPU): the
+    alignment, activation and combine kernels, and the grouped GEMMs of every grouped_config, fitted to the
+    arch's shared memory, in every weight format and dtype."""
+    cc = None if arch is None else int(arch.removeprefix("sm_").rstrip("a"))
+    limits = ({SMEM_PER_BLOCK_BY_CC.get(cc)} if cc is not None else set(SMEM_PER_BLOCK_BY_CC.values()) | {None})
+    base = {grouped_config(rows, n) for rows in (1, 16, 64) for n in (64, 128, 256)}
+    configs = sorted({fit_mma_smem(c, g, zp, lim) for c in base for lim in limits for g, zp, _ in FORMATS},
+                     key=lambda c: c.label())
+    specs = [align_spec(t) for t in ID_TYPES]
+    specs += [act_spec(dt, a) for dt in DTYPES for a in ACTIVATION_CODES]
+    specs += [combine_spec(dt, t) for dt in DTYPES for t in ID_TYPES]
+    specs += [grouped_gemm_spec(dt, c, g, zp, cb) for dt in DTYPES for c in configs for g, zp, cb in FORMATS]
+    return list(dict.fromkeys(specs))
+
+
+# ---- validation ------------------------------------------------------------------------------------------------
+
+def _check_format(w: StackedFormat, name: str, dtype: torch.dtype, device: torch.device) -> None:
+    check_shape(w.n, w.k, w.group_size)
+    if w.codebook not in CODEBOOKS or (w.codebook in TABLE_CODEBOOKS and w.zeros is not None) or \
+            (w.codebook == "nf4" and w.group_size == -1) or (w.codebook == "mxfp4" and w.group_size != MXFP4_GROUP):
+        raise ValueError(f"{name}: codebook {w.codebook!r} with group_size {w.group_size} and "
+                         f"{'zero points' if w.zeros is not None else 'no zero points'}: the kernels take int4 (any "
+                         f"group, zero points or not), nf4 (groups {NF4_GROUPS}) or mxfp4 (group {MXFP4_GROUP}), "
+                         "the table codebooks without zero points")
+    if not isinstance(w.packed, torch.Tensor) or w.packed.dtype != torch.int32 or w.packed.dim() != 3 or \
+            w.packed.shape[1:] != (w.n // 64, 8 * w.k):
+        raise ValueError(f"{name}.packed must be int32 [E, n/64, 8k] = [E, {w.n // 64}, {8 * w.k}]; got "
+                         f"{getattr(w.packed, 'dtype', type(w.packed).__name__)} "
+                         f"{tuple(getattr(w.packed, 'shape', ()))}")
+    experts = w.packed.shape[0]
+    for part, t in (("scales", w.scales), ("zeros", w.zeros)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.shape != (experts, w.groups, w.n):
+            raise ValueError(f"{name}.{part} must be {dtype} [E, groups, n] = {(experts, w.groups, w.n)}; got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    for part, t in (("packed", w.packed), ("scales", w.scales), ("zeros", w.zeros)):
+        if t is None:
+            continue
+        if t.device != device:
+            raise ValueError(f"{name}.{part} is on {t.device}, x on {device}")
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            raise ValueError(f"{name}.{part} must be contiguous and 16-byte aligned (expert e's tensors start at "
+                             "e x the elements of one expert)")
+
+
+def check_grouped_args(x, topk_ids, topk_weights, gate_up: StackedFormat, down: StackedFormat, activation: str,
+                       gate_up_bias, down_bias, counters) -> None:
+    """Types, dtypes, shapes, devices and layouts of a grouped_experts_cuda call (no value read): a TypeError /
+    ValueError naming the argument, before any launch."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in DTYPES or x.dim() != 2:
+        raise TypeError(f"x must be a float16 / bfloat16 tensor [T, H]; got {getattr(x, 'dtype', type(x).__name__)} "
+                        f"{tuple(getattr(x, 'shape', ()))}")
+    if activation not in ACTIVATION_CODES:
+        raise ValueError(f"activation must be one of {tuple(ACTIVATION_CODES)}, got {activation!r}")
+    tokens, hidden = x.shape
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in ID_TYPES or topk_ids.dim() != 2 or \
+            topk_ids.shape[0] != tokens:
+        raise ValueError(f"topk_ids must be int32 / int64 [T, K] with T = {tokens}; got "
+                         f"{getattr(topk_ids, 'dtype', type(topk_ids).__name__)} "
+                         f"{tuple(getattr(topk_ids, 'shape', ()))}")
+    if not isinstance(topk_weights, torch.Tensor) or not topk_weights.is_floating_point() or \
+            topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_weights must be a floating tensor of topk_ids' shape {tuple(topk_ids.shape)}; got "
+                         f"{getattr(topk_weights, 'dtype', type(topk_weights).__name__)} "
+                         f"{tuple(getattr(topk_weights, 'shape', ()))}")
+    _check_format(gate_up, "gate_up", x.dtype, x.device)
+    _check_format(down, "down", x.dtype, x.device)
+    experts = gate_up.num_experts
+    if down.num_experts != experts:
+        raise ValueError(f"gate_up has {experts} experts, down {down.num_experts}")
+    if not 1 <= experts <= MAX_EXPERTS:
+        raise ValueError(f"{experts} experts: the alignment kernel takes 1 to {MAX_EXPERTS}")
+    if gate_up.k != hidden or down.n != hidden or gate_up.n != 2 * down.k:
+        raise ValueError(f"shapes: x [T, H = {hidden}] needs gate_up [E, 2I, H] and down [E, H, I]; got gate_up "
+                         f"n={gate_up.n} k={gate_up.k}, down n={down.n} k={down.k}")
+    for name, bias, n in (("gate_up_bias", gate_up_bias, gate_up.n), ("down_bias", down_bias, down.n)):
+        if bias is not None and (not isinstance(bias, torch.Tensor) or bias.dtype != x.dtype
+                                 or bias.shape != (experts, n)):
+            raise ValueError(f"{name} must be a {x.dtype} tensor [E, {n}] = {(experts, n)}; got "
+                             f"{getattr(bias, 'dtype', type(bias).__name__)} {tuple(getattr(bias, 'shape', ()))}")
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights), ("gate_up_bias", gate_up_bias),
+                    ("down_bias", down_bias)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}")
+    if counters is not None:
+        check_counters(counters, x.device)
+    if x.device.type != "cuda":
+        raise ValueError(f"grouped_experts_cuda runs on CUDA tensors; x is on {x.device} (the CPU path is "
+                         "reference.moe_experts)")
+
+
+# ---- the launches ----------------------------------------------------------------------------------------------
+
+_kernels: dict[tuple[KernelSpec, int], object] = {}
+
+
+def _kernel(spec: KernelSpec, index: int):
+    kern = _kernels.get((spec, index))
+    if kern is None:
+        kern = _kernels[(spec, index)] = get_kernel(spec, index)
+    return kern
+
+
+class Alignment(NamedTuple):
+    """moe/align.cu's outputs (views of one int32 allocation; its header has the meanings): sorted_slot and
+    sorted_token [S] (rows past meta[0] unwritten), block_expert / block_start / block_rows [max_blocks],
+    meta [2] = (sorted rows, blocks used)."""
+
+    sorted_slot: torch.Tensor
+    sorted_token: torch.Tensor
+    block_expert: torch.Tensor
+    block_start: torch.Tensor
+    block_rows: torch.Tensor
+    meta: torch.Tensor
+
+
+def align_experts(topk_ids: torch.Tensor, experts: int, block_m: int, blocks: int | None = None) -> Alignment:
+    """Launch the alignment of contiguous CUDA topk_ids [T, K] (int32 / int64) for `experts` experts into blocks of
+    at most block_m rows and a table of `blocks` entries (None: max_blocks(S, E, block_m); fewer may drop rows).
+    No value is read on the host."""
+    if topk_ids.dtype not in ID_TYPES or topk_ids.dim() != 2 or not topk_ids.is_contiguous() or not topk_ids.is_cuda:
+        raise ValueError("topk_ids must be a contiguous int32 / int64 CUDA tensor [T, K]")
+    if not 1 <= experts <= MAX_EXPERTS or block_m < 1:
+        raise ValueError(f"experts must be in [1, {MAX_EXPERTS}] and block_m >= 1; got {experts}, {block_m}")
+    tokens, topk = topk_ids.shape
+    slots = tokens * topk
+    blocks = max_blocks(slots, experts, block_m) if blocks is None else blocks
+    buf = torch.empty(2 * slots + 3 * blocks + 2, dtype=torch.int32, device=topk_ids.device)
+    parts = buf.split([slots, slots, blocks, blocks, blocks, 2])
+    index = topk_ids.device.index if topk_ids.device.index is not None else torch.cuda.current_device()
+    kern = _kernel(align_spec(topk_ids.dtype), index)
+    threads = 256 if max(slots, experts) <= 2048 else 1024
+    launch_prepared(kern, prepare_launch(kern, 1, threads, 4 * (3 * experts + 1)),
+                    topk_ids.data_ptr(), i32(slots), i32(topk), i32(experts), i32(block_m), i32(blocks),
+                    *(p.data_ptr() for p in parts))
+    return Alignment(*parts)
+
+
+def _launch_gemm(kern, g: GroupedGemm, blocks: int, al: Alignment, w: StackedFormat, a: torch.Tensor,
+                 bias: torch.Tensor | None, dst: torch.Tensor, counter_ptr: int, src_rows: int, dst_rows: int,
+                 row_scale: int) -> None:
+    """One grouped GEMM (gemm.cu's argument order, then the TF_W4A16_GROUPED ones): grid (block table entries,
+    column tiles, k slices); the fp32 partials of a k split are allocated here, per launch."""
+    partials = torch.empty(g.partial_floats, dtype=torch.float32, device=a.device) if g.partial_floats else None
+    per_expert = w.groups * w.n  # elements of one expert's scales / zero points
+    launch_prepared(kern, prepare_launch(kern, (blocks, g.n_tiles, g.slices), THREADS, g.smem),
+                    a.data_ptr(), w.packed.data_ptr(), w.scales.data_ptr(),
+                    0 if w.zeros is None else w.zeros.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                    dst.data_ptr(), 0 if partials is None else partials.data_ptr(), counter_ptr if g.tile_counters else 0, i32(a.shape[0]), i32(w.n), i32(w.k), i32(g.slices),
+                    al.block_expert.data_ptr(), al.block_start.data_ptr(), al.block_rows.data_ptr(), src_rows,
+                    dst_rows, row_scale, i64(w.n // 64 * 8 * w.k), i64(per_expert), i64(per_expert), i64(w.n))
+
+
+def _threads(vectors: int) -> int:
+    """Threads of an act / combine block over `vectors` 8-column vectors: whole warps, at most 128."""
+    return min(EPILOGUE_THREADS, 32 * -(-vectors // 32))
+
+
+def grouped_experts_cuda(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up, down,
+                         activation: str = "silu", gate_up_bias: torch.Tensor | None = None,
+                         down_bias: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+    """y [T, H] in x.dtype (module docstring), launched on the current stream without a sync.
+
+    x: fp16 / bf16 [T, H] on a CUDA device (a non-contiguous or misaligned x is copied first).
+    topk_ids: int32 / int64 [T, K]; ids outside [0, E) are dropped (their slots add nothing).
+    topk_weights: float [T, K] (fp32 used as is, other dtypes converted to fp32 first).
+    gate_up, down: ExpertWeights (or dicts of packed, scales, zeros, n, k, group_size, codebook): gate_up
+        [E, 2I, H] (gate rows, then up rows), down [E, H, I], x.dtype scales, contiguous, 16-byte aligned.
+    activation: "silu" or "swiglu_oai". gate_up_bias [E, 2I] / down_bias [E, H] in x.dtype, or None.
+    counters: int32 tile counters the caller owns (workspace.new_counters / layer_counters; zero, left zero), or
+        None: a k-split GEMM then zero-fills fresh ones."""
+    gate_up, down = stacked_format(gate_up, "gate_up"), stacked_format(down, "down")
+    check_grouped_args(x, topk_ids, topk_weights, gate_up, down, activation, gate_up_bias, down_bias, counters)
+    tokens, hidden = x.shape
+    topk, experts, inter = topk_ids.shape[1], gate_up.num_experts, down.k
+    slots = tokens * topk
+    if slots == 0:
+        return torch.zeros_like(x)
+    dev, dtype = x.device, x.dtype
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    info = device_info(index)
+    plan = plan_grouped(tokens, topk, experts, hidden, inter, (gate_up.group_size, gate_up.zeros is not None),
+                        (down.group_size, down.zeros is not None), info.sm_count, info.smem_per_block_optin)
+    x = x.contiguous()
+    if x.data_ptr() % 16:  # the GEMM reads x rows in 16-byte pieces
+        x = x.clone()
+    ids = topk_ids.contiguous()
+    row_scale = topk_weights.reshape(-1).to(torch.float32).contiguous()  # indexed by slot t*K + j
+    biases = [None if b is None else b.contiguous() for b in (gate_up_bias, down_bias)]
+
+    kernels = (_kernel(grouped_gemm_spec(dtype, plan.gate_up.config, gate_up.group_size, gate_up.zeros is not None,
+                                         gate_up.codebook), index),
+               _kernel(act_spec(dtype, activation), index),
+               _kernel(grouped_gemm_spec(dtype, plan.down.config, down.group_size, down.zeros is not None,
+                                         down.codebook), index),
+               _kernel(combine_spec(dtype, ids.dtype), index))
+    al = align_experts(ids, experts, plan.block_m, plan.max_blocks)
+    # h [S, 2I] is dead once the activation has read it: out [S, H] reuses its memory.
+    h_out = torch.empty(slots * max(2 * inter, hidden), dtype=dtype, device=dev)
+    h, out = h_out[:slots * 2 * inter].view(slots, 2 * inter), h_out[:slots * hidden].view(slots, hidden)
+    act = torch.empty(slots, inter, dtype=dtype, device=dev)
+    y = torch.empty(tokens, hidden, dtype=dtype, device=dev)
+
+    def enqueue(counter_ptr: int) -> None:
+        _launch_gemm(kernels[0], plan.gate_up, plan.max_blocks, al, gate_up, x, biases[0], h, counter_ptr,
+                     src_rows=al.sorted_token.data_ptr(), dst_rows=0, row_scale=0)
+        threads = _threads(inter // 8)
+        launch_prepared(kernels[1], prepare_launch(kernels[1], (slots, -(-inter // (8 * threads)), 1), threads),
+                        h.data_ptr(), act.data_ptr(), i32(inter), al.meta.data_ptr())
+        _launch_gemm(kernels[2], plan.down, plan.max_blocks, al, down, act, biases[1], out, counter_ptr,
+                     src_rows=0, dst_rows=al.sorted_slot.data_ptr(), row_scale=row_scale.data_ptr())
+
+    needs_counters = max(plan.gate_up.tile_counters, plan.down.tile_counters)
+    if needs_counters and counters is not None and needs_counters <= counters.numel():
+        with _workspace_lock:  # streams take the owned counters in turn (workspace.py)
+            hand_over(counters, index, current_stream_handle(index))
+            enqueue(counters.data_ptr())
+    elif needs_counters:
+        enqueue(torch.zeros(needs_counters, dtype=torch.int32, device=dev).data_ptr())
+    else:
+        enqueue(0)
+
+    threads = _threads(hidden // 8)
+    launch_prepared(kernels[3], prepare_launch(kernels[3], (tokens, -(-hidden // (8 * threads)), 1), threads),
+                    out.data_ptr(), ids.data_ptr(), y.data_ptr(), i32(topk), i32(hidden), i32(experts))
+    return y
