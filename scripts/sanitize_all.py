@@ -646,27 +646,12 @@ def coverage(plans: list[Plan], universe=None, cc: int = 90) -> Coverage:
 
 # ---- the worker ----------------------------------------------------------------------------------------------------
 
-def apply_compile_patches(lineinfo: bool) -> None:
+def build_with_line_info(lineinfo: bool) -> None:
     """Build kernels with -lineinfo (reports carry file:line; it adds line tables without changing the
-    optimization, as compute-sanitizer's manual recommends it) under cache
-    keys of their own, so the normal cache entries are never replaced by these builds."""
-    if not lineinfo:
-        return
-    import dataclasses
-
-    from tilefish.runtime import compiler
-
-    if getattr(compiler, "_tfsan_lineinfo", False):
-        return
-    orig_options, orig_key = compiler._options, compiler.cache_key
-
-    def _options(spec, target, source):
-        return dataclasses.replace(orig_options(spec, target, source), lineinfo=True)
-
-    def cache_key(spec, arch):
-        return hashlib.sha256((orig_key(spec, arch) + ":lineinfo").encode()).hexdigest()[:32]
-
-    compiler._options, compiler.cache_key, compiler._tfsan_lineinfo = _options, cache_key, True
+    optimization, as compute-sanitizer's manual recommends it): runtime.compiler's TILEFISH_LINEINFO,
+    whose builds have cache keys of their own, so the normal cache entries are never replaced."""
+    if lineinfo:
+        os.environ["TILEFISH_LINEINFO"] = "1"  # runtime.compiler reads it per build; the workers inherit it
 
 
 def _seed(pid: str) -> int:
@@ -865,7 +850,7 @@ def _kernel_record(loaded) -> dict:
 def worker_main(args) -> int:
     import torch
 
-    apply_compile_patches(os.environ.get(LINEINFO_ENV, "0") == "1")
+    build_with_line_info(os.environ.get(LINEINFO_ENV, "0") == "1")
     import importlib
 
     rt_launch = importlib.import_module("tilefish.runtime.launch")  # the module (the package exports a launch function)
@@ -1360,11 +1345,11 @@ def estimate(plans: list[Plan], tools, jobs: int) -> dict:
 def warm_cache(specs, arch: str, lineinfo: bool, jobs: int) -> dict:
     from tilefish.runtime import compile_many, is_cached
 
-    apply_compile_patches(lineinfo)
+    build_with_line_info(lineinfo)
     todo = [s for s in specs if s.supports(arch)]
     uncached = sum(not is_cached(s, arch) for s in todo)
     t0 = time.perf_counter()
-    results = compile_many([(s, arch) for s in todo], max(1, jobs), initializer=apply_compile_patches,
+    results = compile_many([(s, arch) for s in todo], max(1, jobs), initializer=build_with_line_info,
                            initargs=(lineinfo,))
     errors = [(s.name, f"CompileError: {log}"[:2000]) for s, (_, log) in zip(todo, results) if log is not None]
     return {"kernels": len(todo), "compiled": uncached - len(errors), "errors": errors,

@@ -92,6 +92,12 @@ def cache_enabled() -> bool:
     return os.environ.get("TILEFISH_CACHE", "1") not in ("0", "false", "no", "off")
 
 
+def line_info_enabled() -> bool:
+    """True under TILEFISH_LINEINFO=1: kernels are built with -lineinfo (line tables for
+    compute-sanitizer and ncu reports; the code is the same) under cache keys of their own."""
+    return os.environ.get("TILEFISH_LINEINFO", "0") in ("1", "true", "yes", "on")
+
+
 def _read_with_includes(path: Path, seen: set[Path] | None = None) -> str:
     """The file's text followed by every quoted include it pulls in (for the cache key)."""
     seen = set() if seen is None else seen
@@ -137,6 +143,7 @@ def _options(spec: KernelSpec, target: str, source: Path):
         include_path=_include_dirs(source),
         define_macro=[(k, str(v)) for k, v in spec.defines] or None,
         ptxas_options=["-v"],
+        lineinfo=line_info_enabled(),
     )
 
 
@@ -144,7 +151,7 @@ def cache_key(spec: KernelSpec, arch: str) -> str:
     source = KERNEL_ROOT / spec.source
     h = hashlib.sha256()
     for part in (_read_with_includes(source), spec.name, repr(spec.defines), spec.target(arch),
-                 nvrtc_version(), __version__, "std=c++17;ptxas=-v"):
+                 nvrtc_version(), __version__, "std=c++17;ptxas=-v" + (";lineinfo" if line_info_enabled() else "")):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:32]
