@@ -70,7 +70,10 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _compare(report, ops, label, shape, dtype, nk, kernels, reps, tol):
-    """cuBLAS row + one row per kernel at one shape; returns nothing (rows go into report)."""
+    """cuBLAS row + one row per kernel at one shape; returns cuBLAS's TFLOP/s (the rows go into report).
+    Each row's configuration is tilefish.hgemm.plan's for the call (the current GPU's numbers, N's epilogue)."""
+    from ..hgemm import plan
+
     a, b = _operands(shape, dtype, nk)
     ref = torch.empty(shape[0], shape[1], device="cuda", dtype=dtype)
     tc = time_cuda(lambda: _cublas(a, b, ref, nk), reps=reps)
@@ -78,9 +81,6 @@ def _compare(report, ops, label, shape, dtype, nk, kernels, reps, tol):
     cub = _tflops(shape, tc.median_ms)
     case = f"{label}{_case(shape, nk)}"
     report.add(Row("hgemm", case, "cuBLAS", tc.median_us, cub, "TFLOP/s", 100.0, {}))
-    props = torch.cuda.get_device_properties(a.device)
-    sms, cc = props.multi_processor_count, props.major * 10 + props.minor
-    smem = getattr(props, "shared_memory_per_block_optin", None)
     for kern in kernels:
         slow = kern in SLOW_STEPS
         fn = lambda: ops.hgemm(a, b, kernel=kern, b_transposed=nk)  # noqa: E731
@@ -91,7 +91,7 @@ def _compare(report, ops, label, shape, dtype, nk, kernels, reps, tol):
             t, tc_pair = time_cuda(fn, reps=reps, warmup=1, min_reps=3), tc
         else:  # alternating rounds with cuBLAS: both timed at the same clocks (see time_paired)
             t, tc_pair = time_paired(fn, lambda: _cublas(a, b, ref, nk), reps=reps)
-        cfg = kern if isinstance(kern, ops.HgemmConfig) else ops.select(shape[0], shape[1], kern, sms, cc, smem)
+        cfg = plan(*shape, dtype=dtype, b_transposed=nk, kernel=kern).config  # what the call launched
         name = f"tilefish[{cfg.step} {cfg.short()}]" if isinstance(kern, ops.HgemmConfig) else f"tilefish {kern}"
         tf = _tflops(shape, t.median_ms)
         ratio = tc_pair.median_ms / t.median_ms
@@ -147,12 +147,14 @@ def run(args) -> Report:
             report.notes.append(f"best variant at {_case(shape)}: {best.extra['config']} ({best.metric:.1f} TFLOP/s)")
 
     if sm90:  # how many clusters fit at once decides the persistent grid of step 07
+        from ..hgemm import plan
+
+        m, n, k = DEFAULT_SHAPES[-1]  # more tiles than SMs: the persistent grid is the GPU's capacity
         for cfg in (ops.TUNED["07_wgmma_tma"], ops.TUNED_SMALL["07_wgmma_tma"]):
             if cfg.CLUSTER > 1:
-                kern = ops.get_kernel(cfg.spec(dtype), torch.device("cuda", 0))
-                fit = kern.max_active_clusters(cfg.CLUSTER, cfg.threads, cfg.dynamic_smem)
-                report.notes.append(f"{cfg.label()}: {fit} clusters of {cfg.CLUSTER} resident at once "
-                                    f"({fit * cfg.CLUSTER} of {props.multi_processor_count} SMs)")
+                p = plan(m, n, k, dtype=dtype, kernel=cfg)
+                report.notes.append(f"{p.label}: {p.ctas // p.cluster} clusters of {p.cluster} resident at once "
+                                    f"({p.ctas} of {p.gpu.sm_count} SMs)")
 
     # Host overhead per call: a tiny problem, so the GPU keeps up and the host is what is timed.
     sa, sb = torch.randn(64, 64, device="cuda", dtype=dtype), torch.randn(64, 64, device="cuda", dtype=dtype)
@@ -184,15 +186,22 @@ def run_auto(shapes, dtype: str = "fp16", reps: int = 50) -> Report:
 
 def kernel_specs(info, shapes, steps=("auto",), dtype: str = "fp16") -> list:
     """The KernelSpecs the ladder `steps` launch for ((m, n, k), b as [N, K]) pairs on the device `info`
-    (device_info()); step 07 (sm_90a) only on sm_90."""
+    (device_info()): tilefish.hgemm.plan's for each; step 07 (sm_90a) only on sm_90, as run() times it."""
     import importlib
+
+    from ..hgemm import plan
+    from ..runtime import GpuSpec
 
     ops = importlib.import_module("tilefish.ops.hgemm")
     dt = torch.bfloat16 if dtype == "bf16" else torch.float16
-    specs = []
-    for (m, n, _), nk in shapes:
-        for step in steps:
-            cfg = ops.select(m, n, step, info.sm_count, info.cc, info.smem_per_block_optin)
-            if not (cfg.info.hopper and info.cc != 90):
-                specs.append(cfg.spec(dt, nk))
-    return specs
+    gpu = GpuSpec.of(info)
+    return [plan(m, n, k, dtype=dt, b_transposed=nk, kernel=step, gpu=gpu).kernel_spec
+            for (m, n, k), nk in shapes for step in steps
+            if gpu.cc == 90 or not _hopper_only(ops, step)]  # off sm_90 the plan of step 07 raises
+
+
+def _hopper_only(ops, kernel) -> bool:
+    """kernel (a step name or an HgemmConfig; "auto" is not) runs on sm_90 only."""
+    if isinstance(kernel, ops.HgemmConfig):
+        return kernel.info.hopper
+    return kernel in ops.STEPS and ops.STEPS[kernel].hopper

@@ -70,6 +70,22 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return (x.double() - ref.double()).norm().item() / den
 
 
+def _gpu(t: torch.Tensor):
+    """The GpuSpec of t's device, as tilefish.sgemm.plan takes it."""
+    from ..runtime import GpuSpec, device_info
+
+    return GpuSpec.of(device_info(t.device.index))
+
+
+def _config(gpu, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, kernel="auto"):
+    """The configuration sgemm(a, b, c, kernel=kernel) launches on `gpu`: tilefish.sgemm.plan's for a, b and c
+    as they are (16-byte aligned or not: a vectorized step falls back without it, or with N or K % 4 != 0)."""
+    from ..sgemm import plan
+
+    aligned = not (a.data_ptr() % 16 or b.data_ptr() % 16 or c.data_ptr() % 16)
+    return plan(a.shape[0], b.shape[1], a.shape[1], kernel=kernel, aligned=aligned, gpu=gpu).config
+
+
 def run(args) -> Report:
     import importlib
 
@@ -92,6 +108,7 @@ def run(args) -> Report:
             report.ceilings[f"cuBLAS fp32 TFLOP/s @{_case(shape)}"] = cub
         report.add(Row("sgemm", _case(shape), "cuBLAS", tc.median_us, cub, "TFLOP/s", 100.0, {}))
         c = torch.empty_like(ref)
+        gpu = _gpu(a)
         for step in ops.KERNELS:
             slow = step in SLOW_STEPS
             fn = lambda: ops.sgemm(a, b, c, kernel=step)  # noqa: E731 - beta = 0: c is write-only
@@ -99,7 +116,7 @@ def run(args) -> Report:
             torch.cuda.synchronize()
             err = _rel(c, ref)
             t = time_cuda(fn, reps=reps, warmup=1 if slow else 5, min_reps=3 if slow else 10)
-            cfg = ops.select(shape[0], shape[1], ops.vector_ok(a, b, c), step)
+            cfg = _config(gpu, a, b, c, step)
             tf = _tflops(shape, t.median_ms)
             row = report.add(Row("sgemm", _case(shape), f"tilefish {step}", t.median_us, tf, "TFLOP/s",
                                  100.0 * tf / cub, {"cuBLAS": tc.median_ms / t.median_ms},
@@ -123,7 +140,7 @@ def run(args) -> Report:
             torch.cuda.synchronize()
             err = _rel(c, ref)
             t = time_cuda(fn, reps=reps)
-            cfg = ops.select(s, s, ops.vector_ok(a, b, c), "auto")
+            cfg = _config(_gpu(a), a, b, c)
             tf = _tflops(shape, t.median_ms)
             report.add(Row("sgemm", f"sweep {_case(shape)}", "tilefish auto", t.median_us, tf, "TFLOP/s",
                            100.0 * tf / cub, {"cuBLAS": tc.median_ms / t.median_ms},
@@ -187,7 +204,7 @@ def run_auto(sizes, reps: int = 50) -> Report:
         torch.cuda.synchronize()
         err = _rel(c, ref)
         t = time_cuda(fn, reps=reps)
-        cfg = ops.select(s, s, ops.vector_ok(a, b, c), "auto")
+        cfg = _config(_gpu(a), a, b, c)
         tf = _tflops(shape, t.median_ms)
         row = report.add(Row("sgemm", _case(shape), "tilefish auto", t.median_us, tf, "TFLOP/s", 100.0 * tf / cub,
                              {"cuBLAS": tc.median_ms / t.median_ms}, {"config": cfg.label(), "rel_err_vs_cublas": err}))
@@ -199,8 +216,10 @@ def run_auto(sizes, reps: int = 50) -> Report:
 
 
 def kernel_specs(info, shapes, steps=("auto",)) -> list:
-    """The KernelSpecs the ladder `steps` launch for (m, n, k) shapes on the device `info` (device_info())."""
-    import importlib
+    """The KernelSpecs the ladder `steps` launch for (m, n, k) shapes on the device `info` (device_info()):
+    tilefish.sgemm.plan's for each, operands 16-byte aligned (torch's allocations are)."""
+    from ..runtime import GpuSpec
+    from ..sgemm import plan
 
-    ops = importlib.import_module("tilefish.ops.sgemm")
-    return [ops.select(m, n, True, step, info.sm_count).spec for m, n, _ in shapes for step in steps]
+    gpu = GpuSpec.of(info)
+    return [plan(m, n, k, kernel=step, aligned=True, gpu=gpu).kernel_spec for m, n, k in shapes for step in steps]
