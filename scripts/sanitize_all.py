@@ -19,11 +19,21 @@ One script for every kernel family (issue 30 item 3; it replaces sanitize_w4a16_
   hgemm        every dispatched configuration (TUNED, TUNED_SMALL, TUNED_LOW_SMEM, step 07's MID /
                NARROW / SHORT tiles and their direct-store twins) x both B layouts x both dtypes;
                step 07 on a persistent grid forced down to 3 CTAs, so every CTA loops over tiles
+  moe          the grouped expert GEMMs (ops.moe_kernels.grouped_experts_cuda: moe/align.cu -> w4a16/gemm.cu
+               built with -D TF_W4A16_GROUPED -> moe/act.cu -> the grouped GEMM again -> moe/combine.cu), one call
+               a plan: every configuration kernel_specs() lists, as plan_grouped picks it from (T, K, E, H, I)
+               (swapped operands / 16 / 32-row tiles x 256 / 128 / 64 columns; the variants fitted to less shared
+               memory under a forced per-block limit), every weight format x dtype (int4 groups -1/32/64/128 with
+               and without zero points, nf4, mxfp4), both id dtypes, both activations, biases, k % 128 == 64, both
+               GEMMs splitting k (the caller's tile counters and fresh ones); every routing has an idle expert, a
+               dropped id and (T >= 3) a token whose every slot is dropped; checked against reference.moe_experts
 
 The plans are enumerated from the dispatch code: every spec of kernel_specs() (every dispatchable
 KernelSpec) is matched to its configuration and format, for W4A16 / NF4 through the builds the ops
 modules name (ops.w4a16.dispatch_builds, ops.nf4.kernel_spec), for SGEMM / HGEMM by reading its
-template arguments back; so a plan the dispatchers gain is picked up (or shows as uncovered in --list
+template arguments back, for MoE by reading back the template arguments and defines of
+ops.moe_kernels.kernel_specs() and rebuilding them with moe_kernels' own spec functions; so a plan the
+dispatchers gain is picked up (or shows as uncovered in --list
 and fails tests/test_sanitize_script.py). A spec no plan runs is listed with the reason. What a W4A16
 plan launches (k split, clusters, a separate tail) is the launcher's own geometry on the described
 GPU (ops.w4a16.launch_geometry, tilefish.w4a16.plan for the dispatcher's picks; --list -v prints it),
@@ -111,10 +121,10 @@ except ImportError:  # run from a checkout that is not installed
     sys.path.insert(0, str(REPO / "src"))
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
-FAMILIES = ("w4a16", "nf4-matmul", "nf4-dequant", "sgemm", "hgemm")
+FAMILIES = ("w4a16", "nf4-matmul", "nf4-dequant", "sgemm", "hgemm", "moe")
 ALL = frozenset(TOOLS)
 NO_RACE = frozenset(("memcheck", "synccheck", "initcheck"))
-KERNEL_FILTERS = ("w4a16_", "nf4_dequantize", "sgemm_", "hgemm_")  # substrings of our kernels' mangled names
+KERNEL_FILTERS = ("w4a16_", "nf4_dequantize", "sgemm_", "hgemm_", "moe_")  # substrings of our kernels' mangled names
 TOLERANCE = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 1.6e-2}  # tests/conftest.py's, by output dtype
 LINEINFO_ENV = "TILEFISH_SANITIZE_LINEINFO"
 FAKE_DEVICE_ENV = "TILEFISH_SANITIZE_FAKE_DEVICE"  # tests: a device description; workers run the CPU path
@@ -250,7 +260,71 @@ def spec_config(family: str, spec, builds: dict | None = None):
         if cfg.spec(dt, nk) != spec:
             raise ValueError(f"{spec} does not read back as {cfg.label()}")
         return "hgemm", cfg, {"dt": _dtname(dt), "nk": int(nk)}
+    if family == "moe":
+        return ("moe", *moe_read_back(spec))
     raise ValueError(f"unknown kernel family {family!r}")
+
+
+_ID_NAMES = {"int": "i32", "long long": "i64"}
+
+
+def _id_dtype(name: str):
+    import torch
+
+    return {"i32": torch.int32, "i64": torch.int64}[name]
+
+
+def moe_fmt_code(group: int, zero_points: bool, codebook: str) -> str:
+    """A stacked projection's weight format in a plan id: int4.g128, int4.pc.zp (per channel, zero points),
+    nf4.g64, mxfp4.g32."""
+    return f"{codebook}.{'pc' if group == -1 else f'g{group}'}{'.zp' if zero_points else ''}"
+
+
+def moe_fmt_parse(code: str) -> tuple[int, bool, str]:
+    cb, gp, *rest = code.split(".")
+    if rest not in ([], ["zp"]) or not (gp == "pc" or re.fullmatch(r"g\d+", gp)):
+        raise ValueError(f"{code!r} is not a MoE weight format code (int4.g128, int4.pc.zp, nf4.g64, mxfp4.g32)")
+    return -1 if gp == "pc" else int(gp[1:]), bool(rest), cb
+
+
+def moe_read_back(spec):
+    """A spec of ops.moe_kernels.kernel_specs() -> (config, format), read back from its template arguments and
+    defines and verified by rebuilding it with moe_kernels' own spec functions: the grouped GEMM (gemm.cu built
+    with -D TF_W4A16_GROUPED) -> (GemmConfig, {kind: gemm, dt, g, zp, cb}); the alignment, activation and combine
+    kernels -> ("align" / "act" / "combine", {kind, dt, id, act} as they apply)."""
+    from tilefish.ops import moe_kernels as mk
+    from tilefish.ops.w4a16.configs import CODEBOOK_DEFINES, GemmConfig
+    from tilefish.ops.w4a16.layout import DTYPES
+
+    head, a = _targs(spec.name)
+    dts = {v: k for k, v in DTYPES.items()}
+    acts = {v: k for k, v in mk.ACTIVATION_CODES.items()}
+    try:
+        if head == "moe_align" and spec.source == mk.ALIGN_SOURCE:
+            cfg, fmt = "align", {"kind": "align", "id": _ID_NAMES[a[0]]}
+            rebuilt = mk.align_spec(_id_dtype(fmt["id"]))
+        elif head == "moe_act" and spec.source == mk.ACT_SOURCE:
+            cfg, fmt = "act", {"kind": "act", "dt": _dtname(dts[a[0]]), "act": acts[int(a[1])]}
+            rebuilt = mk.act_spec(dts[a[0]], fmt["act"])
+        elif head == "moe_combine" and spec.source == mk.COMBINE_SOURCE:
+            cfg, fmt = "combine", {"kind": "combine", "dt": _dtname(dts[a[0]]), "id": _ID_NAMES[a[1]]}
+            rebuilt = mk.combine_spec(dts[a[0]], _id_dtype(fmt["id"]))
+        elif head == "w4a16_gemm" and (mk.GROUPED_DEFINE, "1") in spec.defines:
+            dt = dts[a[0]]
+            mb, wn, wk, stages, group = (int(v) for v in a[1:6])
+            zp, swap, breg = (v == "true" for v in a[6:9])
+            cbs = [cb for cb, d in CODEBOOK_DEFINES.items() if (d, "1") in spec.defines]
+            cb = cbs[0] if len(cbs) == 1 else "int4"
+            cfg = GemmConfig(mb, wn, wk, stages, swap, breg)
+            fmt = {"kind": "gemm", "dt": _dtname(dt), "g": -1 if group == 0 else group, "zp": int(zp), "cb": cb}
+            rebuilt = mk.grouped_gemm_spec(dt, cfg, fmt["g"], zp, cb)
+        else:
+            raise ValueError("not a moe_kernels kernel (moe_align / moe_act / moe_combine / a grouped w4a16_gemm)")
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"{spec.name} {dict(spec.defines)}: cannot read back as a MoE kernel: {e}") from None
+    if rebuilt != spec:
+        raise ValueError(f"{spec} does not read back: moe_kernels builds {rebuilt}")
+    return cfg, fmt
 
 
 def dispatch_universe():
@@ -369,6 +443,234 @@ def describe_geometry(geo) -> str:
     return (label + f"{geo.ctas} CTAs" + (f", k split {geo.slices}" if geo.slices > 1 else "")
             + (f" as clusters of {geo.cluster}" if geo.cluster > 1 else "")
             + (f", {len(geo.launches)} launches" if len(geo.launches) > 1 else ""))
+
+
+# MoE (ops.moe_kernels.grouped_experts_cuda): the row classes of plan_grouped's tile choice, from (tokens, K, E):
+# S = T K slots over the expected active experts give ~1.3 rows an expert (swapped operands, blocks of 8 rows),
+# ~12 (16-row tiles) and ~24 (32-row tiles). The column tile follows n: gate_up's n = 2I (256 wide for I % 128
+# == 0, else 128: never 64), down's n = H (256 / 128 / 64). H = 192 and I = 192 make k % 128 == 64 for the
+# other GEMM (its half last k tile; no group 128 there). The k-split plans take H = I = 1024 (8 k tiles).
+MOE_ROWS = {"swap": (3, 2, 8), "m16": (24, 2, 4), "m32": (48, 2, 4)}
+MOE_SPLIT_ROWS = {"swap": (2, 2, 4), "m16": (24, 2, 4), "m32": (48, 2, 4)}
+MOE_ROWS_PER_EXPERT = {"swap": 1, "m16": 12, "m32": 24}
+MOE_INTER = {256: 128, 128: 192}            # gate_up's column tile -> I
+MOE_HIDDEN = {256: 256, 128: 384, 64: 192}  # down's column tile -> H
+MOE_SPLIT_SHAPE = (1024, 1024)              # (H, I) of the k-split plans
+
+
+def moe_formats() -> list[str]:
+    """The weight formats a stacked projection may have (moe_kernels.FORMATS), as plan-id codes."""
+    from tilefish.ops import moe_kernels as mk
+
+    return [moe_fmt_code(g, zp, cb) for g, zp, cb in mk.FORMATS]
+
+
+def _moe_row_class(cfg) -> str:
+    return "swap" if cfg.swap else f"m{cfg.bm}"
+
+
+def _moe_base_width(cls: str, cfg) -> int | None:
+    """The column tile (the n divisibility) whose grouped_config in row class cls, fitted to some shared memory
+    limit, can be cfg: the tile itself, or twice it when fit_mma_smem halved the columns."""
+    from tilefish.ops import moe_kernels as mk
+
+    for width in (cfg.bn, 2 * cfg.bn):
+        if width in (64, 128, 256) and mk.grouped_config(MOE_ROWS_PER_EXPERT[cls], width).bm == cfg.bm \
+                and mk.grouped_config(MOE_ROWS_PER_EXPERT[cls], width).swap == cfg.swap:
+            return width
+    return None
+
+
+def moe_smem_to_force(cfg, fmt: str, gpu) -> int | None | bool:
+    """How plan_grouped comes to pick cfg for a projection of format fmt: None where the described GPU's own
+    shared memory per block does (a grouped_config as it is), else the smallest per-block limit that
+    fit_mma_smem fits to cfg (a GPU with less shared memory: the reduced-stage / half-column variants kernel_specs
+    lists for sm_86 / sm_89 / sm_120); False where no limit does."""
+    from tilefish.ops import moe_kernels as mk
+    from tilefish.ops.w4a16.dispatch import KERNEL_STATIC_SMEM, fit_mma_smem
+
+    g, zp, _ = moe_fmt_parse(fmt)
+    cls = _moe_row_class(cfg)
+    width = _moe_base_width(cls, cfg)
+    if width is None:
+        return False
+    base = mk.grouped_config(MOE_ROWS_PER_EXPERT[cls], width)
+    if fit_mma_smem(base, g, zp, gpu.smem_per_block) == cfg:
+        return None
+    limit = cfg.smem_bytes(g, zp) + KERNEL_STATIC_SMEM
+    try:
+        return limit if fit_mma_smem(base, g, zp, limit) == cfg else False
+    except ValueError:
+        return False
+
+
+def moe_plan(gpu, cls: str, gu_bn: int, dn_bn: int, dt: str, gu: str, dn: str, *, idt: str, act: str, bias: int,
+             smem: int | None = None, split: bool = False, cnt: int | None = None, rep: int | None = None,
+             tools=ALL, tier: int = 0, why: str = ""):
+    """One grouped_experts_cuda call (align -> gate_up GEMM -> act -> down GEMM -> combine) -> (Plan,
+    moe_kernels.GroupedPlan). Shapes from the row class and the column tiles (or the k-split shape); the id
+    names the plan plan_grouped makes on `gpu` (its SM count: sms; a forced shared memory limit: smem): the
+    configurations g1 (gate_up) / g2 (down) and k splits s1 / s2, which the worker checks before it launches.
+    A ValueError where a format does not fit its GEMM's k, or where the two GEMMs would be one kernel name
+    built twice (int4 / nf4 / mxfp4 builds of one instantiation: one process must not load both)."""
+    from tilefish.ops import moe_kernels as mk
+    from tilefish.ops.w4a16.layout import check_shape
+
+    t, topk, e = (MOE_SPLIT_ROWS if split else MOE_ROWS)[cls]
+    h, i = MOE_SPLIT_SHAPE if split else (MOE_HIDDEN[dn_bn], MOE_INTER[gu_bn])
+    (g1, zp1, cb1), (g2, zp2, cb2) = moe_fmt_parse(gu), moe_fmt_parse(dn)
+    check_shape(2 * i, h, g1)
+    check_shape(h, i, g2)
+    gp = mk.plan_grouped(t, topk, e, h, i, (g1, zp1), (g2, zp2), gpu.sm_count,
+                         gpu.smem_per_block if smem is None else smem)
+    s1 = mk.grouped_gemm_spec(_dtype(dt), gp.gate_up.config, g1, zp1, cb1)
+    s2 = mk.grouped_gemm_spec(_dtype(dt), gp.down.config, g2, zp2, cb2)
+    if s1.name == s2.name and s1.defines != s2.defines:
+        raise ValueError(f"gate_up {gu} and down {dn} are two builds of {s1.name}")
+    p = make_plan("moe", tools, tier, why, dt=dt, id=idt, act=act, t=t, topk=topk, e=e, h=h, i=i, gu=gu, dn=dn,
+                  bias=bias, sms=gpu.sm_count, smem=smem, g1=gp.gate_up.config.label(), s1=gp.gate_up.slices,
+                  g2=gp.down.config.label(), s2=gp.down.slices, cnt=cnt, rep=rep)
+    return p, gp
+
+
+def _moe_fits(fmt: str, k: int) -> bool:
+    g = moe_fmt_parse(fmt)[0]
+    return g == -1 or k % g == 0
+
+
+def enumerate_moe(universe, gpu, add) -> None:
+    """MoE plans (ops.moe_kernels), tier 0: every grouped GEMM configuration kernel_specs lists (each row class
+    x column tile as plan_grouped picks it; the variants fitted to less shared memory under a forced limit),
+    every weight format x dtype on the grouped GEMM, the alignment / activation / combine kernels of both id
+    dtypes, both activations, both dtypes; tier 1: both GEMMs split k in each row class (the fixup through the
+    caller's counters and through fresh ones, launched twice and compared bitwise). Every call routes with an
+    idle expert, a dropped id and (T >= 3) a token whose every slot is dropped."""
+    cfgs = {cfg.label(): cfg for _, _, pfam, cfg, fmt in universe
+            if pfam == "moe" and cfg is not None and not isinstance(cfg, str)}
+    if not cfgs:
+        return
+    fmts = moe_formats()
+    left = {dt: list(fmts) for dt in ("fp16", "bf16")}  # formats not yet run on the grouped GEMM, per dtype
+    nxt = {dt: 0 for dt in left}
+    count = 0
+
+    def pick(dt: str, k: int, avoid=()) -> str:
+        """The format for a GEMM of reduction k: one not yet run (those of group 128 first: only some GEMMs of
+        the layout take them), else the next of the rotation."""
+        ok = sorted((f for f in left[dt] if _moe_fits(f, k) and f not in avoid),
+                    key=lambda f: moe_fmt_parse(f)[0] != 128)
+        if ok:
+            return ok[0]
+        for _ in range(2 * len(fmts)):
+            f = fmts[nxt[dt] % len(fmts)]
+            nxt[dt] += 1
+            if _moe_fits(f, k) and f not in avoid:
+                return f
+        raise ValueError(f"no MoE weight format fits k = {k} besides {sorted(avoid)}")
+
+    def one(cls, gu_bn, dn_bn, tier=0, tools=ALL, why="", dt=None, gu=None, dn=None, **kw):
+        nonlocal count
+        dt = dt or ("fp16", "bf16")[count % 2]
+        h, i = MOE_SPLIT_SHAPE if kw.get("split") else (MOE_HIDDEN[dn_bn], MOE_INTER[gu_bn])
+        gu = gu or pick(dt, h)
+        tried = {gu}
+        while True:
+            dn_f = dn or pick(dt, i, tried)
+            try:
+                p, gp = moe_plan(gpu, cls, gu_bn, dn_bn, dt, gu, dn_f, idt=("i64", "i32")[count // 2 % 2],
+                                 act=("silu", "swiglu_oai")[count // 4 % 2], bias=int(count % 3 != 1), tier=tier,
+                                 tools=tools, why=why, **kw)
+                break
+            except ValueError:  # two builds of one kernel name in one call: another down format
+                if dn:
+                    raise
+                tried.add(dn_f)
+        count += 1
+        for f in (p.args["gu"], p.args["dn"]):
+            if f in left[dt]:
+                left[dt].remove(f)
+        add(p)
+        return p, gp
+
+    shape_why = ("S = T K slots, ~{rows} rows an expert ({blocks}); gate_up n = 2I = {n1}, k = H = {h}; down n = H, "
+                 "k = I = {i}{half}; an idle expert, a dropped id{drop}")
+
+    def why_of(cls, gu_bn, dn_bn, extra=""):
+        t = MOE_ROWS[cls][0]
+        h, i = MOE_HIDDEN[dn_bn], MOE_INTER[gu_bn]
+        return shape_why.format(rows=MOE_ROWS_PER_EXPERT[cls] if cls != "swap" else "1.3",
+                                blocks={"swap": "swapped operands, blocks of 8 rows", "m16": "16-row tiles",
+                                        "m32": "32-row tiles"}[cls], n1=2 * i, h=h, i=i,
+                                half=" (k % 128 == 64: half last k tiles)" if 64 in (h % 128, i % 128) else "",
+                                drop=", a token with every slot dropped" if t >= 3 else "") + extra
+
+    # tier 0: each row class with column tiles (gate_up, down) 256 / 64, 128 / 128, 256 / 256, 128 / 64
+    covered: set = set()
+    for cls in ("swap", "m16", "m32"):
+        for gu_bn, dn_bn in ((256, 64), (128, 128), (256, 256), (128, 64)):
+            p, gp = one(cls, gu_bn, dn_bn, why=why_of(cls, gu_bn, dn_bn))
+            covered |= {gp.gate_up.config.label(), gp.down.config.label()}
+    # configurations plan_grouped picks on GPUs with less shared memory: under a forced per-block limit
+    for label in sorted(set(cfgs) - covered):
+        cfg = cfgs[label]
+        cls = _moe_row_class(cfg)
+        width = _moe_base_width(cls, cfg)
+        for dt in ("fp16", "bf16"):
+            cands = [f for f in left[dt] + fmts if moe_smem_to_force(cfg, f, gpu) not in (False, None)]
+            if cands:
+                break
+        if not cands:
+            continue  # coverage() reports its specs as not run
+        f = cands[0]
+        smem = moe_smem_to_force(cfg, f, gpu)
+        gu_bn, dn_bn = (width, 256) if width >= 128 else (256, width)
+        p, gp = one(cls, gu_bn, dn_bn, dt=dt, gu=f, dn=f if _moe_fits(f, MOE_INTER[gu_bn]) else None, smem=smem,
+                    why=why_of(cls, gu_bn, dn_bn, f"; shared memory per block forced to {smem} B (a GPU with less: "
+                                                  f"{label} as fit_mma_smem fits it there)"))
+        got = {gp.gate_up.config.label(), gp.down.config.label()}
+        if label not in got:
+            raise AssertionError(f"MoE plan {p.id} was meant to run {label}; plan_grouped picks {sorted(got)}")
+        covered |= got
+    # formats the layout left out (the rotation prefers formats not yet run): on the cheapest layout
+    for dt in ("fp16", "bf16"):
+        while left[dt]:
+            f = left[dt][0]
+            gu_bn, dn_bn = (256, 256)
+            one("swap", gu_bn, dn_bn, dt=dt, gu=f, why=why_of("swap", gu_bn, dn_bn, "; a format the layout left out"))
+    # tier 1: k split in each row class (both GEMMs: H = I = 1024), the caller's counters or fresh ones
+    for j, cls in enumerate(("swap", "m16", "m32")):
+        rows = "swapped operands" if cls == "swap" else cls[1:] + "-row tiles"
+        p, gp = one(cls, 256, 256, tier=1, split=True, cnt=int(j % 2 == 0), rep=2,
+                    why=f"both GEMMs split k (H = I = 1024), {rows}; "
+                        + ("the tile counters the caller owns (checked back at zero)" if j % 2 == 0 else
+                           "fresh zeroed tile counters") + "; launched twice, compared bitwise")
+        if not (gp.gate_up.slices > 1 and gp.down.slices > 1):
+            raise AssertionError(f"MoE plan {p.id} was meant to split k in both GEMMs: {gp}")
+
+
+def moe_exhaustive(universe, gpu, covered: set, add) -> None:
+    """--exhaustive: a memcheck plan for every grouped GEMM spec the sampled plans leave out (the spec's
+    configuration and format in the GEMM whose column tile takes it, the other GEMM in a format that fits)."""
+    for fam, spec, pfam, cfg, fmt in universe:
+        if pfam != "moe" or spec in covered or cfg is None or isinstance(cfg, str):
+            continue
+        f = moe_fmt_code(fmt["g"], bool(fmt["zp"]), fmt["cb"])
+        smem = moe_smem_to_force(cfg, f, gpu)
+        if smem is False:
+            continue
+        cls = _moe_row_class(cfg)
+        width = _moe_base_width(cls, cfg)
+        gu_bn, dn_bn = (width, 256) if width >= 128 else (256, width)
+        h, i = MOE_HIDDEN[dn_bn], MOE_INTER[gu_bn]
+        mine_gu = width >= 128
+        other = next(o for o in ([f] + moe_formats()) if _moe_fits(o, i if mine_gu else h) and (
+            o == f or moe_fmt_parse(o)[:2] != moe_fmt_parse(f)[:2]))
+        gu, dn = (f, other) if mine_gu else (other, f)
+        p, gp = moe_plan(gpu, cls, gu_bn, dn_bn, fmt["dt"], gu, dn, idt="i64", act="silu", bias=1, smem=smem,
+                         tools=frozenset(("memcheck",)), tier=3, why="--exhaustive: a spec the sampled plans leave out")
+        if spec not in plan_specs(p):
+            raise AssertionError(f"--exhaustive MoE plan {p.id} does not run {spec}")
+        add(p)
 
 
 def enumerate_plans(sm_count: int = 132, cc: int = 90, exhaustive: bool = False, universe=None,
@@ -551,10 +853,12 @@ def enumerate_plans(sm_count: int = 132, cc: int = 90, exhaustive: bool = False,
                 why = "edge tiles in m and n, k tail"
             add(make_plan("hgemm", ALL if race else NO_RACE, 0 if first else 2, why, cfg=_sg_code(cfg), dt=fmt["dt"],
                           nk=fmt["nk"], **shape))
+    enumerate_moe(universe, gpu, add)
     if exhaustive:
         covered = set()
         for p in plans:
             covered |= set(plan_specs(p))
+        moe_exhaustive(universe, gpu, covered, add)
         for fam, spec, pfam, cfg, fmt in universe:
             if spec in covered or cfg is None or pfam not in ("w4a16", "nf4-matmul"):
                 continue
@@ -592,6 +896,16 @@ def plan_specs(p: Plan) -> list:
         dt = _dtype(a["dt"])
         return [hgemm.HgemmConfig(*_sg_parse(a["cfg"])).spec(dt if dt != torch.float32 else torch.float16,
                                                              bool(int(a["nk"])))]
+    if p.family == "moe":
+        from tilefish.ops import moe_kernels as mk
+
+        dt, idt = _dtype(a["dt"]), _id_dtype(a["id"])
+        (g1, zp1, cb1), (g2, zp2, cb2) = moe_fmt_parse(a["gu"]), moe_fmt_parse(a["dn"])
+        return list(dict.fromkeys([mk.align_spec(idt),
+                                   mk.grouped_gemm_spec(dt, w4.parse_plan(a["g1"])[0], g1, zp1, cb1),
+                                   mk.act_spec(dt, a["act"]),
+                                   mk.grouped_gemm_spec(dt, w4.parse_plan(a["g2"])[0], g2, zp2, cb2),
+                                   mk.combine_spec(dt, idt)]))
     return []
 
 
@@ -602,6 +916,8 @@ class Coverage:
     unreadable: list       # (family, spec, error)
     config_tools: dict     # W4A16 config label -> set of tools whose plans run it
     format_tools: dict     # (kernel source, format key) -> set of tools
+    moe_config_tools: dict = field(default_factory=dict)  # MoE grouped GEMM config label -> set of tools
+    moe_format_tools: dict = field(default_factory=dict)  # MoE (dtype, weight format code) -> set of tools
 
 
 def coverage(plans: list[Plan], universe=None, cc: int = 90) -> Coverage:
@@ -611,9 +927,16 @@ def coverage(plans: list[Plan], universe=None, cc: int = 90) -> Coverage:
     covered: dict = {}
     cfg_tools: dict = {}
     fmt_tools: dict = {}
+    moe_cfg_tools: dict = {}
+    moe_fmt_tools: dict = {}
     for p in plans:
         for s in plan_specs(p):
             covered.setdefault(s, []).append(p.id)
+        if p.family == "moe":
+            a = p.args
+            for g, f in ((a["g1"], a["gu"]), (a["g2"], a["dn"])):
+                moe_cfg_tools.setdefault(g, set()).update(p.tools)
+                moe_fmt_tools.setdefault((a["dt"], f), set()).update(p.tools)
         if p.family in ("w4a16", "nf4-matmul") and p.args["cfg"] != "auto":
             a = p.args
             cfg_tools.setdefault(a["cfg"], set()).update(p.tools)
@@ -628,6 +951,12 @@ def coverage(plans: list[Plan], universe=None, cc: int = 90) -> Coverage:
             excluded[spec] = f"UNREAD: {fmt['error']} (teach spec_config this kernel)"
         elif spec.min_sm > cc:
             excluded[spec] = f"needs sm_{spec.min_sm}; this GPU is sm_{cc}"
+        elif pfam == "moe" and fmt.get("kind") == "gemm":
+            code = moe_fmt_code(fmt["g"], bool(fmt["zp"]), fmt["cb"])
+            excluded[spec] = (f"grouped format {fmt['dt']} {code} of {cfg.label()} not sampled: the configuration "
+                              "runs under other formats and this format on another configuration; --exhaustive "
+                              "runs every spec" if cfg.label() in moe_cfg_tools and (fmt["dt"], code) in moe_fmt_tools
+                              else f"no plan runs the grouped GEMM {cfg.label()} or {fmt['dt']} {code}: a gap")
         elif pfam in ("w4a16", "nf4-matmul"):
             key = (fmt["cb"], fmt["dt"], fmt["g"], fmt["zp"])
             others = sum(1 for (src, fk), tl in fmt_tools.items() if src == spec.source and fk == key)
@@ -638,10 +967,13 @@ def coverage(plans: list[Plan], universe=None, cc: int = 90) -> Coverage:
         else:
             excluded[spec] = "no plan (enumerate_plans does not build one for this family): a gap"
     # every dispatched W4A16 configuration must be in the plan set (the test checks each tool)
-    for _, spec, pfam, cfg, _ in universe:
+    for _, spec, pfam, cfg, fmt in universe:
         if pfam in ("w4a16", "nf4-matmul") and cfg is not None and (cc == 90 or spec.source == w4.SOURCE):
             cfg_tools.setdefault(cfg.label(), set())
-    return Coverage(covered, excluded, unreadable, cfg_tools, fmt_tools)
+        if pfam == "moe" and cfg is not None and fmt.get("kind") == "gemm":  # ... and every MoE grouped GEMM one
+            moe_cfg_tools.setdefault(cfg.label(), set())
+            moe_fmt_tools.setdefault((fmt["dt"], moe_fmt_code(fmt["g"], bool(fmt["zp"]), fmt["cb"])), set())
+    return Coverage(covered, excluded, unreadable, cfg_tools, fmt_tools, moe_cfg_tools, moe_fmt_tools)
 
 
 # ---- the worker ----------------------------------------------------------------------------------------------------
@@ -831,8 +1163,133 @@ def _run_hgemm(pid: str, a: dict, dev) -> dict:
     return info
 
 
+def _moe_weights(e: int, n: int, k: int, code: str, dt, gen, scale: float = 1.0):
+    """E random experts [n, k] quantized on the CPU in format `code` (ExpertWeights.from_weights)."""
+    import torch
+
+    from tilefish.ops.expert_weights import ExpertWeights
+
+    g, zp, cb = moe_fmt_parse(code)
+    w = torch.randn(e, n, k, generator=gen) * (scale / math.sqrt(k))
+    if cb == "int4":
+        ew = ExpertWeights.from_weights(w, "int4", group_size=g, symmetric=not zp, clip_search=False, dtype=dt)
+    elif cb == "nf4":
+        ew = ExpertWeights.from_weights(w, "nf4", blocksize=g, dtype=dt)
+    else:
+        ew = ExpertWeights.from_weights(w, cb, dtype=dt)
+    if (ew.group_size, ew.zeros is not None, ew.codebook) != (g, zp, cb):
+        raise AssertionError(f"{code}: quantized as group {ew.group_size}, zero points {ew.zeros is not None}, "
+                             f"{ew.codebook}")
+    return ew
+
+
+def _moe_device_limits(a: dict, dev) -> tuple[int, int]:
+    """(SM count, shared memory per block) the plan is made for: the id's sms and smem (the GPU's own where
+    absent; on the CPU path the described GPU's)."""
+    if dev.type == "cuda":
+        from tilefish.runtime import device_info
+
+        smem = device_info(dev.index).smem_per_block_optin
+    else:
+        from tilefish.runtime.device import SMEM_PER_BLOCK_BY_CC
+
+        fake = json.loads(os.environ.get(FAKE_DEVICE_ENV) or "{}")
+        smem = SMEM_PER_BLOCK_BY_CC[int(fake.get("cc", 90))]
+    return int(a["sms"]), int(a["smem"]) if "smem" in a else smem
+
+
+def _run_moe(pid: str, a: dict, dev) -> dict:
+    """One grouped_experts_cuda call: E experts in the id's formats, seeded routing with an idle expert (no slot
+    names it), a dropped id (negative, E, or past int32 for int64 ids) and, for T >= 3, a token whose every slot
+    is dropped (its row must be exactly 0). The plan the launcher makes (configurations, k splits) is checked
+    against the id first, under the id's SM count / shared memory limit (moe_kernels.device_info stands in for
+    the GPU where they differ from its own). Checked against tilefish.reference.moe_experts (float64 from the
+    dequantized weights, CPU) with the dropped slots given weight 0."""
+    import dataclasses
+
+    import torch
+
+    from tilefish import reference
+    from tilefish.ops import moe_kernels as mk
+    from tilefish.ops.w4a16 import parse_plan
+    from tilefish.ops.w4a16.workspace import new_counters
+
+    gen = torch.Generator().manual_seed(_seed(pid))
+    dt, idt = _dtype(a["dt"]), _id_dtype(a["id"])
+    t, topk, e, h, i = (int(a[x]) for x in ("t", "topk", "e", "h", "i"))
+    act = a["act"]
+    (g1, zp1, _), (g2, zp2, _) = moe_fmt_parse(a["gu"]), moe_fmt_parse(a["dn"])
+    sms, smem = _moe_device_limits(a, dev)
+    plan = mk.plan_grouped(t, topk, e, h, i, (g1, zp1), (g2, zp2), sms, smem)
+    got = (plan.gate_up.config, plan.gate_up.slices, plan.down.config, plan.down.slices)
+    want = (parse_plan(a["g1"])[0], int(a["s1"]), parse_plan(a["g2"])[0], int(a["s2"]))
+    if got != want:
+        raise AssertionError(f"plan_grouped picks gate_up {got[0].label()} x{got[1]}, down {got[2].label()} x{got[3]}; "
+                             f"the plan id names {a['g1']} x{a['s1']}, {a['g2']} x{a['s2']}")
+    info: dict = {"block_m": plan.block_m, "max_blocks": plan.max_blocks}
+    gate_up = _moe_weights(e, 2 * i, h, a["gu"], dt, gen, 4.0 if act == "swiglu_oai" else 1.0)
+    down = _moe_weights(e, h, i, a["dn"], dt, gen)
+    x = torch.randn(t, h, generator=gen).to(dt)
+    idle = int(torch.randint(e, (1,), generator=gen))
+    pool = torch.tensor([x for x in range(e) if x != idle])
+    ids = torch.stack([pool[torch.randperm(e - 1, generator=gen)[:topk]] for _ in range(t)])
+    weights = torch.softmax(torch.randn(t, topk, generator=gen), -1)
+    drops = (-1, e, 2**40, -(2**40)) if idt == torch.int64 else (-1, e, 2**31 - 1)
+    t0 = int(torch.randint(t, (1,), generator=gen))
+    ids[t0, int(torch.randint(topk, (1,), generator=gen))] = drops[_seed(pid) % len(drops)]
+    t_none = (t0 + 1) % t if t >= 3 else None
+    if t_none is not None:
+        ids[t_none] = torch.tensor([drops[(_seed(pid) + 1 + j) % len(drops)] for j in range(topk)])
+    ids = ids.to(idt)
+    valid = (ids >= 0) & (ids < e)
+    gb = torch.randn(e, 2 * i, generator=gen).to(dt) if int(a["bias"]) else None
+    db = (torch.randn(e, h, generator=gen) * 0.1).to(dt) if int(a["bias"]) else None
+    ref = reference.moe_experts(x, torch.where(valid, ids, 0).long(), torch.where(valid, weights, 0.0), gate_up,
+                                down, act, gb, db)
+    if dev.type != "cuda":  # --cpu: the plumbing only (the op's CPU path is the reference itself)
+        outs = [ref]
+    else:
+        xg, idg, wg = x.to(dev), ids.to(dev), weights.to(dev)
+        gug, dng = gate_up.to(dev), down.to(dev)
+        gbg, dbg = (None if b is None else b.to(dev) for b in (gb, db))
+        counters = new_counters(dev) if int(a.get("cnt", 0)) else None
+        if counters is not None:  # the launcher uses them only where they have room
+            info["owned_counters"] = max(plan.gate_up.tile_counters, plan.down.tile_counters) <= counters.numel()
+            if not info["owned_counters"]:
+                raise AssertionError(f"the plan needs {plan.gate_up.tile_counters} / {plan.down.tile_counters} tile "
+                                     f"counters, more than the {counters.numel()} the caller's hold")
+        orig = mk.device_info
+        real = orig(dev.index)
+        if (real.sm_count, real.smem_per_block_optin) != (sms, smem):  # the plan's GPU description
+            fake = dataclasses.replace(real, sm_count=sms, smem_per_block_optin=smem)
+            mk.device_info = lambda index=None: fake
+        outs = []
+        t1 = time.perf_counter()
+        try:
+            for _ in range(int(a.get("rep", 1))):
+                s_ = t * topk
+                _poison(s_, max(2 * i, h), dt, dev)
+                _poison(s_, i, dt, dev)
+                _poison(t, h, dt, dev)
+                outs.append(mk.grouped_experts_cuda(xg, idg, wg, gug, dng, act, gbg, dbg, counters).cpu())
+        finally:
+            mk.device_info = orig
+        info["gpu_s"] = time.perf_counter() - t1
+        if counters is not None and int(counters.abs().sum()):
+            raise AssertionError("the caller's tile counters are not back at zero after the call")
+    err = _rel_err(outs[0], ref)
+    info["rel_err"] = err
+    if not err < TOLERANCE[a["dt"]]:
+        raise AssertionError(f"relative error {err:.3g} > {TOLERANCE[a['dt']]}")
+    if t_none is not None and not bool((outs[0][t_none] == 0).all()):
+        raise AssertionError(f"token {t_none}: every slot dropped, but its row is not 0")
+    if any(not torch.equal(o, outs[0]) for o in outs[1:]):
+        raise AssertionError("repeated calls differ bitwise")
+    return info
+
+
 RUNNERS = {"w4a16": _run_w4a16, "nf4-matmul": _run_w4a16, "nf4-dequant": _run_nf4_dequant, "sgemm": _run_sgemm,
-           "hgemm": _run_hgemm}
+           "hgemm": _run_hgemm, "moe": _run_moe}
 
 
 def _kernel_record(loaded) -> dict:
@@ -1714,6 +2171,9 @@ def coverage_summary(plans: list[Plan], cov: Coverage) -> dict:
         if r.startswith("format"):
             short = ("W4A16 / NF4-matmul format variant not sampled (its configuration runs under other formats, "
                      "the format on other configurations of the kernel; --exhaustive runs it)")
+        elif r.startswith("grouped format"):
+            short = ("MoE grouped GEMM format variant not sampled (its configuration runs under other formats, "
+                     "the format on other grouped configurations; --exhaustive runs it)")
         else:
             short = r.split(":")[0]
         reasons[short] = reasons.get(short, 0) + 1
@@ -1785,6 +2245,10 @@ def list_main(args) -> int:
     missing = {lb: sorted(set(tools) - tl) for lb, tl in cov.config_tools.items() if set(tools) - tl}
     for lb, ts in sorted(missing.items()):
         print(f"  W4A16 configuration {lb} not run under {ts}")
+    for what, table in (("configuration", cov.moe_config_tools), ("dtype / format", cov.moe_format_tools)):
+        for key, tl in sorted(table.items()):
+            if set(tools) - tl:
+                print(f"  MoE grouped GEMM {what} {key} not run under {sorted(set(tools) - tl)}")
     if cov.unreadable:
         for fam, s, e in cov.unreadable:
             print(f"  UNREADABLE spec ({fam}) {s.name}: {e}")

@@ -431,3 +431,81 @@ def test_a_report_naming_inlined_functions_is_resolved_to_its_kernel_by_the_sass
     twin = {"/c/e.cubin": {"kE": dict(tables["/c/b.cubin"]["kB"])}}
     both = kernels + [{"name": "kE", "lowered": "kE", "cubin": "/c/e.cubin", "defines": []}]
     assert san.resolve_by_sass(f, both, {**tables, **twin}.__getitem__) is None
+
+
+def test_moe_specs_read_back_and_plans_name_the_planned_configs(san, universe, plans):
+    """ops.moe_kernels.kernel_specs() reads back (template arguments and defines, rebuilt by moe_kernels' spec
+    functions; the dense build of a grouped configuration is not a MoE kernel), and each moe plan id names the
+    configurations and k splits plan_grouped makes for its shapes on the GPU it describes (sms, a forced smem):
+    what the worker checks before it launches. plan_specs are the call's five launches."""
+    import torch
+    from tilefish.ops import moe_kernels as mk
+    from tilefish.ops.w4a16 import parse_plan
+
+    moe = [(spec, pfam, cfg, fmt) for fam, spec, pfam, cfg, fmt in universe if fam == "moe"]
+    assert {spec for spec, *_ in moe} == set(mk.kernel_specs())
+    assert all(pfam == "moe" and cfg is not None for _, pfam, cfg, _ in moe)
+    assert {cfg for _, _, cfg, _ in moe if isinstance(cfg, str)} == {"align", "act", "combine"}
+    dense = mk.kernel_spec(torch.float16, mk.grouped_config(1, 256), 128, False)  # no TF_W4A16_GROUPED
+    with pytest.raises(ValueError, match="cannot read back as a MoE kernel"):
+        san.spec_config("moe", dense)
+    gpu = san.described_gpu(132, 90)
+    mp = [p for p in plans if p.family == "moe"]
+    assert mp and all(p.args["sms"] == "132" for p in mp)
+    for p in mp:
+        a = p.args
+        g1, zp1, _ = san.moe_fmt_parse(a["gu"])
+        g2, zp2, _ = san.moe_fmt_parse(a["dn"])
+        gp = mk.plan_grouped(*(int(a[x]) for x in ("t", "topk", "e", "h", "i")), (g1, zp1), (g2, zp2), int(a["sms"]),
+                             int(a.get("smem", gpu.smem_per_block)))
+        assert (gp.gate_up.config, gp.gate_up.slices, gp.down.config, gp.down.slices) == \
+            (parse_plan(a["g1"])[0], int(a["s1"]), parse_plan(a["g2"])[0], int(a["s2"])), p.id
+        specs = san.plan_specs(p)
+        assert [s.source for s in specs][:1] == [mk.ALIGN_SOURCE] and specs[-1].source == mk.COMBINE_SOURCE
+        assert all((mk.GROUPED_DEFINE, "1") in s.defines for s in specs if s.source == "w4a16/gemm.cu")
+        names = {}
+        for s in specs:  # one process never loads two builds of one kernel name
+            assert names.setdefault(s.name, s.defines) == s.defines, p.id
+    assert san.moe_fmt_parse("int4.pc.zp") == (-1, True, "int4") and san.moe_fmt_code(64, False, "nf4") == "nf4.g64"
+    with pytest.raises(ValueError):
+        san.moe_fmt_parse("int4.g128.x")
+
+
+def test_moe_coverage(san, plans, universe):
+    """Tier 0 alone runs every MoE grouped GEMM configuration kernel_specs() lists (the reduced-smem variants
+    under a forced limit) and every dtype x weight format on the grouped GEMM, under every tool, and every
+    alignment / activation / combine kernel; tier 1 splits k in both GEMMs, through the caller's counters and
+    fresh ones; the rest of the grouped specs are format variants --exhaustive runs."""
+    from tilefish.ops import moe_kernels as mk
+
+    tier0 = [p for p in plans if p.tier == 0]
+    cov = san.coverage(tier0, universe, 90)
+    assert cov.moe_config_tools and all(t == set(san.TOOLS) for t in cov.moe_config_tools.values()), \
+        {k: t for k, t in cov.moe_config_tools.items() if t != set(san.TOOLS)}
+    assert len(cov.moe_format_tools) == 2 * len(mk.FORMATS)
+    assert all(t == set(san.TOOLS) for t in cov.moe_format_tools.values())
+    small = [s for s in mk.kernel_specs() if s.source != "w4a16/gemm.cu"]
+    assert len(small) == 10 and set(small) <= set(cov.covered)
+    moe_excluded = {s: r for s, r in cov.excluded.items() if s in set(mk.kernel_specs())}
+    assert all(r.startswith("grouped format") for r in moe_excluded.values())
+    forced = [p for p in tier0 if p.family == "moe" and "smem" in p.args]
+    assert forced and all(int(p.args["smem"]) < san.described_gpu(132, 90).smem_per_block for p in forced)
+    split = [p.args for p in plans if p.family == "moe" and p.tier == 1]
+    assert split and all(int(a["s1"]) > 1 and int(a["s2"]) > 1 and a["rep"] == "2" for a in split)
+    assert {a["cnt"] for a in split} == {"0", "1"} and {a["g2"][:3] for a in split} == {"m16", "m32"}
+    assert any(a["g1"].endswith("-swap-reg") for a in split)
+    mp = [p.args for p in plans if p.family == "moe"]
+    assert {a["act"] for a in mp} == set(mk.ACTIVATION_CODES) and {a["id"] for a in mp} == {"i32", "i64"}
+    assert any(int(a["h"]) % 128 == 64 for a in mp) and any(int(a["i"]) % 128 == 64 for a in mp)
+    assert {a["bias"] for a in mp} == {"0", "1"}
+
+
+def test_moe_worker_checks_the_plan_before_it_runs(san, plans):
+    """A plan id whose configuration plan_grouped would not pick fails in the worker (CPU path)."""
+    import torch
+
+    p = next(p for p in plans if p.family == "moe" and p.args["g1"] != p.args["g2"])
+    fam, a = san.parse_plan_id(p.id)
+    a = {**a, "g1": a["g2"]}
+    with pytest.raises(AssertionError, match="plan_grouped picks"):
+        san._run_moe(p.id, a, torch.device("cpu"))

@@ -15,6 +15,7 @@ def kernel_specs(include_variants: bool = False, arch: str | None = None):
     w4a16 = importlib.import_module(".w4a16", __name__)
     sgemm = importlib.import_module(".sgemm", __name__)
     hgemm = importlib.import_module(".hgemm", __name__)
+    moe = importlib.import_module(".moe_kernels", __name__)
 
     # W4A16's dispatch_specs may not take arch: then its specs are filtered by supports(arch) below
     w4_arch = {"arch": arch} if "arch" in inspect.signature(w4a16.dispatch_specs).parameters else {}
@@ -22,6 +23,7 @@ def kernel_specs(include_variants: bool = False, arch: str | None = None):
     specs += [("w4a16", s) for s in w4a16.dispatch_specs(**w4_arch)]
     specs += [("sgemm", s) for s in sgemm.dispatch_specs(arch=arch)]
     specs += [("hgemm", s) for s in hgemm.dispatch_specs(arch=arch)]
+    specs += [("moe", s) for s in moe.kernel_specs(arch=arch)]
     if include_variants:
         import torch
 
