@@ -433,7 +433,10 @@ def grouped_experts_cuda(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
             hand_over(counters, index, current_stream_handle(index))
             enqueue(counters.data_ptr())
     elif needs_counters:
-        enqueue(torch.zeros(needs_counters, dtype=torch.int32, device=dev).data_ptr())
+        # held by a name until the launches are enqueued: a temporary would go back to the allocator at once
+        # and its memory could become the partials the same launches write
+        fresh = torch.zeros(needs_counters, dtype=torch.int32, device=dev)
+        enqueue(fresh.data_ptr())
     else:
         enqueue(0)
 
