@@ -4,6 +4,7 @@ compute-sanitizer output (a clean run, memcheck errors, racecheck hazards of bot
 from __future__ import annotations
 
 import importlib.util
+import os
 import json
 import sys
 from pathlib import Path
@@ -15,18 +16,18 @@ SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "sanitize_all.py"
 
 @pytest.fixture(scope="module")
 def san():
-    """The script as a module. Its worker patches the compiler for -lineinfo builds (own cache keys):
-    the patch is undone after this module's tests, so later tests see the library's cache keys."""
-    from tilefish.runtime import compiler
-
-    saved = {name: compiler.__dict__[name] for name in ("_options", "cache_key") if name in compiler.__dict__}
+    """The script as a module. Its worker turns on -lineinfo builds (TILEFISH_LINEINFO: own cache keys) for
+    the process: that is undone after this module's tests, so later tests see the library's cache keys."""
+    saved = os.environ.get("TILEFISH_LINEINFO")
     spec = importlib.util.spec_from_file_location("sanitize_all", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["sanitize_all"] = mod
     spec.loader.exec_module(mod)
     yield mod
-    compiler.__dict__.update(saved)
-    compiler.__dict__.pop("_tfsan_lineinfo", None)
+    if saved is None:
+        os.environ.pop("TILEFISH_LINEINFO", None)
+    else:
+        os.environ["TILEFISH_LINEINFO"] = saved
     sys.modules.pop("sanitize_all", None)
 
 
