@@ -18,6 +18,7 @@ from tilefish import cli
 from tilefish.bench import e2e as bench_e2e
 from tilefish.bench import e2e_generate as bench_e2e_generate
 from tilefish.bench import hgemm as bench_hgemm
+from tilefish.bench import moe as bench_moe
 from tilefish.bench import nf4 as bench_nf4
 from tilefish.bench import progress, quick
 from tilefish.bench import sgemm as bench_sgemm
@@ -25,7 +26,7 @@ from tilefish.bench import w4a16 as bench_w4a16
 from tilefish.bench.families import FAMILIES as BENCH_FAMILIES
 from tilefish.bench.report import Report, Row
 
-FAMILIES = {"w4a16", "nf4", "sgemm", "hgemm", "e2e"}
+FAMILIES = {"w4a16", "nf4", "sgemm", "hgemm", "e2e", "moe"}
 H100 = types.SimpleNamespace(index=0, name="NVIDIA H100 80GB HBM3", sm_count=132, cc=90, arch="sm_90", major=9,
                              minor=0, smem_per_block_optin=232448)
 
@@ -48,9 +49,11 @@ def test_quick_plan_is_small_covers_every_family_and_fits_two_minutes():
     cases = [c for s in steps for c in s.cases]
     assert {s.family for s in steps} == FAMILIES
     assert all(s.cases for s in steps) and 20 <= len(cases) <= 60
-    # the estimate the ETA starts from: measurements (the e2e step's two generate() compiles the largest part),
-    # plus compiling ~40 kernels on 16 cores, inside 2 minutes with room for the process start and the writing
-    assert sum(c.weight for c in cases) + progress.compile_s(40, 16) < 110
+    # the estimate the ETA starts from: measurements (the e2e step's two generate() compiles the largest part, the
+    # MoE step's layer builds next), plus compiling ~40 kernels on 16 cores, inside 2 minutes with room for the
+    # process start and the writing (the estimates run high: 58 s measured on an H100 for 104 s estimated before
+    # the MoE step)
+    assert sum(c.weight for c in cases) + progress.compile_s(40, 16) < 125
     full = quick.full_plan(parse("--full"))
     by_family = lambda plan: {f: sum(len(s.cases) for s in plan if s.family == f) for f in FAMILIES}  # noqa: E731
     assert all(by_family(full)[f] >= by_family(steps)[f] for f in FAMILIES)
@@ -62,7 +65,7 @@ def test_every_family_is_one_object_with_its_own_steps():
     are its own, with cases; it builds them from its own flags' defaults."""
     from tilefish.bench.family import BenchFamily, defaults
 
-    assert list(BENCH_FAMILIES) == ["w4a16", "nf4", "sgemm", "hgemm", "e2e"]
+    assert list(BENCH_FAMILIES) == ["w4a16", "nf4", "sgemm", "hgemm", "e2e", "moe"]
     for name, fam in BENCH_FAMILIES.items():
         assert isinstance(fam, BenchFamily) and fam.name == name and fam.title and fam.help
         args = defaults(fam, reps=7)
@@ -71,7 +74,7 @@ def test_every_family_is_one_object_with_its_own_steps():
             steps = fam.steps(args, full)
             assert steps and all(s.family == name and s.cases for s in steps), (name, full)
         assert fam.headlines(Report("empty")) == [] and fam.heading(Report("empty")) == fam.title
-    assert [s.family for s in quick.quick_plan(parse())] == ["w4a16", "nf4", "nf4", "sgemm", "hgemm", "e2e"]
+    assert [s.family for s in quick.quick_plan(parse())] == ["w4a16", "nf4", "nf4", "sgemm", "hgemm", "e2e", "moe"]
 
 
 def test_quick_plan_kernels_are_the_dispatchers_picks(monkeypatch):
@@ -249,6 +252,21 @@ def fake_bench(monkeypatch):
                            {"fp16": 1.7}))
         return report
 
+    def moe_run(models, tokens, impls, graphs=False, reps=50, title_note="", **kw):
+        calls.append(("moe", dict(models=[m.name for m in models], tokens=tokens, impls=impls)))
+        rep = Report("MoE layer", {"copy GB/s": 3000.0})
+        for m in models:
+            for t in tokens:
+                maybe_interrupt("moe", rep)
+                case, extra = f"{m.name} t{t}", {"model": m.name, "tokens": t}
+                for impl in impls:
+                    ours = impl in ("int4", "nf4", "mxfp4")
+                    rep.add(Row("moe", case, m.label(impl), 10.0 if ours else 30.0, 900.0, "GB/s", 30.0,
+                                {"best bf16": 3.0, "grouped_mm": 4.0} if ours else {}, dict(extra)))
+                rep.add(Row("moe", case, "byte floor (int4 g128 bytes at the copy rate)", 3.0, 3000.0, "GB/s", 100.0,
+                            {}, dict(extra)))
+        return rep
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr("tilefish.bench.report.environment", lambda: {"gpu": H100.name, "commit": "test"})
     monkeypatch.setattr("tilefish.runtime.device_info", lambda *a: H100)
@@ -259,6 +277,9 @@ def fake_bench(monkeypatch):
     monkeypatch.setattr(bench_hgemm, "run_auto", gemm("hgemm"))
     monkeypatch.setattr(bench_e2e, "run", e2e_run)
     monkeypatch.setattr(bench_e2e_generate, "run", generate_run)
+    monkeypatch.setattr(bench_moe, "run", moe_run)
+    monkeypatch.setattr(bench_moe, "kernel_specs", lambda info, models, tokens, impls:
+                        [("moe", m.name, t, i) for m in models for t in tokens for i in impls])
     # the kernels: a fake list, "compiled" by a fake warm-up that reports each one
     monkeypatch.setattr(bench_w4a16, "dispatched_kernels", lambda info, shapes, ms, dtypes, group, codebooks=("int4",):
                         [("w4a16", d, k, n, m, cb) for d in dtypes for k, n in shapes for m in ms for cb in codebooks])
@@ -284,7 +305,7 @@ def test_quick_run_end_to_end(fake_bench, tmp_path, capsys):
     assert cli.main(["bench", "--out", str(out)]) == 0
     screen, err = capsys.readouterr()
     fams = [c[0] for c in fake_bench.calls]
-    assert fams == ["w4a16", "nf4", "nf4_matmul", "sgemm", "hgemm", "e2e", "e2e-generate"]
+    assert fams == ["w4a16", "nf4", "nf4_matmul", "sgemm", "hgemm", "e2e", "e2e-generate", "moe"]
     assert fake_bench.warmed and len(fake_bench.warmed[0]) > 10  # every step's kernels, once, before timing
     # progress: one line per case on stderr (not a terminal), counting across families up to the total
     total = sum(len(s.cases) for s in quick.quick_plan(parse()))
@@ -303,6 +324,7 @@ def test_quick_run_end_to_end(fake_bench, tmp_path, capsys):
     assert "auto (best ladder step) vs cuBLAS" in screen and "auto vs cuBLAS, LLM projections" in screen
     assert "tilefish w4a16 vs fp16, compiled decode b1" in screen and "1.80x  900 tok/s" in screen
     assert "tilefish w4a16 vs fp16, generate decode b1" in screen and "1.70x  700 tok/s" in screen  # the user's loop
+    assert "1 token, of copy bandwidth (3,000 GB/s)" in screen and "1 token, vs best bf16" in screen  # MoE
     assert "checks: no failed output check" in screen and "INTERRUPTED" not in screen
     # the results: a JSON per family, summary.json with the headlines, tables.txt
     for fam in FAMILIES:
@@ -331,7 +353,7 @@ def test_ctrl_c_writes_what_was_measured_and_returns_130(fake_bench, tmp_path, c
     assert not (out / "sgemm.json").exists() and not (out / "e2e.json").exists()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["run"]["interrupted"] and summary["run"]["cases_done"] == 24 + 2 + 4
-    assert "INTERRUPTED" in screen and "interrupted (Ctrl-C)" in screen and "not run: sgemm, hgemm, e2e" in screen
+    assert "INTERRUPTED" in screen and "interrupted (Ctrl-C)" in screen and "not run: sgemm, hgemm, e2e, moe" in screen
     assert "vs cuBLAS, m<=16" in screen and "matmul vs cuBLAS, m<=16" in screen
 
 
@@ -428,7 +450,7 @@ def test_a_failing_family_costs_neither_the_others_nor_its_rows(fake_bench, tmp_
     monkeypatch.setattr(bench_sgemm, "run_auto", broken)
     assert cli.main(["bench", "--out", str(tmp_path)]) == 1
     screen = capsys.readouterr().out
-    assert [c[0] for c in fake_bench.calls][-3:] == ["hgemm", "e2e", "e2e-generate"]  # the families after it ran
+    assert [c[0] for c in fake_bench.calls][-4:] == ["hgemm", "e2e", "e2e-generate", "moe"]  # the families after it
     assert "SGEMM auto vs cuBLAS FAILED (RuntimeError: no kernel image)" in screen
     assert len(json.loads((tmp_path / "sgemm.json").read_text())["rows"]) == 1
     assert "RuntimeError: no kernel image" in (tmp_path / "log.txt").read_text()

@@ -2,6 +2,6 @@
 all-families run measures them and its summary lists them. Nothing here imports torch."""
 from __future__ import annotations
 
-from . import e2e, hgemm, nf4, sgemm, w4a16
+from . import e2e, hgemm, moe, nf4, sgemm, w4a16
 
-FAMILIES = {f.name: f for f in (w4a16.FAMILY, nf4.FAMILY, sgemm.FAMILY, hgemm.FAMILY, e2e.FAMILY)}
+FAMILIES = {f.name: f for f in (w4a16.FAMILY, nf4.FAMILY, sgemm.FAMILY, hgemm.FAMILY, e2e.FAMILY, moe.FAMILY)}
