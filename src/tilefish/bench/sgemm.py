@@ -128,24 +128,7 @@ def run(args) -> Report:
 
     if not given:
         for s in SWEEP:
-            shape = (s, s, s)
-            a, b = _operands(shape)
-            ref = torch.empty(s, s, device="cuda")
-            c = torch.empty_like(ref)
-            tc = _time_cublas(a, b, ref, reps)
-            cub = _tflops(shape, tc.median_ms)
-            report.add(Row("sgemm", f"sweep {_case(shape)}", "cuBLAS", tc.median_us, cub, "TFLOP/s", 100.0, {}))
-            fn = lambda: ops.sgemm(a, b, c)  # noqa: E731
-            fn()
-            torch.cuda.synchronize()
-            err = _rel(c, ref)
-            t = time_cuda(fn, reps=reps)
-            cfg = _config(_gpu(a), a, b, c)
-            tf = _tflops(shape, t.median_ms)
-            report.add(Row("sgemm", f"sweep {_case(shape)}", "tilefish auto", t.median_us, tf, "TFLOP/s",
-                           100.0 * tf / cub, {"cuBLAS": tc.median_ms / t.median_ms},
-                           {"config": cfg.label(), "rel_err_vs_cublas": err}))
-            del a, b, c, ref
+            _auto_against_cublas(ops, report, s, reps, f"sweep {_case((s, s, s))}")
         torch.cuda.empty_cache()
 
     if variants:
@@ -191,28 +174,34 @@ def run_auto(sizes, reps: int = 50) -> Report:
     report.notes.append("% ceil = % of cuBLAS fp32 at the same shape, measured in this process; "
                         "`tilefish bench sgemm` runs every ladder step")
     for s in sizes:
-        shape = (s, s, s)
-        a, b = _operands(shape)
-        ref = torch.empty(s, s, device="cuda")
-        c = torch.empty_like(ref)
-        tc = _time_cublas(a, b, ref, reps)
-        cub = _tflops(shape, tc.median_ms)
-        report.ceilings[f"cuBLAS fp32 TFLOP/s @{_case(shape)}"] = cub
-        report.add(Row("sgemm", _case(shape), "cuBLAS", tc.median_us, cub, "TFLOP/s", 100.0, {}))
-        fn = lambda: ops.sgemm(a, b, c)  # noqa: E731
-        fn()
-        torch.cuda.synchronize()
-        err = _rel(c, ref)
-        t = time_cuda(fn, reps=reps)
-        cfg = _config(_gpu(a), a, b, c)
-        tf = _tflops(shape, t.median_ms)
-        row = report.add(Row("sgemm", _case(shape), "tilefish auto", t.median_us, tf, "TFLOP/s", 100.0 * tf / cub,
-                             {"cuBLAS": tc.median_ms / t.median_ms}, {"config": cfg.label(), "rel_err_vs_cublas": err}))
-        if err > 1e-4:
-            report.notes.append(f"WARNING: {row.impl} at {row.case} differs from cuBLAS: rel err {err:.3g}")
-        del a, b, c, ref
+        cub, row = _auto_against_cublas(ops, report, s, reps, _case((s, s, s)))
+        report.ceilings[f"cuBLAS fp32 TFLOP/s @{row.case}"] = cub
+        if row.extra["rel_err_vs_cublas"] > 1e-4:
+            report.notes.append(f"WARNING: {row.impl} at {row.case} differs from cuBLAS: "
+                                f"rel err {row.extra['rel_err_vs_cublas']:.3g}")
         torch.cuda.empty_cache()
     return report
+
+
+def _auto_against_cublas(ops, report: Report, s: int, reps: int, case: str):
+    """cuBLAS and kernel="auto" on an s^3 product, one row each under `case`: (cuBLAS TFLOP/s, auto's row)."""
+    shape = (s, s, s)
+    a, b = _operands(shape)
+    ref = torch.empty(s, s, device="cuda")
+    c = torch.empty_like(ref)
+    tc = _time_cublas(a, b, ref, reps)
+    cub = _tflops(shape, tc.median_ms)
+    report.add(Row("sgemm", case, "cuBLAS", tc.median_us, cub, "TFLOP/s", 100.0, {}))
+    fn = lambda: ops.sgemm(a, b, c)  # noqa: E731
+    fn()
+    torch.cuda.synchronize()
+    err = _rel(c, ref)
+    t = time_cuda(fn, reps=reps)
+    cfg = _config(_gpu(a), a, b, c)
+    tf = _tflops(shape, t.median_ms)
+    row = report.add(Row("sgemm", case, "tilefish auto", t.median_us, tf, "TFLOP/s", 100.0 * tf / cub,
+                         {"cuBLAS": tc.median_ms / t.median_ms}, {"config": cfg.label(), "rel_err_vs_cublas": err}))
+    return cub, row
 
 
 def kernel_specs(info, shapes, steps=("auto",)) -> list:
