@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from tilefish.ops import moe_decode as md
 from tilefish.ops import moe_kernels as mk
 from tilefish.ops.w4a16 import GemmConfig
 from tilefish.ops.w4a16.dispatch import KERNEL_STATIC_SMEM
@@ -75,6 +76,40 @@ def test_plan_decode_and_prefill():
     assert p.gate_up.slices == p.down.slices == 1
 
 
+# (model, tokens, decode path?) on the shapes of tilefish bench moe: one token is always the decode path; the
+# grouped path from where experts are shared (Mixtral's 8 experts at 8 tokens) or slots pass 64.
+@pytest.mark.parametrize("tokens, topk, experts, want", [
+    (1, 2, 8, True), (4, 2, 8, True), (8, 2, 8, False), (1, 8, 128, True), (8, 8, 128, True), (16, 8, 128, False),
+    (1, 4, 32, True), (4, 4, 32, True), (16, 4, 32, False), (1, 4, 128, True), (16, 4, 128, True),
+    (32, 4, 128, False), (1, 8, 8, True), (2, 8, 8, False)])
+def test_takes_decode_path(tokens, topk, experts, want):
+    assert md.takes_decode_path(tokens, topk, experts) is want
+
+
+@pytest.mark.parametrize("sm_count", [132, 170, 28])
+def test_decode_plans_cover_k_and_size_their_scratch(sm_count):
+    """Every decode plan's slices cover each k exactly once in whole batches of rows (aligned to the scale
+    groups), the workspace holds one fp32 slot per part of every strip, and the counters one per strip."""
+    for tokens in (1, 2, 3, 8, 16):
+        for topk in (1, 2, 4, 8):
+            for hidden, inter in ((2880, 2880), (4096, 14336), (2048, 768), (256, 128), (64, 64), (1024, 4096)):
+                p = md.plan_decode(tokens, topk, hidden, inter, sm_count)
+                for rows, slices, k, batch in ((p.gate_up_rows, p.gate_up_slices, hidden, md.GATE_UP_ROWS_PER_BATCH),
+                                               (p.down_rows, p.down_slices, inter, md.DOWN_ROWS_PER_BATCH)):
+                    assert rows % batch == 0 and rows > 0
+                    assert (slices - 1) * rows < k // 16 <= slices * rows  # no empty slice, none missing
+                slots = tokens * topk
+                need_ws = max(slots * inter // 64 * 128 * p.gate_up_slices if p.gate_up_slices > 1 else 0,
+                              tokens * hidden // 64 * 64 * topk * p.down_slices if topk * p.down_slices > 1 else 0)
+                assert p.workspace_floats == need_ws
+                need_counters = max(slots * inter // 64 if p.gate_up_slices > 1 else 0,
+                                    tokens * hidden // 64 if topk * p.down_slices > 1 else 0)
+                assert p.counters == need_counters
+    # one token of Qwen3-30B-A3B on an H100: k split so about 4 CTAs an SM run (8 slots x 12 strip pairs)
+    p = md.plan_decode(1, 8, 2048, 768, 132)
+    assert p.gate_up_slices * 8 * 12 >= 2 * 132
+
+
 @pytest.mark.parametrize("gpu", [H100, RTX4090, dict(sm_count=108, smem_limit=SMEM_PER_BLOCK_BY_CC[80])])
 def test_plans_fit_and_are_compiled(gpu):
     """Over a sweep of shapes and formats every plan fits the GPU's shared memory, splits k at most once per 4 k
@@ -103,7 +138,8 @@ def test_kernel_specs():
         assert len(specs) == len(set(specs))
         gemms = [s for s in specs if s.source == "w4a16/gemm.cu"]
         assert gemms and all(("TF_W4A16_GROUPED", "1") in s.defines for s in gemms)
-        assert {s.source for s in specs} == {"w4a16/gemm.cu", "moe/align.cu", "moe/act.cu", "moe/combine.cu"}
+        assert {s.source for s in specs} == {"w4a16/gemm.cu", "moe/align.cu", "moe/act.cu", "moe/combine.cu",
+                                             "moe/decode.cu"}
         assert all(s.hot and not s.arch_specific for s in specs)
     assert mk.act_spec(torch.bfloat16, "swiglu_oai").name == "moe_act<__nv_bfloat16, 1>"
     assert mk.align_spec(torch.int64).name == "moe_align<long long>"
@@ -176,7 +212,11 @@ def test_new_kernels_compile_without_spills(arch, tmp_path, monkeypatch):
     specs = [mk.align_spec(torch.int32), mk.act_spec(torch.float16, "silu"), mk.combine_spec(torch.bfloat16,
                                                                                             torch.int64),
              mk.grouped_gemm_spec(torch.bfloat16, GemmConfig(1, 2, 4, 6, swap=True, breg=True), 32, False, "mxfp4"),
-             mk.grouped_gemm_spec(torch.float16, GemmConfig(2, 1, 8, 4), 128, True)]
+             mk.grouped_gemm_spec(torch.float16, GemmConfig(2, 1, 8, 4), 128, True),
+             md.gate_up_spec(torch.bfloat16, 32, False, "mxfp4", "swiglu_oai", torch.int64),
+             md.gate_up_spec(torch.float16, -1, True, "int4", "silu", torch.int32),
+             md.down_spec(torch.bfloat16, 64, False, "nf4", torch.int64),
+             md.down_spec(torch.float16, 128, True, "int4", torch.int32)]
     for spec in specs:
         r = compile_kernel(spec, arch).resources
         assert r.registers > 0 and not r.spills, (spec.name, r)

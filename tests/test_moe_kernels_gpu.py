@@ -3,7 +3,8 @@ reference computed here from the integers the weights were packed from: token co
 8, E 8 / 32, gpt-oss's 2880-wide shapes, experts no token picks, one expert taking every token, ids outside
 [0, E), both activations, biases, fp16 / bf16, int4 (group 128, per channel, zero points), nf4 and mxfp4, the
 k-split fixup, the alignment's block table, determinism, and a CUDA graph replayed with new routing in its
-captured input buffers. Outputs come from an allocator poisoned with NaN. All skip without a GPU."""
+captured input buffers; each through both paths (the five-launch grouped path and the two-launch decode path,
+ops/moe_decode.py), forced. Outputs come from an allocator poisoned with NaN. All skip without a GPU."""
 from __future__ import annotations
 
 import os
@@ -13,6 +14,7 @@ import torch
 
 from conftest import TOLERANCE, rel_err
 from tilefish.ops import moe_kernels as mk
+from tilefish.ops.moe_decode import plan_decode
 from tilefish.ops.w4a16.layout import codebook_values, pack
 from tilefish.ops.w4a16.workspace import new_counters
 from tilefish.quant.int4 import Int4Weight
@@ -20,6 +22,7 @@ from tilefish.quant.int4 import Int4Weight
 pytestmark = pytest.mark.gpu
 
 DTYPES = (torch.float16, torch.bfloat16)
+PATHS = ("grouped", "decode")
 # name -> (codebook, group size, zero points)
 FORMATS = {"g128": ("int4", 128, False), "per-channel": ("int4", -1, False), "g32-zeros": ("int4", 32, True),
            "per-channel-zeros": ("int4", -1, True), "nf4-g64": ("nf4", 64, False), "mxfp4": ("mxfp4", 32, False)}
@@ -116,12 +119,12 @@ def _poison_allocator(dtype, *shapes):
         torch.full(s, float("nan"), device="cuda", dtype=dtype)
 
 
-def _run(x, ids, weights, gate_up, down, activation="silu", gb=None, db=None, counters=None):
+def _run(x, ids, weights, gate_up, down, activation="silu", gb=None, db=None, counters=None, path=None):
     tokens, hidden = x.shape
     inter = down["k"]
     s = tokens * ids.shape[1]
     _poison_allocator(x.dtype, (s, max(2 * inter, hidden)), (s, inter), (tokens, hidden))
-    return mk.grouped_experts_cuda(x, ids, weights, gate_up, down, activation, gb, db, counters)
+    return mk.grouped_experts_cuda(x, ids, weights, gate_up, down, activation, gb, db, counters, path)
 
 
 def _case(tokens, topk, experts, hidden, inter, dtype, fmt="g128", fmt_down=None, seed=0):
@@ -133,28 +136,31 @@ def _case(tokens, topk, experts, hidden, inter, dtype, fmt="g128", fmt_down=None
     return gen, x, ids, weights, (gate_up, gate_up_dense), (down, down_dense)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens, topk, experts", [(1, 2, 8), (1, 8, 32), (3, 4, 32), (17, 2, 8), (17, 8, 32),
                                                    (256, 2, 8), (256, 8, 32)])
-def test_against_reference(tokens, topk, experts, dtype):
+def test_against_reference(tokens, topk, experts, dtype, path):
     gen, x, ids, w, (gu, gu_d), (dn, dn_d) = _case(tokens, topk, experts, 256, 128, dtype)
-    got = _run(x, ids, w, gu, dn)
+    got = _run(x, ids, w, gu, dn, path=path)
     want = _reference_fast(x, ids, w, gu_d, dn_d, "silu")
     assert got.shape == x.shape and got.dtype == dtype
     _close(got, want, dtype)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_formats(fmt, dtype):
+def test_formats(fmt, dtype, path):
     inter = 256 if FORMATS[fmt][1] == 128 else 192  # k 192: the down GEMM's last k tile is half of one
     gen, x, ids, w, (gu, gu_d), (dn, dn_d) = _case(17, 4, 8, 256, inter, dtype, fmt, seed=1)
-    _close(_run(x, ids, w, gu, dn), _reference_fast(x, ids, w, gu_d, dn_d, "silu"), dtype)
+    _close(_run(x, ids, w, gu, dn, path=path), _reference_fast(x, ids, w, gu_d, dn_d, "silu"), dtype)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 17])
-def test_gpt_oss_shapes_swiglu_and_biases(tokens, dtype):
+def test_gpt_oss_shapes_swiglu_and_biases(tokens, dtype, path):
     """H = I = 2880 (45 x 64 columns: the 64-wide tiles down, 128-wide up), mxfp4 experts, gpt-oss's clamped
     activation with values past the clamp, both biases, bf16 routing weights."""
     gen, x, ids, w, (gu, gu_d), (dn, dn_d) = _case(tokens, 4, 8, 2880, 2880, dtype, "mxfp4", seed=2)
@@ -162,66 +168,74 @@ def test_gpt_oss_shapes_swiglu_and_biases(tokens, dtype):
     w = w.to(dtype)
     gb = (torch.randn(8, 2 * 2880, generator=gen, device="cuda") * 4).to(dtype)
     db = torch.randn(8, 2880, generator=gen, device="cuda").to(dtype)
-    got = _run(x, ids, w, gu, dn, "swiglu_oai", gb, db)
+    got = _run(x, ids, w, gu, dn, "swiglu_oai", gb, db, path=path)
     want = _reference_fast(x, ids, w, gu_d, dn_d, "swiglu_oai", gb, db)
     _close(got, want, dtype)
     h = x.double() @ gu_d[ids[0, 0]].t() + gb[ids[0, 0]].double()
     assert (h[:, :2880] > 7).any() and (h[:, 2880:].abs() > 7).any()  # the clamps matter here
 
 
-def test_silu_with_biases_and_mixed_formats():
+@pytest.mark.parametrize("path", PATHS)
+def test_silu_with_biases_and_mixed_formats(path):
     gen, x, ids, w, (gu, gu_d), (dn, dn_d) = _case(3, 4, 32, 256, 128, torch.bfloat16, "g32-zeros", "nf4-g64", 3)
     gb = torch.randn(32, 256, generator=gen, device="cuda").to(torch.bfloat16)
     db = torch.randn(32, 256, generator=gen, device="cuda").to(torch.bfloat16)
-    got = _run(x, ids, w, gu, dn, "silu", gb, db)
+    got = _run(x, ids, w, gu, dn, "silu", gb, db, path=path)
     _close(got, _reference(x, ids, w, gu_d, dn_d, "silu", gb, db), torch.bfloat16)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_idle_experts_one_expert_for_all_and_dropped_ids(dtype):
+def test_idle_experts_one_expert_for_all_and_dropped_ids(dtype, path):
     # 17 tokens, K 1, E 32: the plan expects ~1 row an expert (swap blocks of 8); every token on expert 5 takes 3
     gen, x, ids, w, (gu, gu_d), (dn, dn_d) = _case(17, 1, 32, 256, 128, dtype, seed=4)
     ids = torch.full_like(ids, 5)
     assert mk.plan_grouped(17, 1, 32, 256, 128, (128, False), (128, False), 132, None).block_m == 8
-    _close(_run(x, ids, w, gu, dn), _reference(x, ids, w, gu_d, dn_d, "silu"), dtype)
+    _close(_run(x, ids, w, gu, dn, path=path), _reference(x, ids, w, gu_d, dn_d, "silu"), dtype)
     # 256 tokens, K 2, E 8: only experts 0 and 7, 32-row blocks
     gen, x, ids, w, (gu, gu_d), (dn, dn_d) = _case(256, 2, 8, 256, 128, dtype, seed=5)
     ids = torch.stack([torch.zeros(256, dtype=torch.int64, device="cuda"),
                        torch.full((256,), 7, dtype=torch.int64, device="cuda")], 1)
-    _close(_run(x, ids, w, gu, dn), _reference_fast(x, ids, w, gu_d, dn_d, "silu"), dtype)
+    _close(_run(x, ids, w, gu, dn, path=path), _reference_fast(x, ids, w, gu_d, dn_d, "silu"), dtype)
     # ids outside [0, E) (-1, E, a huge int64) are dropped; a token with no valid slot gets zeros
     gen, x, ids, w, (gu, gu_d), (dn, dn_d) = _case(17, 4, 8, 256, 128, dtype, seed=6)
     ids[0, :] = -1
     ids[3, 1], ids[5, 2], ids[9, 0] = 8, 2**40, -(2**40)
-    got = _run(x, ids, w, gu, dn)
+    got = _run(x, ids, w, gu, dn, path=path)
     assert (got[0] == 0).all()
     _close(got, _reference(x, ids, w, gu_d, dn_d, "silu"), dtype)
-    got32 = _run(x, ids.clamp(-5, 100).int(), w, gu, dn)  # int32 ids: the same rule
+    got32 = _run(x, ids.clamp(-5, 100).int(), w, gu, dn, path=path)  # int32 ids: the same rule
     _close(got32, _reference(x, ids.clamp(-5, 100), w, gu_d, dn_d, "silu"), dtype)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_split_k_fixup_with_and_without_owned_counters(dtype):
+def test_split_k_fixup_with_and_without_owned_counters(dtype, path):
     """Mixtral-like decode (E 8, K 2): both GEMMs split k (H 1024, I 4096 on >= 64 SMs), through the caller's
     counters, which are left zero, and through fresh ones."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = mk.plan_grouped(1, 2, 8, 1024, 4096, (128, False), (128, False), sms, None)
-    assert plan.gate_up.slices > 1 and plan.down.slices > 1, plan
+    if path == "grouped":
+        plan = mk.plan_grouped(1, 2, 8, 1024, 4096, (128, False), (128, False), sms, None)
+        assert plan.gate_up.slices > 1 and plan.down.slices > 1, plan
+    else:
+        plan = plan_decode(1, 2, 1024, 4096, sms)
+        assert plan.gate_up_slices > 1 and plan.down_slices > 1, plan
     counters = new_counters("cuda")
     for tokens in (1, 3):
         gen, x, ids, w, (gu, gu_d), (dn, dn_d) = _case(tokens, 2, 8, 1024, 4096, dtype, seed=7 + tokens)
         want = _reference(x, ids, w, gu_d, dn_d, "silu")
-        owned = _run(x, ids, w, gu, dn, counters=counters)
+        owned = _run(x, ids, w, gu, dn, counters=counters, path=path)
         _close(owned, want, dtype)
-        assert torch.equal(_run(x, ids, w, gu, dn), owned)  # fresh counters: the same sums, bitwise
+        assert torch.equal(_run(x, ids, w, gu, dn, path=path), owned)  # fresh counters: the same sums, bitwise
         assert int(counters.abs().sum()) == 0
 
 
-def test_deterministic():
+@pytest.mark.parametrize("path", PATHS)
+def test_deterministic(path):
     gen, x, ids, w, (gu, _), (dn, _) = _case(256, 8, 32, 256, 128, torch.bfloat16, seed=8)
-    first = _run(x, ids, w, gu, dn)
+    first = _run(x, ids, w, gu, dn, path=path)
     for _ in range(3):
-        assert torch.equal(_run(x, ids, w, gu, dn), first)
+        assert torch.equal(_run(x, ids, w, gu, dn, path=path), first)
 
 
 @pytest.mark.parametrize("block_m", [8, 32])
@@ -250,17 +264,18 @@ def test_alignment_block_table(block_m):
         assert (experts_sorted[bs[b]:bs[b] + br[b]] == be[b]).all()
 
 
-def test_cuda_graph_replay_with_new_routing():
+@pytest.mark.parametrize("path", PATHS)
+def test_cuda_graph_replay_with_new_routing(path):
     """Captured once, replayed with new x, ids and weights copied into the captured buffers (one routing crowds
     an expert: more blocks than the first); the k-split GEMMs' owned counters are left zero."""
     dtype, tokens, topk, experts = torch.float16, 3, 2, 8
     gen, x, ids, w, (gu, gu_d), (dn, dn_d) = _case(tokens, topk, experts, 1024, 4096, dtype, seed=10)
     counters = new_counters("cuda")
-    mk.grouped_experts_cuda(x, ids, w, gu, dn, "silu", None, None, counters)  # compile and load outside capture
+    mk.grouped_experts_cuda(x, ids, w, gu, dn, "silu", None, None, counters, path)  # compile and load outside capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = mk.grouped_experts_cuda(x, ids, w, gu, dn, "silu", None, None, counters)
+        y = mk.grouped_experts_cuda(x, ids, w, gu, dn, "silu", None, None, counters, path)
     for seed in (11, 12):
         g2 = torch.Generator(device="cuda").manual_seed(seed)
         new_ids, new_w = _routing(tokens, experts, topk, g2)

@@ -41,6 +41,7 @@ import torch
 from ..runtime import (KernelSpec, current_stream_handle, device_info, get_kernel, i32, i64, launch_prepared,
                        prepare_launch)
 from ..runtime.device import SMEM_PER_BLOCK_BY_CC
+from .moe_decode import decode_experts, decode_specs, plan_decode, takes_decode_path
 from .w4a16.configs import THREADS, GemmConfig, kernel_spec
 from .w4a16.dispatch import NF4_GROUPS, choose_slices, fit_mma_smem
 from .w4a16.layout import BK, CODEBOOKS, DTYPES, MXFP4_GROUP, TABLE_CODEBOOKS, check_shape
@@ -225,6 +226,7 @@ def kernel_specs(arch: str | None = None) -> list[KernelSpec]:
     specs += [act_spec(dt, a) for dt in DTYPES for a in ACTIVATION_CODES]
     specs += [combine_spec(dt, t) for dt in DTYPES for t in ID_TYPES]
     specs += [grouped_gemm_spec(dt, c, g, zp, cb) for dt in DTYPES for c in configs for g, zp, cb in FORMATS]
+    specs += decode_specs(FORMATS)
     return list(dict.fromkeys(specs))
 
 
@@ -375,7 +377,8 @@ def _threads(vectors: int) -> int:
 
 def grouped_experts_cuda(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up, down,
                          activation: str = "silu", gate_up_bias: torch.Tensor | None = None,
-                         down_bias: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+                         down_bias: torch.Tensor | None = None, counters: torch.Tensor | None = None,
+                         path: str | None = None) -> torch.Tensor:
     """y [T, H] in x.dtype (module docstring), launched on the current stream without a sync.
 
     x: fp16 / bf16 [T, H] on a CUDA device (a non-contiguous or misaligned x is copied first).
@@ -385,9 +388,13 @@ def grouped_experts_cuda(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
         [E, 2I, H] (gate rows, then up rows), down [E, H, I], x.dtype scales, contiguous, 16-byte aligned.
     activation: "silu" or "swiglu_oai". gate_up_bias [E, 2I] / down_bias [E, H] in x.dtype, or None.
     counters: int32 tile counters the caller owns (workspace.new_counters / layer_counters; zero, left zero), or
-        None: a k-split GEMM then zero-fills fresh ones."""
+        None: a k split then zero-fills fresh ones.
+    path: "decode" (ops/moe_decode.py's two launches), "grouped" (the five above), or None: decode where
+        moe_decode.takes_decode_path says so (a function of T, K and E only)."""
     gate_up, down = stacked_format(gate_up, "gate_up"), stacked_format(down, "down")
     check_grouped_args(x, topk_ids, topk_weights, gate_up, down, activation, gate_up_bias, down_bias, counters)
+    if path not in (None, "decode", "grouped"):
+        raise ValueError(f"path must be None, 'decode' or 'grouped'; got {path!r}")
     tokens, hidden = x.shape
     topk, experts, inter = topk_ids.shape[1], gate_up.num_experts, down.k
     slots = tokens * topk
@@ -396,6 +403,9 @@ def grouped_experts_cuda(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
     dev, dtype = x.device, x.dtype
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     info = device_info(index)
+    if path == "decode" or (path is None and takes_decode_path(tokens, topk, experts)):
+        return _decode(x, topk_ids, topk_weights, gate_up, down, activation, gate_up_bias, down_bias, counters,
+                       index, info.sm_count)
     plan = plan_grouped(tokens, topk, experts, hidden, inter, (gate_up.group_size, gate_up.zeros is not None),
                         (down.group_size, down.zeros is not None), info.sm_count, info.smem_per_block_optin)
     x = x.contiguous()
@@ -444,3 +454,25 @@ def grouped_experts_cuda(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
     launch_prepared(kernels[3], prepare_launch(kernels[3], (tokens, -(-hidden // (8 * threads)), 1), threads),
                     out.data_ptr(), ids.data_ptr(), y.data_ptr(), i32(topk), i32(hidden), i32(experts))
     return y
+
+
+def _decode(x, topk_ids, topk_weights, gate_up: StackedFormat, down: StackedFormat, activation: str, gate_up_bias,
+            down_bias, counters, index: int, sm_count: int) -> torch.Tensor:
+    """The decode path (ops/moe_decode.py) with this module's argument preparation and counter rules."""
+    tokens, hidden = x.shape
+    plan = plan_decode(tokens, topk_ids.shape[1], hidden, down.k, sm_count)
+    x = x.contiguous()
+    if x.data_ptr() % 16:
+        x = x.clone()
+    ids = topk_ids.contiguous()
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    biases = [None if b is None else b.contiguous() for b in (gate_up_bias, down_bias)]
+    args = (x, ids, weights, gate_up, down, activation, *biases, plan)
+    if plan.counters and counters is not None and plan.counters <= counters.numel():
+        with _workspace_lock:  # streams take the owned counters in turn (workspace.py)
+            hand_over(counters, index, current_stream_handle(index))
+            return decode_experts(*args, counters.data_ptr(), index)
+    if plan.counters:
+        fresh = torch.zeros(plan.counters, dtype=torch.int32, device=x.device)  # held until both are enqueued
+        return decode_experts(*args, fresh.data_ptr(), index)
+    return decode_experts(*args, 0, index)

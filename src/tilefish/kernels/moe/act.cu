@@ -1,30 +1,14 @@
 // The gated activation between the two expert GEMMs (ops/moe_kernels.py): h [rows, 2I] (gate columns
 // 0..I-1, then up columns I..2I-1, the first GEMM's output in sorted-row order) -> a [rows, I], computed in
-// fp32 and rounded once to T (what the second GEMM reads):
-//   ACT 0 "silu":        silu(gate) * up
-//   ACT 1 "swiglu_oai":  g = min(gate, 7), u = clamp(up, -7, 7); (u + 1) * g * sigmoid(1.702 g)   (gpt-oss)
-// The clamps are compares, not fminf, so a NaN stays a NaN as in torch.clamp.
+// fp32 (moe/gated.cuh) and rounded once to T (what the second GEMM reads).
 //
 // Each thread turns 8 columns (one 16-byte load of gate, one of up, one store; I % 8 == 0). Grid (rows,
 // column chunks): a row past *valid_rows (the sorted rows the alignment produced) exits, so dropped slots
 // cost nothing and never-written rows are never read.
 #include "common/ptx.cuh"
+#include "moe/gated.cuh"
 
 using namespace tf;
-
-constexpr float kSwigluAlpha = 1.702f;
-constexpr float kSwigluLimit = 7.f;
-
-template <int ACT>
-__device__ __forceinline__ float gated(float gate, float up) {
-    if constexpr (ACT == 0) {
-        return gate / (1.f + __expf(-gate)) * up;
-    } else {
-        const float g = gate > kSwigluLimit ? kSwigluLimit : gate;
-        const float u = up > kSwigluLimit ? kSwigluLimit : (up < -kSwigluLimit ? -kSwigluLimit : up);
-        return (u + 1.f) * g / (1.f + __expf(-kSwigluAlpha * g));
-    }
-}
 
 __device__ __forceinline__ float2 to_float2(u32 v, __half) { return __half22float2(*reinterpret_cast<__half2*>(&v)); }
 __device__ __forceinline__ float2 to_float2(u32 v, __nv_bfloat16) {
