@@ -88,26 +88,23 @@ def test_takes_decode_path(tokens, topk, experts, want):
 
 @pytest.mark.parametrize("sm_count", [132, 170, 28])
 def test_decode_plans_cover_k_and_size_their_scratch(sm_count):
-    """Every decode plan's slices cover each k exactly once in whole batches of rows (aligned to the scale
-    groups), the workspace holds one fp32 slot per part of every strip, and the counters one per strip."""
+    """Every decode plan's units cover each strip's k exactly once in whole units (no empty slice), the grid
+    never exceeds the units nor two CTAs an SM, the workspace holds one fp32 slot per part of every strip,
+    and the sync words are the queue, the finished count, one done word a slot and one counter a strip."""
     for tokens in (1, 2, 3, 8, 16):
         for topk in (1, 2, 4, 8):
             for hidden, inter in ((2880, 2880), (4096, 14336), (2048, 768), (256, 128), (64, 64), (1024, 4096)):
                 p = md.plan_decode(tokens, topk, hidden, inter, sm_count)
-                for rows, slices, k, batch in ((p.gate_up_rows, p.gate_up_slices, hidden, md.GATE_UP_ROWS_PER_BATCH),
-                                               (p.down_rows, p.down_slices, inter, md.DOWN_ROWS_PER_BATCH)):
-                    assert rows % batch == 0 and rows > 0
-                    assert (slices - 1) * rows < k // 16 <= slices * rows  # no empty slice, none missing
+                for slices, k, rows in ((p.gate_up_slices, hidden, md.GATE_UP_ROWS), (p.down_slices, inter,
+                                                                                   md.DOWN_ROWS)):
+                    assert (slices - 1) * rows < k // 16 <= slices * rows
                 slots = tokens * topk
-                need_ws = max(slots * inter // 64 * 128 * p.gate_up_slices if p.gate_up_slices > 1 else 0,
-                              tokens * hidden // 64 * 64 * topk * p.down_slices if topk * p.down_slices > 1 else 0)
-                assert p.workspace_floats == need_ws
-                need_counters = max(slots * inter // 64 if p.gate_up_slices > 1 else 0,
-                                    tokens * hidden // 64 if topk * p.down_slices > 1 else 0)
-                assert p.counters == need_counters
-    # one token of Qwen3-30B-A3B on an H100: k split so about 4 CTAs an SM run (8 slots x 12 strip pairs)
-    p = md.plan_decode(1, 8, 2048, 768, 132)
-    assert p.gate_up_slices * 8 * 12 >= 2 * 132
+                assert p.gate_up_units == slots * inter // 64 * p.gate_up_slices
+                assert p.down_units == tokens * hidden // 64 * topk * p.down_slices
+                assert 1 <= p.ctas <= min(p.gate_up_units + p.down_units, 2 * sm_count)
+                assert p.gate_up_workspace == (p.gate_up_units * 128 if p.gate_up_slices > 1 else 0)
+                assert p.down_workspace == (p.down_units * 64 if topk * p.down_slices > 1 else 0)
+                assert p.sync_words == 2 + slots + slots * inter // 64 + tokens * hidden // 64
 
 
 @pytest.mark.parametrize("gpu", [H100, RTX4090, dict(sm_count=108, smem_limit=SMEM_PER_BLOCK_BY_CC[80])])
@@ -213,10 +210,9 @@ def test_new_kernels_compile_without_spills(arch, tmp_path, monkeypatch):
                                                                                             torch.int64),
              mk.grouped_gemm_spec(torch.bfloat16, GemmConfig(1, 2, 4, 6, swap=True, breg=True), 32, False, "mxfp4"),
              mk.grouped_gemm_spec(torch.float16, GemmConfig(2, 1, 8, 4), 128, True),
-             md.gate_up_spec(torch.bfloat16, 32, False, "mxfp4", "swiglu_oai", torch.int64),
-             md.gate_up_spec(torch.float16, -1, True, "int4", "silu", torch.int32),
-             md.down_spec(torch.bfloat16, 64, False, "nf4", torch.int64),
-             md.down_spec(torch.float16, 128, True, "int4", torch.int32)]
+             md.decode_spec(torch.bfloat16, (32, False), (32, False), "mxfp4", "swiglu_oai", torch.int64),
+             md.decode_spec(torch.float16, (-1, True), (128, True), "int4", "silu", torch.int32),
+             md.decode_spec(torch.bfloat16, (64, False), (64, False), "nf4", "silu", torch.int64)]
     for spec in specs:
         r = compile_kernel(spec, arch).resources
         assert r.registers > 0 and not r.spills, (spec.name, r)
