@@ -25,16 +25,21 @@ One script for every kernel family (issue 30 item 3; it replaces sanitize_w4a16_
                (swapped operands / 16 / 32-row tiles x 256 / 128 / 64 columns; the variants fitted to less shared
                memory under a forced per-block limit), every weight format x dtype (int4 groups -1/32/64/128 with
                and without zero points, nf4, mxfp4), both id dtypes, both activations, biases, k % 128 == 64, both
-               GEMMs splitting k (the caller's tile counters and fresh ones); every routing has an idle expert, a
-               dropped id and (T >= 3) a token whose every slot is dropped; checked against reference.moe_experts
+               GEMMs splitting k (the caller's tile counters and fresh ones); and the decode path (path="decode",
+               ops.moe_decode: moe/decode.cu's moe_decode_gate_up -> moe_decode_down), both kernels in every
+               format x dtype, both activations, k split in both (slices > 1 as plan_decode makes them on the
+               GPU; owned and fresh counters, launched twice, compared bitwise), slices == 1 (K = 2, and K = 1
+               without a workspace), gpt-oss' H = I = 2880 with biases and swiglu_oai; every routing has an idle
+               expert, a dropped id and (T >= 3) a token whose every slot is dropped (decode: and an expert
+               several slots pick); each call forced to its path, checked against reference.moe_experts
 
 The plans are enumerated from the dispatch code: every spec of kernel_specs() (every dispatchable
 KernelSpec) is matched to its configuration and format, for W4A16 / NF4 through the builds the ops
 modules name (ops.w4a16.dispatch_builds, ops.nf4.kernel_spec), for SGEMM / HGEMM by reading its
 template arguments back, for MoE by reading back the template arguments and defines of
-ops.moe_kernels.kernel_specs() and rebuilding them with moe_kernels' own spec functions; so a plan the
-dispatchers gain is picked up (or shows as uncovered in --list
-and fails tests/test_sanitize_script.py). A spec no plan runs is listed with the reason. What a W4A16
+ops.moe_kernels.kernel_specs() and rebuilding them with moe_kernels' / moe_decode's own spec functions;
+so a plan the dispatchers gain is picked up (or shows as uncovered in --list and fails
+tests/test_sanitize_script.py). A spec no plan runs is listed with the reason. What a W4A16
 plan launches (k split, clusters, a separate tail) is the launcher's own geometry on the described
 GPU (ops.w4a16.launch_geometry, tilefish.w4a16.plan for the dispatcher's picks; --list -v prints it),
 and each plan runs under the ops.w4a16.LaunchPolicy its dsmem / tail keys name.
@@ -289,9 +294,11 @@ def moe_fmt_parse(code: str) -> tuple[int, bool, str]:
 
 def moe_read_back(spec):
     """A spec of ops.moe_kernels.kernel_specs() -> (config, format), read back from its template arguments and
-    defines and verified by rebuilding it with moe_kernels' own spec functions: the grouped GEMM (gemm.cu built
-    with -D TF_W4A16_GROUPED) -> (GemmConfig, {kind: gemm, dt, g, zp, cb}); the alignment, activation and combine
-    kernels -> ("align" / "act" / "combine", {kind, dt, id, act} as they apply)."""
+    defines and verified by rebuilding it with moe_kernels' / moe_decode's own spec functions: the grouped GEMM
+    (gemm.cu built with -D TF_W4A16_GROUPED) -> (GemmConfig, {kind: gemm, dt, g, zp, cb}); the alignment,
+    activation and combine kernels -> ("align" / "act" / "combine", {kind, dt, id, act} as they apply); the decode
+    path's kernel (moe/decode.cu, one launch) -> ("decode", {kind, dt, gu, dn (format codes), act, id})."""
+    from tilefish.ops import moe_decode as md
     from tilefish.ops import moe_kernels as mk
     from tilefish.ops.w4a16.configs import CODEBOOK_DEFINES, GemmConfig
     from tilefish.ops.w4a16.layout import DTYPES
@@ -299,6 +306,13 @@ def moe_read_back(spec):
     head, a = _targs(spec.name)
     dts = {v: k for k, v in DTYPES.items()}
     acts = {v: k for k, v in mk.ACTIVATION_CODES.items()}
+    dacts = {v: k for k, v in md.ACTIVATION_CODES.items()}
+    group = lambda v: -1 if int(v) == 0 else int(v)  # noqa: E731 - a template's GROUP (0: per channel)
+
+    def codebook() -> str:
+        cbs = [cb for cb, d in CODEBOOK_DEFINES.items() if (d, "1") in spec.defines]
+        return cbs[0] if len(cbs) == 1 else "int4"
+
     try:
         if head == "moe_align" and spec.source == mk.ALIGN_SOURCE:
             cfg, fmt = "align", {"kind": "align", "id": _ID_NAMES[a[0]]}
@@ -313,13 +327,20 @@ def moe_read_back(spec):
             dt = dts[a[0]]
             mb, wn, wk, stages, group = (int(v) for v in a[1:6])
             zp, swap, breg = (v == "true" for v in a[6:9])
-            cbs = [cb for cb, d in CODEBOOK_DEFINES.items() if (d, "1") in spec.defines]
-            cb = cbs[0] if len(cbs) == 1 else "int4"
+            cb = codebook()
             cfg = GemmConfig(mb, wn, wk, stages, swap, breg)
             fmt = {"kind": "gemm", "dt": _dtname(dt), "g": -1 if group == 0 else group, "zp": int(zp), "cb": cb}
             rebuilt = mk.grouped_gemm_spec(dt, cfg, fmt["g"], zp, cb)
+        elif head == "moe_decode" and spec.source == md.DECODE_SOURCE:  # <T, GG, GZ, DG, DZ, ACT, Id>
+            dt, cb = dts[a[0]], codebook()
+            (gg, gz), (dg, dz) = (group(a[1]), a[2] == "true"), (group(a[3]), a[4] == "true")
+            cfg = "decode"
+            fmt = {"kind": "decode", "dt": _dtname(dt), "gu": moe_fmt_code(gg, gz, cb), "dn": moe_fmt_code(dg, dz, cb),
+                   "act": dacts[int(a[5])], "id": _ID_NAMES[a[6]]}
+            rebuilt = md.decode_spec(dt, (gg, gz), (dg, dz), cb, fmt["act"], _id_dtype(fmt["id"]))
         else:
-            raise ValueError("not a moe_kernels kernel (moe_align / moe_act / moe_combine / a grouped w4a16_gemm)")
+            raise ValueError("not a moe_kernels kernel (moe_align / moe_act / moe_combine / a grouped w4a16_gemm / "
+                             "moe_decode)")
     except (KeyError, IndexError, ValueError) as e:
         raise ValueError(f"{spec.name} {dict(spec.defines)}: cannot read back as a MoE kernel: {e}") from None
     if rebuilt != spec:
@@ -673,6 +694,149 @@ def moe_exhaustive(universe, gpu, covered: set, add) -> None:
         add(p)
 
 
+# The MoE decode path (ops.moe_decode: moe/decode.cu's one launch of persistent CTAs taking gate_up units, then
+# down units, from a queue; plan ids with path=decode, the call forced to it). plan_decode's k slices follow the
+# shapes (gate_up: 32 k16 rows a unit, down: 64), its grid min(units, 2 CTAs an SM). Modes (shapes as a function
+# of the weight format: group 128 gets k % 128 == 0, the others k % 128 == 64 where the mode allows):
+#   split   both projections split k: gate_up H = 640 (40 rows: 32 + 8), down I = 1088 (68 rows: 64 + 4, a part
+#           batch) or 1152 (72 rows); slices through the workspace and the strip counters
+#   small   slices == 1 in both (small k: H 192 / 256, I 320 / 384); down still sums K = 2 parts (workspace)
+#   single  slices == 1 and K = 1: one part a strip, no workspace at all
+#   gptoss  gpt-oss' H = I = 2880 (mxfp4, biases, swiglu_oai; gate_up 6 slices, the last of 20 rows; down 3)
+# The grid: the described GPU's SM count, or forced down to MOE_DECODE_FORCED_SMS (the worker hands the launcher
+# that SM count), so every CTA takes several units in turn (shared memory reused unit after unit; down units
+# waiting on gate_up strips other CTAs finish; the last CTA out resets the sync words). Every routing has an idle
+# expert, a dropped id, (T >= 3) a token whose every slot is dropped and an expert that several slots pick
+# (_run_moe makes one where the seeded routing has none).
+MOE_DECODE_SHAPES = {  # mode -> (T, K, E, H (group 128, else), I (group 128, else))
+    "split": (4, 2, 6, (640, 640), (1152, 1088)),
+    "small": (3, 2, 4, (256, 192), (384, 320)),
+    "single": (4, 1, 4, (256, 320), (256, 192)),
+    "gptoss": (3, 2, 3, (2880, 2880), (2880, 2880)),
+}
+MOE_DECODE_MODES = ("split", "small", "split", "single")  # the rotation over a dtype's formats
+MOE_DECODE_FORCED_SMS = 2  # a forced grid: 2 CTAs an SM -> 4 CTAs
+# The decode plans racecheck runs, (mode, dtype, forced grid): the first of each. The kernel's shared memory (the
+# warp sum, the unit queue's and the fixup's words) does not depend on the weight format; these take it through
+# both dtypes and activations, split and whole k, one unit a CTA and several.
+MOE_DECODE_RACE = (("split", "fp16", False), ("split", "bf16", True), ("small", "fp16", False),
+                   ("single", "bf16", True))
+
+
+def moe_decode_plan(gpu, mode: str, dt: str, gu: str, dn: str, *, idt: str, act: str, bias: int,
+                    sms: int | None = None, cnt: int | None = None, rep: int | None = None, tools=ALL, tier: int = 0,
+                    why: str = ""):
+    """One grouped_experts_cuda(..., path="decode") call in `mode` (MOE_DECODE_SHAPES) -> (Plan,
+    moe_decode.DecodePlan). The id names what plan_decode makes for the SM count sms (None: the described GPU's):
+    the k slices s1 (gate_up) / s2 (down) and the grid c, which the worker checks before it launches; the mode's
+    intent (both split; neither; no workspace at K = 1; a forced grid of several units a CTA) is checked here
+    (AssertionError). gate_up and down must be formats of one codebook that fit their k (else ValueError)."""
+    from tilefish.ops import moe_decode as md
+    from tilefish.ops.w4a16.layout import check_shape
+
+    t, topk, e, hs, is_ = MOE_DECODE_SHAPES[mode]
+    (g1, _, cb1), (g2, _, cb2) = moe_fmt_parse(gu), moe_fmt_parse(dn)
+    if cb1 != cb2:
+        raise ValueError(f"the decode path takes one codebook for both projections; {gu} / {dn}")
+    h, i = hs[g1 != 128], is_[g2 != 128]
+    check_shape(2 * i, h, g1)
+    check_shape(h, i, g2)
+    sms = gpu.sm_count if sms is None else sms
+    dp = md.plan_decode(t, topk, h, i, sms)
+    units = dp.gate_up_units + dp.down_units
+    intent = {"split": dp.gate_up_slices > 1 and dp.down_slices > 1,
+              "small": dp.gate_up_slices == dp.down_slices == 1 and dp.down_workspace > 0,
+              "single": dp.gate_up_slices == dp.down_slices == 1 and not dp.gate_up_workspace + dp.down_workspace,
+              "gptoss": True}[mode]
+    if sms != gpu.sm_count:
+        intent = intent and 2 * dp.ctas <= units
+    if not intent:
+        raise AssertionError(f"MoE decode plan ({mode}, T {t}, K {topk}, H {h}, I {i}) on {sms} SMs: plan_decode "
+                             f"makes {dp}, not what the mode is meant to run")
+    p = make_plan("moe", tools, tier, why, path="decode", dt=dt, id=idt, act=act, t=t, topk=topk, e=e, h=h, i=i,
+                  gu=gu, dn=dn, bias=bias, sms=sms, s1=dp.gate_up_slices, s2=dp.down_slices, c=dp.ctas, cnt=cnt,
+                  rep=rep)
+    return p, dp
+
+
+def _decode_why(mode: str, a: dict, dp, gpu_sms: int) -> str:
+    t, topk, h, i = (int(a[x]) for x in ("t", "topk", "h", "i"))
+    units = dp.gate_up_units + dp.down_units
+    what = {"split": f"both projections split k (gate_up x{dp.gate_up_slices} over H = {h}, down x{dp.down_slices} "
+                     f"over I = {i}{': a part batch in its last slice' if (i // 16) % 8 else ''})",
+            "small": f"slices == 1 in both (H = {h}, I = {i}); down sums K = {topk} parts through its workspace",
+            "single": f"slices == 1 in both (H = {h}, I = {i}) and K = 1: no workspace",
+            "gptoss": f"gpt-oss' H = I = 2880 (mxfp4, biases, swiglu_oai; gate_up x{dp.gate_up_slices}, down "
+                      f"x{dp.down_slices} slices)"}[mode]
+    grid = (f"{dp.ctas} CTAs for {units} units" + (f" (SM count forced to {a['sms']})" if int(a["sms"]) != gpu_sms
+                                                   else ""))
+    sync = ("the caller's counters as sync words (checked back at zero)" if a.get("cnt") == "1" else
+            "fresh zeroed sync words")
+    return (f"decode path (forced): T = {t}, K = {topk}; {what}; {grid}; {sync}"
+            + ("; launched twice, compared bitwise" if a.get("rep") == "2" else "")
+            + "; an idle expert, a dropped id, an expert several slots pick"
+            + (", a token with every slot dropped" if t >= 3 else ""))
+
+
+def enumerate_moe_decode(universe, gpu, add) -> None:
+    """MoE decode-path plans (ops.moe_decode, the call forced to path="decode"). Tier 0: the kernel in every
+    weight format x dtype kernel_specs lists (both projections in one format, as a model has them), both
+    activations and id dtypes, biases or none, in the modes of MOE_DECODE_SHAPES (k split in both projections,
+    slices == 1 with K = 2 and K = 1, gpt-oss' shape as the bf16 mxfp4 plan), on the GPU's grid or a forced grid
+    of several units a CTA; the sync words the caller's counters or fresh ones; every plan launched twice and
+    compared bitwise. racecheck runs the MOE_DECODE_RACE plans, the other tools every plan. Tier 1: gate_up and
+    down in different formats of one codebook (instantiations compiled when first used)."""
+    if not any(pfam == "moe" and fmt.get("kind") == "decode" for _, _, pfam, _, fmt in universe):
+        return
+    count = 0
+    per_mode: dict[str, int] = {}
+    race = set(MOE_DECODE_RACE)
+
+    def one(mode, dt, gu, dn, tier=0, **kw):
+        nonlocal count
+        m = per_mode[mode] = per_mode.get(mode, -1) + 1  # the mode's own rotation of activation, grid and counters
+        forced = mode in ("split", "single") and m % 2 == 1
+        key = (mode, dt, forced)
+        tools = ALL if tier == 0 and key in race else NO_RACE
+        if tools == ALL:
+            race.discard(key)
+        args = dict(idt=("i32", "i64")[count % 2], act=("silu", "swiglu_oai")[(m // 2 if mode == "split" else m) % 2],
+                    bias=int(count % 3 != 1), sms=MOE_DECODE_FORCED_SMS if forced else None,
+                    cnt=int(count // 2 % 2 == 0), rep=2, tools=tools, tier=tier)
+        args.update(kw)
+        p, dp = moe_decode_plan(gpu, mode, dt, gu, dn, **args)
+        add(dataclasses.replace(p, why=_decode_why(mode, p.args, dp, gpu.sm_count)))
+        count += 1
+
+    for dt in ("fp16", "bf16"):
+        for j, f in enumerate(moe_formats()):
+            if dt == "bf16" and f == "mxfp4.g32":
+                one("gptoss", dt, f, f, act="swiglu_oai", bias=1)
+            else:
+                one(MOE_DECODE_MODES[j % len(MOE_DECODE_MODES)], dt, f, f)
+    if race:
+        raise AssertionError(f"no MoE decode plan for racecheck's {sorted(race, key=str)}")
+    # tier 1: two formats of one codebook (the dispatcher builds any pair; kernel_specs lists the equal ones)
+    for mode, dt, gu, dn in (("split", "fp16", "int4.pc.zp", "int4.g32"), ("small", "bf16", "int4.g128", "int4.pc"),
+                             ("single", "fp16", "int4.g64.zp", "int4.g128.zp"),
+                             ("split", "bf16", "nf4.g128", "nf4.g64")):
+        one(mode, dt, gu, dn, tier=1)
+
+
+def moe_decode_exhaustive(universe, gpu, covered: set, add) -> None:
+    """--exhaustive: a memcheck plan (mode small) for every decode spec the sampled plans leave out."""
+    for _, spec, pfam, _, fmt in universe:
+        if pfam != "moe" or fmt.get("kind") != "decode" or spec in covered:
+            continue
+        p, dp = moe_decode_plan(gpu, "small", fmt["dt"], fmt["gu"], fmt["dn"], idt=fmt["id"], act=fmt["act"], bias=1,
+                                rep=None, tools=frozenset(("memcheck",)), tier=3)
+        p = dataclasses.replace(p, why="--exhaustive: a decode spec the sampled plans leave out; "
+                                + _decode_why("small", p.args, dp, gpu.sm_count))
+        if spec not in plan_specs(p):
+            raise AssertionError(f"--exhaustive MoE decode plan {p.id} does not run {spec}")
+        add(p)
+
+
 def enumerate_plans(sm_count: int = 132, cc: int = 90, exhaustive: bool = False, universe=None,
                     gpu_name: str = "NVIDIA H100 80GB HBM3") -> list[Plan]:
     """Every plan, from the dispatchable specs (dispatch_universe) plus the tuned tables' k splits, the
@@ -854,11 +1018,13 @@ def enumerate_plans(sm_count: int = 132, cc: int = 90, exhaustive: bool = False,
             add(make_plan("hgemm", ALL if race else NO_RACE, 0 if first else 2, why, cfg=_sg_code(cfg), dt=fmt["dt"],
                           nk=fmt["nk"], **shape))
     enumerate_moe(universe, gpu, add)
+    enumerate_moe_decode(universe, gpu, add)
     if exhaustive:
         covered = set()
         for p in plans:
             covered |= set(plan_specs(p))
         moe_exhaustive(universe, gpu, covered, add)
+        moe_decode_exhaustive(universe, gpu, covered, add)
         for fam, spec, pfam, cfg, fmt in universe:
             if spec in covered or cfg is None or pfam not in ("w4a16", "nf4-matmul"):
                 continue
@@ -897,10 +1063,13 @@ def plan_specs(p: Plan) -> list:
         return [hgemm.HgemmConfig(*_sg_parse(a["cfg"])).spec(dt if dt != torch.float32 else torch.float16,
                                                              bool(int(a["nk"])))]
     if p.family == "moe":
+        from tilefish.ops import moe_decode as md
         from tilefish.ops import moe_kernels as mk
 
         dt, idt = _dtype(a["dt"]), _id_dtype(a["id"])
         (g1, zp1, cb1), (g2, zp2, cb2) = moe_fmt_parse(a["gu"]), moe_fmt_parse(a["dn"])
+        if a.get("path") == "decode":
+            return [md.decode_spec(dt, (g1, zp1), (g2, zp2), cb1, a["act"], idt)]
         return list(dict.fromkeys([mk.align_spec(idt),
                                    mk.grouped_gemm_spec(dt, w4.parse_plan(a["g1"])[0], g1, zp1, cb1),
                                    mk.act_spec(dt, a["act"]),
@@ -918,6 +1087,7 @@ class Coverage:
     format_tools: dict     # (kernel source, format key) -> set of tools
     moe_config_tools: dict = field(default_factory=dict)  # MoE grouped GEMM config label -> set of tools
     moe_format_tools: dict = field(default_factory=dict)  # MoE (dtype, weight format code) -> set of tools
+    moe_decode_tools: dict = field(default_factory=dict)  # MoE decode (dtype, gate_up, down format code) -> tools
 
 
 def coverage(plans: list[Plan], universe=None, cc: int = 90) -> Coverage:
@@ -929,10 +1099,16 @@ def coverage(plans: list[Plan], universe=None, cc: int = 90) -> Coverage:
     fmt_tools: dict = {}
     moe_cfg_tools: dict = {}
     moe_fmt_tools: dict = {}
+    decode_tools: dict = {}
+    listed = {spec for _, spec, *_ in universe}
     for p in plans:
         for s in plan_specs(p):
-            covered.setdefault(s, []).append(p.id)
-        if p.family == "moe":
+            if s in listed:  # a plan may run more (the decode kernel of two formats compiles when first used)
+                covered.setdefault(s, []).append(p.id)
+        if p.family == "moe" and p.args.get("path") == "decode":
+            a = p.args
+            decode_tools.setdefault((a["dt"], a["gu"], a["dn"]), set()).update(p.tools)
+        elif p.family == "moe":
             a = p.args
             for g, f in ((a["g1"], a["gu"]), (a["g2"], a["dn"])):
                 moe_cfg_tools.setdefault(g, set()).update(p.tools)
@@ -951,6 +1127,12 @@ def coverage(plans: list[Plan], universe=None, cc: int = 90) -> Coverage:
             excluded[spec] = f"UNREAD: {fmt['error']} (teach spec_config this kernel)"
         elif spec.min_sm > cc:
             excluded[spec] = f"needs sm_{spec.min_sm}; this GPU is sm_{cc}"
+        elif pfam == "moe" and fmt.get("kind") == "decode":
+            what = f"{fmt['dt']} {fmt['gu']} / {fmt['dn']}"
+            excluded[spec] = (f"decode variant {what} ({fmt['act']}, id {fmt['id']}) not sampled: the kernel runs "
+                              "these formats and dtype with another activation / id dtype; --exhaustive runs every "
+                              "spec" if (fmt["dt"], fmt["gu"], fmt["dn"]) in decode_tools else
+                              f"no plan runs the decode kernel in {what}: a gap")
         elif pfam == "moe" and fmt.get("kind") == "gemm":
             code = moe_fmt_code(fmt["g"], bool(fmt["zp"]), fmt["cb"])
             excluded[spec] = (f"grouped format {fmt['dt']} {code} of {cfg.label()} not sampled: the configuration "
@@ -973,7 +1155,9 @@ def coverage(plans: list[Plan], universe=None, cc: int = 90) -> Coverage:
         if pfam == "moe" and cfg is not None and fmt.get("kind") == "gemm":  # ... and every MoE grouped GEMM one
             moe_cfg_tools.setdefault(cfg.label(), set())
             moe_fmt_tools.setdefault((fmt["dt"], moe_fmt_code(fmt["g"], bool(fmt["zp"]), fmt["cb"])), set())
-    return Coverage(covered, excluded, unreadable, cfg_tools, fmt_tools, moe_cfg_tools, moe_fmt_tools)
+        if pfam == "moe" and fmt.get("kind") == "decode":  # ... and every decode dtype x format pair listed
+            decode_tools.setdefault((fmt["dt"], fmt["gu"], fmt["dn"]), set())
+    return Coverage(covered, excluded, unreadable, cfg_tools, fmt_tools, moe_cfg_tools, moe_fmt_tools, decode_tools)
 
 
 # ---- the worker ----------------------------------------------------------------------------------------------------
@@ -1198,18 +1382,38 @@ def _moe_device_limits(a: dict, dev) -> tuple[int, int]:
     return int(a["sms"]), int(a["smem"]) if "smem" in a else smem
 
 
+def _share_an_expert(ids, experts: int) -> bool:
+    """Make some expert the pick of several slots (of two tokens; each token's ids stay distinct) where the
+    routing has none: the first valid slot of the second token with a valid slot takes the first token's first
+    valid id. False where fewer than two tokens have a valid slot."""
+    valid = (ids >= 0) & (ids < experts)
+    picked = ids[valid]
+    if picked.numel() > picked.unique().numel():
+        return True
+    rows = [r for r in range(ids.shape[0]) if bool(valid[r].any())]
+    if len(rows) < 2:
+        return False
+    ta, tb = rows[:2]
+    ids[tb, int(valid[tb].nonzero()[0])] = ids[ta][valid[ta]][0]
+    return True
+
+
 def _run_moe(pid: str, a: dict, dev) -> dict:
-    """One grouped_experts_cuda call: E experts in the id's formats, seeded routing with an idle expert (no slot
-    names it), a dropped id (negative, E, or past int32 for int64 ids) and, for T >= 3, a token whose every slot
-    is dropped (its row must be exactly 0). The plan the launcher makes (configurations, k splits) is checked
-    against the id first, under the id's SM count / shared memory limit (moe_kernels.device_info stands in for
-    the GPU where they differ from its own). Checked against tilefish.reference.moe_experts (float64 from the
-    dequantized weights, CPU) with the dropped slots given weight 0."""
+    """One grouped_experts_cuda call on the path the id names (path=decode: ops.moe_decode's one launch; else the
+    grouped path; either forced): E experts in the id's formats, seeded routing with an idle expert (no slot
+    names it), a dropped id (negative, E, or past int32 for int64 ids), for T >= 3 a token whose every slot
+    is dropped (its row must be exactly 0) and, on the decode path, an expert several slots pick. The plan the
+    launcher makes (grouped: configurations and k splits by plan_grouped; decode: plan_decode's slices and grid)
+    is checked against the id first, under the id's SM count / shared memory limit (moe_kernels.device_info
+    stands in for the GPU where they differ from its own). The caller's counters (cnt=1) must be back at zero
+    after the call. Checked against tilefish.reference.moe_experts (float64 from the dequantized weights, CPU)
+    with the dropped slots given weight 0."""
     import dataclasses
 
     import torch
 
     from tilefish import reference
+    from tilefish.ops import moe_decode as md
     from tilefish.ops import moe_kernels as mk
     from tilefish.ops.w4a16 import parse_plan
     from tilefish.ops.w4a16.workspace import new_counters
@@ -1218,15 +1422,26 @@ def _run_moe(pid: str, a: dict, dev) -> dict:
     dt, idt = _dtype(a["dt"]), _id_dtype(a["id"])
     t, topk, e, h, i = (int(a[x]) for x in ("t", "topk", "e", "h", "i"))
     act = a["act"]
+    path = a.get("path", "grouped")
     (g1, zp1, _), (g2, zp2, _) = moe_fmt_parse(a["gu"]), moe_fmt_parse(a["dn"])
     sms, smem = _moe_device_limits(a, dev)
-    plan = mk.plan_grouped(t, topk, e, h, i, (g1, zp1), (g2, zp2), sms, smem)
-    got = (plan.gate_up.config, plan.gate_up.slices, plan.down.config, plan.down.slices)
-    want = (parse_plan(a["g1"])[0], int(a["s1"]), parse_plan(a["g2"])[0], int(a["s2"]))
-    if got != want:
-        raise AssertionError(f"plan_grouped picks gate_up {got[0].label()} x{got[1]}, down {got[2].label()} x{got[3]}; "
-                             f"the plan id names {a['g1']} x{a['s1']}, {a['g2']} x{a['s2']}")
-    info: dict = {"block_m": plan.block_m, "max_blocks": plan.max_blocks}
+    if path == "decode":
+        dplan = md.plan_decode(t, topk, h, i, sms)
+        got = (dplan.gate_up_slices, dplan.down_slices, dplan.ctas)
+        if got != (int(a["s1"]), int(a["s2"]), int(a["c"])):
+            raise AssertionError(f"plan_decode splits gate_up x{got[0]}, down x{got[1]} on {got[2]} CTAs; the plan id "
+                                 f"names x{a['s1']}, x{a['s2']} on {a['c']}")
+        info: dict = {"decode_plan": dplan._asdict()}
+        needs_counters = dplan.sync_words
+    else:
+        plan = mk.plan_grouped(t, topk, e, h, i, (g1, zp1), (g2, zp2), sms, smem)
+        got = (plan.gate_up.config, plan.gate_up.slices, plan.down.config, plan.down.slices)
+        want = (parse_plan(a["g1"])[0], int(a["s1"]), parse_plan(a["g2"])[0], int(a["s2"]))
+        if got != want:
+            raise AssertionError(f"plan_grouped picks gate_up {got[0].label()} x{got[1]}, down {got[2].label()} "
+                                 f"x{got[3]}; the plan id names {a['g1']} x{a['s1']}, {a['g2']} x{a['s2']}")
+        info = {"block_m": plan.block_m, "max_blocks": plan.max_blocks}
+        needs_counters = max(plan.gate_up.tile_counters, plan.down.tile_counters)
     gate_up = _moe_weights(e, 2 * i, h, a["gu"], dt, gen, 4.0 if act == "swiglu_oai" else 1.0)
     down = _moe_weights(e, h, i, a["dn"], dt, gen)
     x = torch.randn(t, h, generator=gen).to(dt)
@@ -1240,6 +1455,8 @@ def _run_moe(pid: str, a: dict, dev) -> dict:
     t_none = (t0 + 1) % t if t >= 3 else None
     if t_none is not None:
         ids[t_none] = torch.tensor([drops[(_seed(pid) + 1 + j) % len(drops)] for j in range(topk)])
+    if path == "decode" and not _share_an_expert(ids, e):
+        raise AssertionError(f"T = {t}, K = {topk}: fewer than two tokens keep a slot, no expert can take several")
     ids = ids.to(idt)
     valid = (ids >= 0) & (ids < e)
     gb = torch.randn(e, 2 * i, generator=gen).to(dt) if int(a["bias"]) else None
@@ -1254,10 +1471,10 @@ def _run_moe(pid: str, a: dict, dev) -> dict:
         gbg, dbg = (None if b is None else b.to(dev) for b in (gb, db))
         counters = new_counters(dev) if int(a.get("cnt", 0)) else None
         if counters is not None:  # the launcher uses them only where they have room
-            info["owned_counters"] = max(plan.gate_up.tile_counters, plan.down.tile_counters) <= counters.numel()
+            info["owned_counters"] = 0 < needs_counters <= counters.numel()
             if not info["owned_counters"]:
-                raise AssertionError(f"the plan needs {plan.gate_up.tile_counters} / {plan.down.tile_counters} tile "
-                                     f"counters, more than the {counters.numel()} the caller's hold")
+                raise AssertionError(f"the plan needs {needs_counters} tile counters / sync words; the caller's hold "
+                                     f"{counters.numel()} (cnt=1 is meant to run the call through them)")
         orig = mk.device_info
         real = orig(dev.index)
         if (real.sm_count, real.smem_per_block_optin) != (sms, smem):  # the plan's GPU description
@@ -1268,10 +1485,14 @@ def _run_moe(pid: str, a: dict, dev) -> dict:
         try:
             for _ in range(int(a.get("rep", 1))):
                 s_ = t * topk
-                _poison(s_, max(2 * i, h), dt, dev)
+                if path == "decode":  # the workspace, a [S, I], y [T, H]
+                    if dplan.gate_up_workspace + dplan.down_workspace:
+                        _poison(1, dplan.gate_up_workspace + dplan.down_workspace, torch.float32, dev)
+                else:
+                    _poison(s_, max(2 * i, h), dt, dev)
                 _poison(s_, i, dt, dev)
                 _poison(t, h, dt, dev)
-                outs.append(mk.grouped_experts_cuda(xg, idg, wg, gug, dng, act, gbg, dbg, counters).cpu())
+                outs.append(mk.grouped_experts_cuda(xg, idg, wg, gug, dng, act, gbg, dbg, counters, path=path).cpu())
         finally:
             mk.device_info = orig
         info["gpu_s"] = time.perf_counter() - t1
@@ -2174,6 +2395,9 @@ def coverage_summary(plans: list[Plan], cov: Coverage) -> dict:
         elif r.startswith("grouped format"):
             short = ("MoE grouped GEMM format variant not sampled (its configuration runs under other formats, "
                      "the format on other grouped configurations; --exhaustive runs it)")
+        elif r.startswith("decode variant"):
+            short = ("MoE decode kernel variant not sampled (the kernel runs its format and dtype with another "
+                     "activation / id dtype; --exhaustive runs it)")
         else:
             short = r.split(":")[0]
         reasons[short] = reasons.get(short, 0) + 1
@@ -2249,6 +2473,9 @@ def list_main(args) -> int:
         for key, tl in sorted(table.items()):
             if set(tools) - tl:
                 print(f"  MoE grouped GEMM {what} {key} not run under {sorted(set(tools) - tl)}")
+    for key, tl in sorted(cov.moe_decode_tools.items()):  # racecheck runs a few decode plans (enumerate_moe_decode)
+        if (set(tools) & NO_RACE) - tl:
+            print(f"  MoE decode dtype x formats {key} not run under {sorted((set(tools) & NO_RACE) - tl)}")
     if cov.unreadable:
         for fam, s, e in cov.unreadable:
             print(f"  UNREADABLE spec ({fam}) {s.name}: {e}")

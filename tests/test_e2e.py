@@ -322,7 +322,7 @@ def test_suite_maps_cli_flags(monkeypatch):
                               model="builtin", int4_lm_head=True, impls="fp16,w4a16", reps=7)
     FAMILIES["e2e"].run(args)
     assert calls[-1] == dict(layers=4, batches=[1, 8], prefill=[128], context=256, modes=["eager"],
-                             impls=["fp16", "w4a16"], model="builtin", int4_lm_head=True, reps=7)
+                             impls=["fp16", "w4a16"], model="builtin", int4_lm_head=True, reps=7, arch="llama3-8b")
     args.family = None  # the all-families run: reduced, and says so
     FAMILIES["e2e"].run(args)
     reduced = calls[-1]

@@ -435,24 +435,40 @@ def test_a_report_naming_inlined_functions_is_resolved_to_its_kernel_by_the_sass
 
 
 def test_moe_specs_read_back_and_plans_name_the_planned_configs(san, universe, plans):
-    """ops.moe_kernels.kernel_specs() reads back (template arguments and defines, rebuilt by moe_kernels' spec
-    functions; the dense build of a grouped configuration is not a MoE kernel), and each moe plan id names the
-    configurations and k splits plan_grouped makes for its shapes on the GPU it describes (sms, a forced smem):
-    what the worker checks before it launches. plan_specs are the call's five launches."""
+    """ops.moe_kernels.kernel_specs() reads back (template arguments and defines, rebuilt by moe_kernels' /
+    moe_decode's spec functions; the dense build of a grouped configuration is not a MoE kernel, nor a decode
+    kernel of another batch size), and each grouped moe plan id names the configurations and k splits plan_grouped
+    makes for its shapes on the GPU it describes (sms, a forced smem): what the worker checks before it launches.
+    plan_specs are the call's five launches."""
+    import dataclasses
+
     import torch
+    from tilefish.ops import moe_decode as md
     from tilefish.ops import moe_kernels as mk
     from tilefish.ops.w4a16 import parse_plan
 
     moe = [(spec, pfam, cfg, fmt) for fam, spec, pfam, cfg, fmt in universe if fam == "moe"]
     assert {spec for spec, *_ in moe} == set(mk.kernel_specs())
     assert all(pfam == "moe" and cfg is not None for _, pfam, cfg, _ in moe)
-    assert {cfg for _, _, cfg, _ in moe if isinstance(cfg, str)} == {"align", "act", "combine"}
+    assert {cfg for _, _, cfg, _ in moe if isinstance(cfg, str)} == {"align", "act", "combine", *san.DECODE_KINDS}
     dense = mk.kernel_spec(torch.float16, mk.grouped_config(1, 256), 128, False)  # no TF_W4A16_GROUPED
     with pytest.raises(ValueError, match="cannot read back as a MoE kernel"):
         san.spec_config("moe", dense)
     gpu = san.described_gpu(132, 90)
-    mp = [p for p in plans if p.family == "moe"]
+    mp = [p for p in plans if p.family == "moe" and p.args.get("path") != "decode"]
     assert mp and all(p.args["sms"] == "132" for p in mp)
+    # the decode kernels read back to their format, activation and id dtype; another RW or a stray define does not
+    spec = md.gate_up_spec(torch.bfloat16, 64, False, "nf4", "swiglu_oai", torch.int64)
+    assert san.spec_config("moe", spec)[1:] == ("decode_gate_up", {"kind": "decode_gate_up", "dt": "bf16", "g": 64,
+                                                                  "zp": 0, "cb": "nf4", "act": "swiglu_oai",
+                                                                  "id": "i64"})
+    spec = md.down_spec(torch.float16, -1, True, "int4", torch.int32)
+    assert san.spec_config("moe", spec)[1:] == ("decode_down", {"kind": "decode_down", "dt": "fp16", "g": -1,
+                                                               "zp": 1, "cb": "int4", "id": "i32"})
+    for bad in (dataclasses.replace(spec, name=spec.name.replace(f", {md.DOWN_ROWS_PER_BATCH}>", ", 16>")),
+                dataclasses.replace(spec, defines=spec.defines + (("TF_W4A16_GROUPED", "1"),))):
+        with pytest.raises(ValueError, match="does not read back"):
+            san.spec_config("moe", bad)
     for p in mp:
         a = p.args
         g1, zp1, _ = san.moe_fmt_parse(a["gu"])
@@ -485,10 +501,10 @@ def test_moe_coverage(san, plans, universe):
         {k: t for k, t in cov.moe_config_tools.items() if t != set(san.TOOLS)}
     assert len(cov.moe_format_tools) == 2 * len(mk.FORMATS)
     assert all(t == set(san.TOOLS) for t in cov.moe_format_tools.values())
-    small = [s for s in mk.kernel_specs() if s.source != "w4a16/gemm.cu"]
+    small = [s for s in mk.kernel_specs() if s.source not in ("w4a16/gemm.cu", "moe/decode.cu")]
     assert len(small) == 10 and set(small) <= set(cov.covered)
     moe_excluded = {s: r for s, r in cov.excluded.items() if s in set(mk.kernel_specs())}
-    assert all(r.startswith("grouped format") for r in moe_excluded.values())
+    assert all(r.startswith(("grouped format", "decode variant")) for r in moe_excluded.values())
     forced = [p for p in tier0 if p.family == "moe" and "smem" in p.args]
     assert forced and all(int(p.args["smem"]) < san.described_gpu(132, 90).smem_per_block for p in forced)
     split = [p.args for p in plans if p.family == "moe" and p.tier == 1]
@@ -505,8 +521,71 @@ def test_moe_worker_checks_the_plan_before_it_runs(san, plans):
     """A plan id whose configuration plan_grouped would not pick fails in the worker (CPU path)."""
     import torch
 
-    p = next(p for p in plans if p.family == "moe" and p.args["g1"] != p.args["g2"])
+    p = next(p for p in plans if p.family == "moe" and "g1" in p.args and p.args["g1"] != p.args["g2"])
     fam, a = san.parse_plan_id(p.id)
     a = {**a, "g1": a["g2"]}
     with pytest.raises(AssertionError, match="plan_grouped picks"):
         san._run_moe(p.id, a, torch.device("cpu"))
+
+
+def test_moe_decode_plans(san, plans, universe):
+    """The decode path (ops.moe_decode, forced path=decode), tier 0 alone: both kernels in every weight format x
+    dtype under memcheck / synccheck / initcheck, both activations; racecheck on both kernels in both dtypes, both
+    activations, a k split with owned and fresh counters and slices == 1. A k split in both kernels (plan_decode's
+    slices > 1, launched twice), slices == 1 in both (K = 2 and K = 1), gpt-oss' shape; every plan id names the
+    slices plan_decode makes on the described GPU, and plan_specs are the two decode kernels."""
+    from tilefish.ops import moe_decode as md
+    from tilefish.ops import moe_kernels as mk
+
+    tier0 = [p for p in plans if p.tier == 0]
+    cov = san.coverage(tier0, universe, 90)
+    fmts = san.moe_formats()
+    want = {(k, dt, f) for k in san.DECODE_KINDS for dt in ("fp16", "bf16") for f in fmts}
+    assert set(cov.moe_decode_tools) == want and len(want) == 2 * 2 * len(mk.FORMATS)
+    assert all(tools >= san.NO_RACE for tools in cov.moe_decode_tools.values()), \
+        {k: t for k, t in cov.moe_decode_tools.items() if not t >= san.NO_RACE}
+    dec = [p for p in tier0 if p.family == "moe" and p.args.get("path") == "decode"]
+    assert dec and all(p.args.get("path") == "decode" for p in plans if p.family == "moe" and "g1" not in p.args)
+    race = [p.args for p in dec if "racecheck" in p.tools]
+    assert {a["dt"] for a in race} == {"fp16", "bf16"} and {a["act"] for a in race} == set(md.ACTIVATION_CODES)
+    assert {a.get("cnt") for a in race if int(a["s1"]) > 1 and int(a["s2"]) > 1} == {"0", "1"}
+    assert any(a["s1"] == a["s2"] == "1" for a in race) and len(race) < len(dec) / 2
+    args = [p.args for p in dec]
+    assert {a["act"] for a in args} == set(md.ACTIVATION_CODES) and {a["id"] for a in args} == {"i32", "i64"}
+    assert {a["bias"] for a in args} == {"0", "1"} and all(int(a["t"]) >= 2 for a in args)
+    split = [a for a in args if int(a["s1"]) > 1 and int(a["s2"]) > 1]
+    assert {a["cnt"] for a in split} == {"0", "1"} and all(a["rep"] == "2" for a in split)
+    assert any(int(a["t"]) >= 3 for a in split)
+    assert any(int(a["i"]) // 16 % md.DOWN_ROWS_PER_BATCH for a in split), "a part batch in down's last slice"
+    whole = [a for a in args if a["s1"] == a["s2"] == "1"]
+    assert {a["topk"] for a in whole} >= {"1", "2"}  # K = 1: no workspace, no counter
+    gptoss = [a for a in args if a["h"] == a["i"] == "2880"]
+    assert len(gptoss) == 1 and gptoss[0]["bias"] == "1" and gptoss[0]["act"] == "swiglu_oai"
+    assert (gptoss[0]["gu"], gptoss[0]["dn"], gptoss[0]["dt"]) == ("mxfp4.g32", "mxfp4.g32", "bf16")
+    for p in dec:
+        a = p.args
+        dp = md.plan_decode(*(int(a[x]) for x in ("t", "topk", "h", "i", "sms")))
+        assert (dp.gate_up_slices, dp.down_slices) == (int(a["s1"]), int(a["s2"])), p.id
+        assert ("cnt" in a) == (dp.counters > 0), p.id
+        assert [s.source for s in san.plan_specs(p)] == [md.DECODE_SOURCE] * 2, p.id
+    # the decode plans of another GPU still split where they are meant to (T is cut down to fit)
+    small_gpu = san.enumerate_plans(40, 80, universe=universe)
+    assert any(p.args.get("path") == "decode" and int(p.args["s1"]) > 1 and int(p.args["s2"]) > 1
+               for p in small_gpu)
+
+
+def test_moe_decode_worker_cpu_path(san, plans):
+    """A decode plan's worker path on the CPU: the slices the id names are checked against plan_decode, the
+    routing gets an expert several slots pick, and the reference runs; a wrong split fails before any launch."""
+    import torch
+
+    p = next(p for p in plans if p.family == "moe" and p.args.get("path") == "decode" and p.args["topk"] == "1")
+    fam, a = san.parse_plan_id(p.id)
+    info = san._run_moe(p.id, a, torch.device("cpu"))
+    assert info["decode_plan"]["gate_up_slices"] == int(a["s1"]) and info["rel_err"] == 0
+    with pytest.raises(AssertionError, match="plan_decode splits"):
+        san._run_moe(p.id, {**a, "s1": "3"}, torch.device("cpu"))
+    ids = torch.tensor([[0, 1], [2, 3], [-1, 9]])
+    assert san._share_an_expert(ids, 4) and ids.tolist() == [[0, 1], [0, 3], [-1, 9]]
+    assert san._share_an_expert(ids, 4) and ids.tolist() == [[0, 1], [0, 3], [-1, 9]]  # already shared: kept
+    assert not san._share_an_expert(torch.tensor([[1], [-1]]), 4)

@@ -1,7 +1,9 @@
 """`tilefish bench e2e`: a Llama-3-8B-shaped decoder end to end, dense fp16 against tilefish W4A16,
 bitsandbytes NF4 (when importable) and tilefish NF4 (the same NF4 weights, fused matmul): decode
 tokens/s at several batch sizes over a filled KV cache, prefill tokens/s, in eager mode and compiled
-(torch.compile per decoder layer + one CUDA graph per step).
+(torch.compile per decoder layer + one CUDA graph per step). With arch="qwen3-moe" (bench/e2e_models.py) the
+model is transformers' Qwen3MoeForCausalLM with Qwen3-30B-A3B's shapes in bf16: transformers' dense experts
+(grouped_mm, batched_mm) against tilefish int4 g128 and MXFP4 (QuantizedExperts + W4A16Linear attention).
 
 Random weights (the timings do not depend on the values); every variant is built from the same
 seed, and only one model lives at a time. The harness also runs on CPU (no CUDA graph, perf_counter
@@ -20,7 +22,10 @@ import traceback
 import torch
 from torch import nn
 
-from ..models.llama import LlamaConfig, LlamaForCausalLM, causal_mask, hf_config
+from ..models.llama import LlamaConfig, LlamaForCausalLM, causal_mask
+from . import e2e_models
+from .e2e_models import MOE_IMPLS, MOE_LABELS, MOE_QUANTIZED, MoEConfig
+from .moe_shapes import BATCHED_MM_MAX_BYTES
 from .progress import InnerProgress
 from .report import Report, Row
 
@@ -31,7 +36,8 @@ MODES = ("eager", "compiled")  # run in this order: compiling changes the layers
 # E2E_IMPLS repeats this tuple (tests/test_cli.py checks it).
 IMPLS = ("fp16", "w4a16", "nf4", "tilefish-nf4")
 LABELS = {"fp16": "fp16", "w4a16": "tilefish w4a16", "nf4": "bitsandbytes nf4", "tilefish-nf4": "tilefish nf4"}
-QUANTIZED = ("w4a16", "tilefish-nf4")  # tilefish's variants: checked against their dense twin (dequantize_model)
+# tilefish's variants (both archs): checked against their dense twin (dequantize_model)
+QUANTIZED = ("w4a16", "tilefish-nf4") + MOE_QUANTIZED
 CHECK_TOKENS = 64       # prompt length of the logits checks
 # The W4A16 model's logits against its dense twin (the same model with every W4A16 layer replaced
 # by its exactly dequantized weight: the kernels' error alone) further apart than this are flagged.
@@ -65,18 +71,18 @@ class _Builtin:
 
 
 class _HF:
-    """transformers' LlamaForCausalLM with its StaticCache. The step calls the model's own modules
+    """transformers' LlamaForCausalLM (a LlamaConfig, fp16) or Qwen3MoeForCausalLM (an e2e_models.MoEConfig,
+    bf16) with its StaticCache. The step calls the model's own modules
     (embedding, rotary, decoder layers, norm, lm_head) the way LlamaModel.forward does, with two
     changes that keep it capturable: the mask is built here from the positions (transformers' mask
     helpers read tensors on the host), and each layer gets its own StaticLayer as its cache, so
     every layer traces to the same graph (the whole cache makes each layer's layer_idx a guard,
     one recompile per layer)."""
 
-    def __init__(self, config: LlamaConfig, device: torch.device):
-        import transformers
-
-        with _default_dtype(torch.float16), torch.device(device):  # no fp32 or CPU copy of the weights
-            self.model = transformers.LlamaForCausalLM(hf_config(config)).eval()
+    def __init__(self, config: LlamaConfig | MoEConfig, device: torch.device):
+        # no fp32 or CPU copy of the weights
+        with _default_dtype(e2e_models.torch_dtype(config)), torch.device(device):
+            self.model = e2e_models.hf_model(config).eval()
         self.config, self.device, self.cache = config, device, None
         self.tp = 1  # tensor-parallel ranks the attention heads are split over (tilefish.distributed.shard_model)
         # transformers 5.24 renamed the layers' past_key_values argument to cache (the old name warns)
@@ -174,7 +180,9 @@ def _to_nf4(layers: nn.Module) -> None:
 
 
 def _convert(runner, impl: str, int4_lm_head: bool) -> str:
-    """Turn the fp16 model into `impl` in place; a one-line summary."""
+    """Turn the dense model into `impl` in place; a one-line summary."""
+    if impl in MOE_IMPLS:
+        return e2e_models.convert(runner.model, impl, int4_lm_head)
     if impl == "w4a16":
         from ..convert import quantize_model
 
@@ -191,6 +199,11 @@ def _convert(runner, impl: str, int4_lm_head: bool) -> str:
         return (f"{len(rep.converted)} linears -> tilefish NF4 (blocksize 64, double quant), "
                 f"{len(rep.fused)} fused groups")
     return "dense"
+
+
+def experts_bytes(model: nn.Module) -> int:
+    """Bytes of the decoder layers' experts modules (0 for a dense model)."""
+    return sum(weight_bytes(m) for m in e2e_models.experts_modules(model))
 
 
 def weight_bytes(module: nn.Module) -> int:
@@ -288,13 +301,13 @@ def _measure(runner, phase: str, size: int, context: int, mode: str, vocab: int,
     return ms, setup_s
 
 
-def _fit_layers(cfg: LlamaConfig, kv_tokens: int, free_bytes: int) -> int:
-    """How many decoder layers fit in `free_bytes`: fp16 weights, a KV cache of `kv_tokens` tokens
-    (batch x length) per layer, embedding + lm_head, and HEADROOM."""
-    h, hd, kvh = cfg.hidden_size, cfg.head_dim, cfg.num_key_value_heads
-    layer = 2 * (2 * h * cfg.num_attention_heads * hd + 2 * h * kvh * hd + 3 * h * cfg.intermediate_size + 2 * h)
-    kv = 2 * 2 * kvh * hd * kv_tokens
-    fixed = 2 * 2 * cfg.vocab_size * h + HEADROOM
+def _fit_layers(cfg: LlamaConfig | MoEConfig, kv_tokens: int, free_bytes: int) -> int:
+    """How many decoder layers fit in `free_bytes`: 16-bit dense weights (a Qwen3-30B-A3B layer, its 128
+    experts, is 1.25 GB; a Llama-3-8B one 0.44 GB), a KV cache of `kv_tokens` tokens (batch x length) per
+    layer, embedding + lm_head, and HEADROOM."""
+    layer = 2 * e2e_models.layer_params(cfg)
+    kv = 2 * 2 * cfg.num_key_value_heads * cfg.head_dim * kv_tokens
+    fixed = 2 * e2e_models.fixed_params(cfg) + HEADROOM
     return max(0, (free_bytes - fixed) // (layer + kv))
 
 
@@ -302,7 +315,7 @@ def _fit_layers(cfg: LlamaConfig, kv_tokens: int, free_bytes: int) -> int:
 class _Plan:
     """What one run measures: run's arguments, resolved."""
     Runner: type
-    cfg: LlamaConfig
+    cfg: LlamaConfig | MoEConfig
     device: torch.device
     modes: list[str]
     cases: list[tuple[str, int]]  # ("decode", batch) / ("prefill", prompt length)
@@ -311,6 +324,15 @@ class _Plan:
     backend: str
     seed: int
     int4_lm_head: bool
+
+    @property
+    def arch(self) -> e2e_models.Arch:
+        return e2e_models.arch_of(self.cfg)
+
+    def runs(self, impl: str, phase: str, size: int) -> bool:
+        """Whether `impl` can run this case: transformers' batched_mm experts only where the expert weights it
+        gathers per (token, slot) fit (decode sizes, not a long prompt)."""
+        return impl != "bf16-batched" or e2e_models.batched_mm_fits(self.cfg, size)  # size: a step's tokens
 
 
 def _variant(plan: _Plan, impl: str, reference: torch.Tensor | None, timed: bool, progress: InnerProgress,
@@ -325,17 +347,30 @@ def _variant(plan: _Plan, impl: str, reference: torch.Tensor | None, timed: bool
     logits = _logits(runner, plan.cfg.vocab_size, plan.device)
     err = 0.0 if reference is None else _rel(logits, reference)
     info[impl] = {"layer_bytes": weight_bytes(runner.model.model.layers), "model_bytes": weight_bytes(runner.model),
-                  "logits_rel_err": err}
+                  "experts_bytes": experts_bytes(runner.model), "logits_rel_err": err}
+    skipped = []
     for mode in plan.modes if timed else ():
         if mode == "compiled":
             for layer in runner.model.model.layers:
                 layer.compile(fullgraph=True, dynamic=False, backend=plan.backend)
         for phase, size in plan.cases:
             progress.step(f"{impl} {mode} {phase} {size}")
+            if not plan.runs(impl, phase, size):
+                skipped.append(f"{mode} {phase} {size}")
+                continue
             times.setdefault((mode, phase, size), {})[impl] = _measure(
                 runner, phase, size, plan.context, mode, plan.cfg.vocab_size, plan.device, plan.reps)
+    if skipped:
+        notes.append(f"{impl} not timed at {', '.join(skipped)}: transformers' batched_mm gathers a copy of the "
+                     f"selected expert's weights for every token and slot (over {BATCHED_MM_MAX_BYTES >> 30} GiB "
+                     "there)")
+    if reference is None and plan.arch is not e2e_models.LLAMA:  # which experts implementation the dense model ran
+        line = f"{impl} ({summary}): the reference of the logits checks"
+        print(line, flush=True)
+        notes.append(line)
     if reference is not None:
-        line = f"{impl} ({summary}): logits vs fp16 on a {CHECK_TOKENS}-token prompt, relative error {err:.4f}"
+        line = (f"{impl} ({summary}): logits vs {plan.arch.reference} on a {CHECK_TOKENS}-token prompt, relative "
+                f"error {err:.4f}")
         if impl in QUANTIZED:
             line += " (random weights: the 4-bit rounding compounds over the layers)"
         if impl == "tilefish-nf4" and (built or {}).get("nf4") is not None and not plan.int4_lm_head:
@@ -351,7 +386,8 @@ def _variant(plan: _Plan, impl: str, reference: torch.Tensor | None, timed: bool
             for layer in runner.model.model.layers:
                 layer._compiled_call_impl = None  # back to eager: the twin's layers are other modules
             dequantize_model(runner.model)
-            left = sorted({type(m).__name__ for m in runner.model.modules() if type(m).__module__ == "tilefish.nn"})
+            left = sorted({type(m).__name__ for m in runner.model.modules()
+                           if type(m).__module__ in ("tilefish.nn", "tilefish.experts")})
             if left:  # dequantize_model does not know these layers (yet): no twin to compare with
                 line += f"; no dense twin (dequantize_model left {', '.join(left)} layers)"
             else:
@@ -368,46 +404,84 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
+def labels(arch: e2e_models.Arch) -> dict[str, str]:
+    """The rows' impl names of an arch's variants."""
+    return LABELS if arch is e2e_models.LLAMA else MOE_LABELS
+
+
+def _ratios(arch: e2e_models.Arch, impl: str, ms: float, by_impl: dict) -> dict[str, float]:
+    """A variant's ratios in one case: each dense variant's time over its time ("fp16" for the Llama, the
+    dense labels and "best bf16", the fastest of them, for the MoE model); none for a dense variant."""
+    dense = {d: by_impl[d][0] for d in arch.dense if d in by_impl}
+    if impl in arch.dense or not dense:
+        return {}
+    if arch is e2e_models.LLAMA:
+        return {"fp16": dense["fp16"] / ms}
+    ratios = {MOE_LABELS[d]: t / ms for d, t in dense.items()}
+    ratios[e2e_models.BEST_DENSE] = min(dense.values()) / ms
+    return ratios
+
+
 def _add_rows(report: Report, plan: _Plan, model: str, times: dict, info: dict) -> None:
-    fp16 = info["fp16"]
+    arch, names = plan.arch, labels(plan.arch)
+    ref = info[arch.reference]
     for impl, i in info.items():
-        if impl != "fp16":
-            report.notes.append(f"{LABELS[impl]} weights: decoder layers {i['layer_bytes'] / 2**30:.2f} GiB "
-                                f"({i['layer_bytes'] / fp16['layer_bytes']:.3f}x fp16), whole model "
-                                f"{i['model_bytes'] / 2**30:.2f} GiB ({i['model_bytes'] / fp16['model_bytes']:.3f}x)")
+        if impl not in arch.dense:  # the dense variants share the reference's weights
+            line = (f"{names[impl]} weights: decoder layers {i['layer_bytes'] / 2**30:.2f} GiB "
+                    f"({i['layer_bytes'] / ref['layer_bytes']:.3f}x {arch.reference}), whole model "
+                    f"{i['model_bytes'] / 2**30:.2f} GiB ({i['model_bytes'] / ref['model_bytes']:.3f}x)")
+            if ref["experts_bytes"]:
+                line += (f", experts {i['experts_bytes'] / 2**30:.2f} GiB "
+                         f"({i['experts_bytes'] / ref['experts_bytes']:.3f}x)")
+            report.notes.append(line)
     for (mode, phase, size), by_impl in times.items():
         case = f"{mode} decode b{size} ctx{plan.context}" if phase == "decode" else f"{mode} prefill {size}"
         for impl, (ms, setup_s) in by_impl.items():
             i = info[impl]
-            ratios = {"fp16": by_impl["fp16"][0] / ms} if impl != "fp16" and "fp16" in by_impl else {}
-            report.add(Row("e2e", case, LABELS[impl], ms * 1e3, size / (ms * 1e-3), "tok/s", None, ratios, {
+            report.add(Row("e2e", arch.case_prefix + case, names[impl], ms * 1e3, size / (ms * 1e-3), "tok/s", None,
+                           _ratios(arch, impl, ms, by_impl), {
                 "mode": mode, "phase": phase, "batch": size if phase == "decode" else 1,
                 "tokens": size if phase == "prefill" else 1, "context": plan.context if phase == "decode" else 0,
-                "ms_per_step": ms, "setup_s": setup_s, "model": model, "layers": plan.cfg.num_hidden_layers,
+                "ms_per_step": ms, "setup_s": setup_s, "model": model, "arch": arch.name, "dtype": arch.dtype,
+                "impl_key": impl, "layers": plan.cfg.num_hidden_layers,
                 "layer_bytes": i["layer_bytes"], "model_bytes": i["model_bytes"],
-                "layer_bytes_ratio": i["layer_bytes"] / fp16["layer_bytes"],
-                "model_bytes_ratio": i["model_bytes"] / fp16["model_bytes"], "logits_rel_err": i["logits_rel_err"],
+                "layer_bytes_ratio": i["layer_bytes"] / ref["layer_bytes"],
+                "model_bytes_ratio": i["model_bytes"] / ref["model_bytes"],
+                "experts_bytes": i["experts_bytes"] or None,
+                "experts_bytes_ratio": i["experts_bytes"] / ref["experts_bytes"] if ref["experts_bytes"] else None,
+                "logits_rel_err": i["logits_rel_err"],
                 "kernel_rel_err": i.get("kernel_rel_err"), "bnb_nf4_rel_err": i.get("bnb_nf4_rel_err")}))
 
 
-def run(layers: int = 32, batches=DEFAULT_BATCHES, prefill=DEFAULT_PREFILL, context: int = 512, modes=MODES,
-        impls=IMPLS, model: str = "auto", int4_lm_head: bool = False, reps: int = 50, *,
-        config: LlamaConfig | None = None, device=None, backend: str = "inductor", seed: int = 0,
-        title_note: str = "") -> Report:
-    """The e2e report. model: "hf" (transformers), "builtin" (tilefish.models.llama) or "auto" (hf
-    when transformers is importable). config: a LlamaConfig instead of Llama-3-8B with `layers`
-    layers (tests). backend: torch.compile's (tests use "eager")."""
+def run(layers: int | None = None, batches=DEFAULT_BATCHES, prefill=DEFAULT_PREFILL, context: int = 512,
+        modes=MODES, impls=None, model: str = "auto", int4_lm_head: bool = False, reps: int = 50, *,
+        arch: str | None = None, config: LlamaConfig | MoEConfig | None = None, device=None,
+        backend: str = "inductor", seed: int = 0, title_note: str = "") -> Report:
+    """The e2e report. arch: e2e_models.ARCHS ("llama3-8b", default; "qwen3-moe"), `layers` decoder layers
+    (None: the whole model, 32 / 48). impls: the arch's variants (None: all of them; IMPLS / MOE_IMPLS).
+    model: "hf" (transformers), "builtin" (tilefish.models.llama, the Llama only) or "auto" (hf when
+    transformers is importable). config: a LlamaConfig or MoEConfig instead (tests); its type picks the arch.
+    backend: torch.compile's (tests use "eager")."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if arch is not None and arch not in e2e_models.ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; known: {', '.join(e2e_models.ARCHS)}")
+    if config is not None and arch is not None and e2e_models.arch_of(config).name != arch:
+        raise ValueError(f"arch {arch!r} with a {type(config).__name__}")
+    cfg = config or e2e_models.default_config(arch or e2e_models.DEFAULT_ARCH, layers)
+    spec = e2e_models.arch_of(cfg)
+    known = IMPLS if spec is e2e_models.LLAMA else MOE_IMPLS
+    impls = known if impls is None else impls
     if model == "auto":
-        model = "hf" if has_transformers() else "builtin"
+        model = "hf" if has_transformers() or spec is not e2e_models.LLAMA else "builtin"
     if model not in ("hf", "builtin"):
         raise ValueError(f"model must be auto, hf or builtin; got {model!r}")
+    if model == "builtin" and spec is not e2e_models.LLAMA:
+        raise ValueError(f"--arch {spec.name} is transformers' model: it needs --model hf (or auto)")
     if model == "hf" and not has_transformers():
         raise ValueError("--model hf needs transformers (pip install transformers)")
-    unknown = set(modes) - set(MODES) | set(impls) - set(IMPLS)
+    unknown = set(modes) - set(MODES) | set(impls) - set(known)
     if unknown:
-        raise ValueError(f"unknown modes or impls {sorted(unknown)}; modes are {MODES}, impls {IMPLS}")
-    cfg = config or LlamaConfig.llama3_8b(layers)
+        raise ValueError(f"unknown modes or impls {sorted(unknown)}; modes are {MODES}, {spec.name}'s impls {known}")
     notes = []
     if device.type == "cuda":
         kv_tokens = max([b * _round_up(context + 1, CACHE_ALIGN) for b in batches] + list(prefill) + [CHECK_TOKENS])
@@ -415,10 +489,10 @@ def run(layers: int = 32, batches=DEFAULT_BATCHES, prefill=DEFAULT_PREFILL, cont
         if fit < 1:
             raise RuntimeError("not even one decoder layer fits in the free GPU memory")
         if fit < cfg.num_hidden_layers:
-            notes.append(f"reduced to {fit} of {cfg.num_hidden_layers} layers: fp16 weights + the KV cache of the "
-                         f"largest case must fit in the free GPU memory")
+            notes.append(f"reduced to {fit} of {cfg.num_hidden_layers} layers: {spec.dtype} weights + the KV cache "
+                         f"of the largest case must fit in the free GPU memory")
             cfg = dataclasses.replace(cfg, num_hidden_layers=fit)
-    timed = [i for i in IMPLS if i in impls]
+    timed = [i for i in known if i in impls]
     if "nf4" in timed and (why := _bnb_problem()):
         timed.remove("nf4")
         notes.append(f"nf4 skipped: {why}")
@@ -428,16 +502,23 @@ def run(layers: int = 32, batches=DEFAULT_BATCHES, prefill=DEFAULT_PREFILL, cont
     plan = _Plan(_HF if model == "hf" else _Builtin, cfg, device, [m for m in MODES if m in modes],
                  [("decode", b) for b in batches] + [("prefill", p) for p in prefill], context, reps, backend, seed,
                  int4_lm_head)
-    report = Report(f"End-to-end decoder, Llama-3-8B shapes, {cfg.num_hidden_layers} layers, {model} model, "
-                    f"fp16 activations (tok/s; ratio = fp16 time / variant time){title_note}")
+    ratio = (f"ratio = {spec.reference} time / variant time" if spec is e2e_models.LLAMA else
+             f"ratio = dense time / variant time, {e2e_models.BEST_DENSE}: the faster dense experts implementation")
+    report = Report(f"End-to-end decoder, {spec.title} shapes, {cfg.num_hidden_layers} layers, {model} model, "
+                    f"{spec.dtype} activations (tok/s; {ratio}){title_note}")
+    hf = f"transformers {e2e_models.hf_class_name(cfg)} + StaticCache"
     report.notes += notes + [
-        f"model: {'transformers LlamaForCausalLM + StaticCache' if model == 'hf' else 'tilefish.models.llama'}, "
-        f"random weights (seed {seed}); decode: one token per sequence over a KV cache filled with {context} random "
+        f"model: {hf if model == 'hf' else 'tilefish.models.llama'}, "
+        + (f"{spec.title} shapes ({e2e_models.describe(cfg)}), " if spec is not e2e_models.LLAMA else "")
+        + f"random weights (seed {seed}); decode: one token per sequence over a KV cache filled with {context} random "
         f"K/V positions (no prefill run); prefill: batch 1, logits of the last position only",
         "compiled: each decoder layer torch.compile(fullgraph=True) (one graph shared by all layers), the whole "
         "step captured in one CUDA graph and replayed; eager: plain calls"]
+    if spec is not e2e_models.LLAMA:
+        report.notes += e2e_models.MOE_NOTES
 
-    build = ["fp16"] + [i for i in timed if i != "fp16"]  # fp16 always: the reference for the logits check
+    ref = spec.reference  # always built: the reference of the logits checks
+    build = [ref] + [i for i in timed if i != ref]
     times: dict[tuple, dict[str, tuple[float, float]]] = {}
     info: dict[str, dict] = {}
     built: dict[str, torch.Tensor] = {}  # bitsandbytes nf4's check logits, for tilefish-nf4's
@@ -452,7 +533,7 @@ def run(layers: int = 32, batches=DEFAULT_BATCHES, prefill=DEFAULT_PREFILL, cont
                 if impl == "nf4" and "tilefish-nf4" in timed:
                     built[impl] = logits
             except Exception as e:  # noqa: BLE001 - a variant's failure is reported and the others still run
-                if impl == "fp16":  # no reference, no ratios: nothing left to measure against
+                if impl == ref:  # no reference, no ratios: nothing left to measure against
                     raise
                 traceback.print_exc()
                 report.notes.append(f"{impl} FAILED (the cases it had not finished are missing): "

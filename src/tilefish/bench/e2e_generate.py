@@ -18,16 +18,25 @@ both ends. Decode per token = (T(N) - T(1)) / (N - 1). One call of each under to
 the GPU's busy time (the union of its kernels' intervals) the same way; the rest of a token's time
 is the GPU waiting for the host (generate's Python loop, the graph launch, the logits processors).
 min_new_tokens = N, so random weights never stop early at an end-of-sequence token.
+
+With arch="qwen3-moe" (bench/e2e_models.py) the model is transformers' Qwen3MoeForCausalLM with Qwen3-30B-A3B's
+shapes, bf16: `bf16` dense as generate() runs it (grouped_mm experts for the prompt, batched_mm for the decode
+steps: generate's own switch), `bf16-grouped` the same with grouped_mm kept for the decode steps, `int4` / `mxfp4`
+tilefish.quantize_model (QuantizedExperts + W4A16Linear attention); ratios against each dense variant and the
+faster of the two ("best bf16").
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
 
 import torch
 
-from ..models.llama import LlamaConfig, hf_config
+from ..models.llama import LlamaConfig
+from . import e2e_models
+from .e2e_models import MOE_GENERATE_DENSE, MOE_GENERATE_IMPLS, MOE_GENERATE_LABELS, MoEConfig
 from .report import Report, Row
 
 IMPLS = ("fp16", "bf16", "w4a16", "w4a16-bf16", "tilefish-nf4", "nf4", "tinygemm")
@@ -56,16 +65,23 @@ def unavailable(impl: str) -> str | None:
     return None
 
 
-def _build(cfg: LlamaConfig, impl: str, device: torch.device, seed: int, int4_lm_head: bool):
+def _build(cfg: LlamaConfig | MoEConfig, impl: str, device: torch.device, seed: int, int4_lm_head: bool):
     """The HF model of `impl`, converted in place; (model, one-line summary)."""
-    import transformers
-
     from .e2e import _default_dtype, _to_nf4
 
-    dtype = DTYPES[impl]
+    moe = isinstance(cfg, MoEConfig)
+    dtype = e2e_models.torch_dtype(cfg) if moe else DTYPES[impl]
     torch.manual_seed(seed)
     with _default_dtype(dtype), torch.device(device):  # no fp32 or CPU copy of the weights
-        model = transformers.LlamaForCausalLM(hf_config(cfg)).eval()
+        model = e2e_models.hf_model(cfg).eval()
+    if moe:
+        if impl == "bf16":
+            return model, ("dense: generate() runs transformers' grouped_mm experts for the prompt and switches to "
+                           "batched_mm for the decode steps")
+        if impl == "bf16-grouped":
+            model._optimize_model_for_decode = contextlib.nullcontext  # generate's switch to batched_mm, off
+            return model, "dense: transformers' grouped_mm experts in the decode steps too (generate's switch off)"
+        return model, e2e_models.convert(model, impl, int4_lm_head)
     skip = () if int4_lm_head else ("lm_head",)
     if impl in ("w4a16", "w4a16-bf16", "tilefish-nf4"):
         from ..convert import quantize_model
@@ -143,11 +159,26 @@ def _logits(model, vocab: int, device) -> torch.Tensor:
         return model(ids, use_cache=False).logits.float()
 
 
-def run(layers: int = 32, batches=BATCHES, impls=IMPLS, new_tokens: int = NEW_TOKENS, prompt: int = PROMPT,
-        reps: int = 3, int4_lm_head: bool = False, *, config: LlamaConfig | None = None, device=None,
-        seed: int = 0, report: Report | None = None, title_note: str = "") -> Report:
-    """The generate() rows (added to `report` when given). config: a LlamaConfig instead of Llama-3-8B
-    with `layers` layers (tests)."""
+def known_impls(cfg) -> tuple[str, ...]:
+    """The generate variants of a config's arch."""
+    return MOE_GENERATE_IMPLS if isinstance(cfg, MoEConfig) else IMPLS
+
+
+def labels(cfg) -> dict[str, str]:
+    return MOE_GENERATE_LABELS if isinstance(cfg, MoEConfig) else LABELS
+
+
+def _dtype(cfg, impl: str) -> torch.dtype:
+    return e2e_models.torch_dtype(cfg) if isinstance(cfg, MoEConfig) else DTYPES[impl]
+
+
+def run(layers: int | None = None, batches=BATCHES, impls=None, new_tokens: int = NEW_TOKENS, prompt: int = PROMPT,
+        reps: int = 3, int4_lm_head: bool = False, *, arch: str | None = None,
+        config: LlamaConfig | MoEConfig | None = None, device=None, seed: int = 0, report: Report | None = None,
+        title_note: str = "") -> Report:
+    """The generate() rows (added to `report` when given). arch: e2e_models.ARCHS (default the Llama), `layers`
+    decoder layers (None: all); impls: its variants (None: all; IMPLS, or MOE_GENERATE_IMPLS for the MoE model).
+    config: a LlamaConfig or MoEConfig instead (tests); its type picks the arch."""
     from .e2e import _rel, weight_bytes
     from .progress import InnerProgress
 
@@ -155,21 +186,27 @@ def run(layers: int = 32, batches=BATCHES, impls=IMPLS, new_tokens: int = NEW_TO
     if device.type != "cuda":
         raise ValueError("the generate() client times HF's CUDA fast path (static cache, CUDA graph trees): "
                          "it needs a GPU")
-    unknown = set(impls) - set(IMPLS)
+    if arch is not None and arch not in e2e_models.ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; known: {', '.join(e2e_models.ARCHS)}")
+    cfg = config or e2e_models.default_config(arch or e2e_models.DEFAULT_ARCH, layers)
+    spec, known = e2e_models.arch_of(cfg), known_impls(cfg)
+    impls = known if impls is None else impls
+    unknown = set(impls) - set(known)
     if unknown:
-        raise ValueError(f"unknown generate impls {sorted(unknown)}; known: {IMPLS}")
+        raise ValueError(f"unknown generate impls {sorted(unknown)}; {spec.name}'s: {known}")
     if new_tokens < 2:
         raise ValueError(f"new_tokens must be at least 2 (decode time = T(N) - T(1)), got {new_tokens}")
-    cfg = config or LlamaConfig.llama3_8b(layers)
-    report = report or Report(f"generate() with the static cache, Llama-3-8B shapes, {cfg.num_hidden_layers} layers"
-                              f"{title_note}")
+    report = report or Report(f"generate() with the static cache, {spec.title} shapes, {cfg.num_hidden_layers} "
+                              f"layers{title_note}")
     report.notes.append(
-        f"generate(): transformers LlamaForCausalLM ({cfg.num_hidden_layers} layers, random weights, seed {seed}), "
+        f"generate(): transformers {e2e_models.hf_class_name(cfg)} ({cfg.num_hidden_layers} layers, "
+        + ("" if spec is e2e_models.LLAMA else f"{spec.title} shapes, {spec.dtype}, ")
+        + f"random weights, seed {seed}), "
         f"model.generate(ids, max_new_tokens={new_tokens}, cache_implementation='static'), HF's own compile "
         f"(mode reduce-overhead: CUDA graph trees), greedy, prompt {prompt} tokens; decode per token = "
         f"(T({new_tokens} tokens) - T(1 token)) / {new_tokens - 1}, median of {reps}; GPU = the profiler's busy "
         "time the same way; host = the rest (the GPU waiting for generate's Python loop)")
-    order = [i for i in IMPLS if i in impls]
+    order = [i for i in known if i in impls]
     results: dict[str, dict[int, dict]] = {}
     info: dict[str, dict] = {}
     reference: dict[torch.dtype, torch.Tensor] = {}
@@ -182,8 +219,8 @@ def run(layers: int = 32, batches=BATCHES, impls=IMPLS, new_tokens: int = NEW_TO
             try:
                 model, summary = _build(cfg, impl, device, seed, int4_lm_head)
                 logits = _logits(model, cfg.vocab_size, device)
-                dense = reference.setdefault(DTYPES[impl], logits) if impl in DENSE.values() else None
-                ref = reference.get(DTYPES[impl])
+                dense = reference.setdefault(_dtype(cfg, impl), logits) if impl in DENSE.values() else None
+                ref = reference.get(_dtype(cfg, impl))
                 err = None if dense is not None or ref is None else _rel(logits, ref)
                 info[impl] = {"summary": summary, "model_bytes": weight_bytes(model),
                               "logits_rel_err_vs_dense": err}
@@ -204,12 +241,15 @@ def run(layers: int = 32, batches=BATCHES, impls=IMPLS, new_tokens: int = NEW_TO
     return report
 
 
-def _add_rows(report: Report, cfg: LlamaConfig, results: dict, info: dict, new_tokens: int, prompt: int) -> None:
+def _add_rows(report: Report, cfg, results: dict, info: dict, new_tokens: int, prompt: int) -> None:
+    spec, names = e2e_models.arch_of(cfg), labels(cfg)
     for impl, i in info.items():
         err = i["logits_rel_err_vs_dense"]
-        report.notes.append(f"generate {impl}: {i['summary']}; model {i['model_bytes'] / 2**30:.2f} GiB"
-                            + ("" if err is None else f"; logits vs {DENSE[DTYPES[impl]]} dense {err:.3f} "
-                                                      "(random weights: the 4-bit rounding compounds over the layers)"))
+        why = ("" if impl in MOE_GENERATE_DENSE else
+               " (random weights: the 4-bit rounding compounds over the layers)")
+        report.notes.append(f"generate {spec.case_prefix}{impl}: {i['summary']}; model "
+                            f"{i['model_bytes'] / 2**30:.2f} GiB"
+                            + ("" if err is None else f"; logits vs {DENSE[_dtype(cfg, impl)]} dense {err:.3f}{why}"))
     if results:
         report.notes.append("generate() per token, where the time goes (ms: wall = GPU busy + host, the GPU "
                             "waiting for generate's loop):")
@@ -217,18 +257,37 @@ def _add_rows(report: Report, cfg: LlamaConfig, results: dict, info: dict, new_t
         for b, r in by_batch.items():
             split = ("" if r["gpu_ms_per_token"] is None else
                      f" = GPU {r['gpu_ms_per_token']:.2f} + host {r['host_ms_per_token']:.2f}")
-            report.notes.append(f"  {LABELS[impl]:<28} b{b:<3} {r['ms_per_token']:.2f}{split}; first call "
-                                f"(compile) {r['setup_s']:.0f} s")
+            report.notes.append(f"  {spec.case_prefix}{names[impl]:<28} b{b:<3} {r['ms_per_token']:.2f}{split}; "
+                                f"first call (compile) {r['setup_s']:.0f} s")
     for impl, by_batch in results.items():
         for b, r in by_batch.items():
-            peers = (DENSE[DTYPES[impl]],) + PEERS.get(impl, ())
-            ratios = {LABELS[p]: results[p][b]["ms_per_token"] / r["ms_per_token"]
-                      for p in peers if p != impl and b in results.get(p, {})}
-            if impl != "fp16" and "fp16" not in peers and b in results.get("fp16", {}):
-                ratios[LABELS["fp16"]] = results["fp16"][b]["ms_per_token"] / r["ms_per_token"]
-            report.add(Row("e2e", f"generate decode b{b}", LABELS[impl], r["ms_per_token"] * 1e3,
+            ratios = (_llama_ratios(impl, b, r, results) if spec is e2e_models.LLAMA else
+                      _moe_ratios(impl, b, r, results))
+            report.add(Row("e2e", f"{spec.case_prefix}generate decode b{b}", names[impl], r["ms_per_token"] * 1e3,
                            b / (r["ms_per_token"] * 1e-3), "tok/s", None, ratios, {
                                "mode": "generate", "phase": "decode", "batch": b, "new_tokens": new_tokens,
                                "prompt": prompt, "layers": cfg.num_hidden_layers, "impl_key": impl,
-                               "dtype": DENSE[DTYPES[impl]], **r, "model_bytes": info[impl]["model_bytes"],
+                               "arch": spec.name, "dtype": DENSE[_dtype(cfg, impl)], **r,
+                               "model_bytes": info[impl]["model_bytes"],
                                "logits_rel_err_vs_dense": info[impl]["logits_rel_err_vs_dense"]}))
+
+
+def _llama_ratios(impl: str, b: int, r: dict, results: dict) -> dict[str, float]:
+    """Against the dense model of its dtype, its PEERS, and fp16."""
+    peers = (DENSE[DTYPES[impl]],) + PEERS.get(impl, ())
+    ratios = {LABELS[p]: results[p][b]["ms_per_token"] / r["ms_per_token"]
+              for p in peers if p != impl and b in results.get(p, {})}
+    if impl != "fp16" and "fp16" not in peers and b in results.get("fp16", {}):
+        ratios[LABELS["fp16"]] = results["fp16"][b]["ms_per_token"] / r["ms_per_token"]
+    return ratios
+
+
+def _moe_ratios(impl: str, b: int, r: dict, results: dict) -> dict[str, float]:
+    """A quantized variant against each dense one that ran at this batch and the fastest of them; none for a
+    dense variant."""
+    dense = {d: results[d][b]["ms_per_token"] for d in MOE_GENERATE_DENSE if b in results.get(d, {})}
+    if impl in MOE_GENERATE_DENSE or not dense:
+        return {}
+    ratios = {MOE_GENERATE_LABELS[d]: t / r["ms_per_token"] for d, t in dense.items()}
+    ratios[e2e_models.BEST_DENSE] = min(dense.values()) / r["ms_per_token"]
+    return ratios

@@ -4,7 +4,7 @@
 
 computes the op of ops/moe.py as one-row GEMVs per slot (s = t * K + j on expert ids[s]): no sorting, the
 activation in the gate_up units' epilogue, the routing weights and each token's K-slot sum in the down units',
-all in one launch of persistent CTAs taking units from a queue (the kernel's header has the design).
+all in one launch of persistent CTAs taking units in a fixed order (the kernel's header has the design).
 ops/moe_kernels.grouped_experts_cuda calls it when takes_decode_path says so: each slot reads its expert's
 weights on its own, so the path pays off while few slots share an expert (one token on any MoE model, a few
 tokens on models of many experts).

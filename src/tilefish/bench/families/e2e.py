@@ -1,10 +1,12 @@
-"""The e2e family (`tilefish bench e2e`: a Llama-3-8B-shaped decoder end to end, in the harness's loop,
-bench/e2e.py, in the user's, bench/e2e_generate.py, and tensor-parallel, bench/e2e_tp.py)."""
+"""The e2e family (`tilefish bench e2e`: a Llama-3-8B-shaped decoder end to end, or with --arch qwen3-moe a
+Qwen3-30B-A3B-shaped MoE decoder (bench/e2e_models.py), in the harness's loop, bench/e2e.py, in the user's,
+bench/e2e_generate.py, and tensor-parallel, bench/e2e_tp.py (the Llama only))."""
 from __future__ import annotations
 
 import argparse
 import re
 
+from ..e2e_models import ARCHS, BEST_DENSE, DEFAULT_ARCH, LLAMA, MOE_GENERATE_IMPLS, MOE_IMPLS
 from ..family import BenchFamily, Step, checked_rows, choice_list, int_list, positive_int, ratio_line
 from ..progress import Case, samples_s
 
@@ -42,11 +44,17 @@ def _ints(text: str) -> list[int]:
 class E2E(BenchFamily):
     name = "e2e"
     title = "End-to-end decoder"
-    help = "a Llama-3-8B-shaped decoder end to end: fp16 against tilefish W4A16 / NF4 and bitsandbytes NF4"
+    help = ("a Llama-3-8B-shaped decoder end to end: fp16 against tilefish W4A16 / NF4 and bitsandbytes NF4; "
+            "--arch qwen3-moe: a Qwen3-30B-A3B-shaped MoE decoder, bf16 against tilefish int4 / MXFP4 experts")
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        p.add_argument("--layers", type=int, default=32,
-                       help="decoder layers (default 32; fewer if the GPU cannot hold them)")
+        p.add_argument("--arch", default=DEFAULT_ARCH, choices=list(ARCHS),
+                       help="the model: llama3-8b (Llama-3-8B shapes, fp16; default) or qwen3-moe (transformers' "
+                       "Qwen3MoeForCausalLM with Qwen3-30B-A3B's shapes, bf16: 128 experts, top 8; variants bf16 "
+                       "(grouped_mm experts), bf16-batched (batched_mm), int4, mxfp4; generate loop bf16, "
+                       "bf16-grouped, int4, mxfp4)")
+        p.add_argument("--layers", type=positive_int,
+                       help="decoder layers (default all: 32, qwen3-moe 48; fewer if the GPU cannot hold them)")
         p.add_argument("--batches", type=int_list, help="decode batch sizes (default 1,4,16,64; with --tp 1,16)")
         p.add_argument("--prefill", default="512,2048",
                        help="prefill prompt lengths, batch 1 (default 512,2048; '' for none)")
@@ -56,11 +64,13 @@ class E2E(BenchFamily):
                        "with --tp compiled)")
         p.add_argument("--model", default="auto", choices=["auto", "hf", "builtin"],
                        help="transformers' LlamaForCausalLM or tilefish.models.llama (default: hf when importable)")
-        p.add_argument("--impls", type=choice_list(tuple(dict.fromkeys(HARNESS_IMPLS + GENERATE_IMPLS))),
+        p.add_argument("--impls", type=choice_list(tuple(dict.fromkeys(HARNESS_IMPLS + GENERATE_IMPLS + MOE_IMPLS
+                                                                      + MOE_GENERATE_IMPLS))),
                        help="variants to time: fp16, bf16 (dense), w4a16 / w4a16-bf16 (tilefish), nf4 (bitsandbytes "
                        "Linear4bit), tilefish-nf4 (tilefish NF4, fused), tinygemm (torch's int4 kernel, bf16); each "
                        f"loop runs the ones it has (default: all; harness {','.join(HARNESS_IMPLS)}, generate "
-                       f"{','.join(GENERATE_IMPLS)})")
+                       f"{','.join(GENERATE_IMPLS)}; --arch qwen3-moe: harness {','.join(MOE_IMPLS)}, generate "
+                       f"{','.join(MOE_GENERATE_IMPLS)})")
         p.add_argument("--loops", default=",".join(LOOPS), type=choice_list(LOOPS),
                        help="harness: tilefish's own decode loop (each layer compiled, one CUDA graph a step); "
                        "generate: Hugging Face's model.generate with the static cache and its own compile, as users "
@@ -71,15 +81,19 @@ class E2E(BenchFamily):
         p.add_argument("--tp", type=int_list,
                        help="tensor-parallel sizes, e.g. 1,2: run under torchrun with one process per GPU "
                        "(torchrun --nproc_per_node 2 -m tilefish.cli bench e2e --tp 1,2); times fp16, w4a16 and "
-                       "tilefish-nf4 sharded by tilefish.distributed, decode only (default batches 1,16)")
+                       "tilefish-nf4 sharded by tilefish.distributed, decode only (default batches 1,16); the "
+                       "Llama only")
         p.add_argument("--int4-lm-head", action="store_true",
-                       help="w4a16 and tilefish-nf4 also quantize lm_head (default: kept fp16)")
+                       help="w4a16 and tilefish-nf4 (qwen3-moe: int4, mxfp4) also quantize lm_head (default: kept "
+                       "16-bit)")
 
     def run(self, args):
-        """The harness's loop and the user's loop in one report; --loops picks them, --impls the variants (each
-        loop runs the ones it knows). The all-families run (args.family None) takes a reduced set and says so."""
+        """The harness's loop and the user's loop in one report; --arch the model, --loops picks the loops,
+        --impls the variants (each loop runs the ones it knows for the arch). The all-families run (args.family
+        None) takes a reduced set of the Llama and says so."""
         from .. import e2e, e2e_generate
 
+        arch = getattr(args, "arch", None) or DEFAULT_ARCH
         loops = (getattr(args, "loops", None) or ",".join(LOOPS)).split(",")
         generate = "generate" in loops and args.model != "builtin" and e2e.has_transformers()
         if args.family is None:
@@ -91,26 +105,32 @@ class E2E(BenchFamily):
         if getattr(args, "tp", None):  # tensor-parallel, under torchrun
             from .. import e2e_tp
 
+            if arch != LLAMA.name:
+                raise ValueError(f"bench e2e --tp runs the Llama only (--arch {LLAMA.name}), not --arch {arch}")
             return e2e_tp.run(_ints(args.tp), impls=args.impls.split(",") if args.impls else list(e2e.IMPLS),
-                              layers=args.layers, batches=_ints(args.batches or ",".join(map(str, e2e_tp.TP_BATCHES))),
+                              layers=args.layers or LLAMA.default_layers,
+                              batches=_ints(args.batches or ",".join(map(str, e2e_tp.TP_BATCHES))),
                               context=args.context, modes=(args.modes or "compiled").split(","), model=args.model,
                               reps=args.reps)
+        harness_impls, generate_impls = ((e2e.IMPLS, e2e_generate.IMPLS) if arch == LLAMA.name else
+                                         (MOE_IMPLS, MOE_GENERATE_IMPLS))
         batches = args.batches or ",".join(map(str, e2e.DEFAULT_BATCHES))
-        impls = args.impls.split(",") if args.impls else list(dict.fromkeys(e2e.IMPLS + e2e_generate.IMPLS))
+        impls = args.impls.split(",") if args.impls else list(dict.fromkeys(harness_impls + generate_impls))
         report = None
-        if "harness" in loops:
+        if "harness" in loops and (chosen := [i for i in impls if i in harness_impls]):
             report = e2e.run(layers=args.layers, batches=_ints(batches), prefill=_ints(args.prefill),
                              context=args.context, modes=(args.modes or "compiled,eager").split(","),
-                             impls=[i for i in impls if i in e2e.IMPLS], model=args.model,
-                             int4_lm_head=args.int4_lm_head, reps=args.reps)
-        if generate and (chosen := [i for i in impls if i in e2e_generate.IMPLS]):
+                             impls=chosen, model=args.model, int4_lm_head=args.int4_lm_head, reps=args.reps,
+                             arch=arch)
+        if generate and (chosen := [i for i in impls if i in generate_impls]):
             report = e2e_generate.run(layers=args.layers, impls=chosen,
                                       batches=_ints(getattr(args, "generate_batches", None) or "1,16"),
                                       new_tokens=getattr(args, "new_tokens", None) or e2e_generate.NEW_TOKENS,
-                                      int4_lm_head=args.int4_lm_head, report=report)
+                                      int4_lm_head=args.int4_lm_head, report=report, arch=arch)
         if report is None:
-            raise ValueError(f"bench e2e: nothing to run (loops {loops}, impls {impls}; the generate loop needs "
-                             "transformers and --model hf or auto)")
+            raise ValueError(f"bench e2e: nothing to run (--arch {arch}, loops {loops}, impls {impls}; {arch}'s "
+                             f"variants: harness {','.join(harness_impls)}, generate {','.join(generate_impls)}; the "
+                             "generate loop needs transformers and --model hf or auto)")
         return report
 
     def steps(self, args, full: bool) -> list[Step]:
@@ -170,17 +190,26 @@ class E2E(BenchFamily):
         return Step(self.name, "End-to-end decoder", cases, run, kernels, lambda r: True)
 
     def headlines(self, report) -> list[dict]:
+        """Each variant's ratio per case: to fp16 (the Llama), to the fastest dense variant (the MoE model)."""
         rows = checked_rows(report)
         out = []
-        for impl in dict.fromkeys(r.impl for r in rows if "fp16" in r.ratios):
-            for r in (r for r in rows if r.impl == impl):
-                out.append(ratio_line(f"{impl} vs fp16, {re.sub(r' ctx[0-9]+', '', r.case)}", [r], "fp16",
+        for impl in dict.fromkeys(r.impl for r in rows if _peer(r)):
+            for r in (r for r in rows if r.impl == impl and _peer(r)):
+                out.append(ratio_line(f"{impl} vs {_peer(r)}, {re.sub(r' ctx[0-9]+', '', r.case)}", [r], _peer(r),
                                       lambda r: f"{r.metric:,.0f} {r.unit}"))
         return [h for h in out if h is not None]
 
     def heading(self, report) -> str:
-        layers = next((r.extra.get("layers") for r in report.rows if r.extra.get("layers")), None)
-        return self.title + (f", Llama-3-8B shapes, {layers} layers" if layers else "")
+        first = next((r for r in report.rows if r.extra.get("layers")), None)
+        if first is None:
+            return self.title
+        arch = ARCHS[first.extra.get("arch", DEFAULT_ARCH)]
+        return f"{self.title}, {arch.title} shapes, {first.extra['layers']} layers"
+
+
+def _peer(row) -> str | None:
+    """The ratio a row's headline takes: fp16 (the Llama's rows) or the best dense variant (the MoE model's)."""
+    return "fp16" if "fp16" in row.ratios else BEST_DENSE if BEST_DENSE in row.ratios else None
 
 
 FAMILY = E2E()

@@ -12,12 +12,10 @@
 //
 // Units: a unit is one 64-column strip of one slot's (down: one token's) output over one slice of k16 rows,
 // one batch of rows a warp; gate_up's unit holds gate strip c and up strip I/64 + c, so the activation is
-// computed where both halves are. Persistent CTAs (2 an SM) take units from a queue (an atomic counter) in
-// order: every gate_up unit, then every down unit. A CTA claims its next unit when it starts one (the
-// atomic's latency hides behind the unit). A down unit first prefetches its weight range into L2, then
-// waits until its slot's activation row is complete (done[s] == I/64, released by the last CTA of each of
-// the slot's strips). It cannot deadlock: a down unit is claimed only after every gate_up unit has been
-// claimed, by CTAs that are running, and a gate_up unit never waits.
+// computed where both halves are. Persistent CTAs (2 an SM) take units in a fixed order (every gate_up unit,
+// then every down unit; the kernel below says which CTA takes which) and keep the weights of their next
+// units on their way into L2. A down unit waits until its slot's activation row is complete (done[s] ==
+// I/64, released by the last CTA of each of the slot's strips).
 //
 // A unit's 8 warps each take RW k16 rows (RW x strips x 512 contiguous bytes, one 16-byte load a lane a strip
 // row), issue the loads, their scale rows and x pieces before any math, then dequantize each packed word
@@ -36,7 +34,7 @@
 // stream nothing and do not wait, but still arrive, and the last arriver leaves the slot out. No memory
 // outside the tensors is read for any id value.
 //
-// The sync words (int32, zero before a launch and left zero after): [0] the queue, [1] CTAs finished,
+// The sync words (int32, zero before a launch and left zero after): [0] unused, [1] CTAs finished,
 // [2, 2 + S) done per slot, then S x I/64 gate_up strip counters, then T x H/64 down strip counters. Each
 // strip counter is reset by its last arriver, the rest by the last CTA to finish.
 #include "common/ptx.cuh"
@@ -49,6 +47,7 @@ using namespace tf;
 constexpr int kWarps = 8, kThreads = kWarps * 32;
 constexpr int kGateUpRows = 4;  // RW of a gate_up unit: 2 strips x 4 k16 rows x 512 B in flight a warp
 constexpr int kDownRows = 8;    // RW of a down unit: 1 strip x 8 rows
+constexpr int kPrefetchUnits = 3;  // a CTA's units whose weights are on their way to L2 (<= ~25 MB in all)
 
 // x pieces: read-only inputs through the non-coherent path; rows written earlier in the same launch (the
 // activation) through L2 (ld.cg), since the read-only path may hold stale lines.
@@ -191,7 +190,7 @@ struct Stacked {
     const T* bias;
 };
 
-// The launch's shapes, and where each unit kind starts in the queue.
+// The launch's shapes and unit counts (gate_up units are 0 .. gu_units - 1, down units after them).
 struct Shape {
     int tokens, topk, experts, hidden, inter;
     int slots, gu_strips, d_strips, gu_slices, d_slices, gu_units, d_units;
@@ -257,7 +256,6 @@ __device__ __forceinline__ void down_unit(int u, const Shape& sh, const Id* ids,
         const int strips[1] = {c};
         const int r0 = q * kWarps * kDownRows, r1 = min(k / 16, r0 + kWarps * kDownRows);
         const uint4* we = d.w + (size_t)e * per_expert_w;
-        prefetch_l2(we + ((size_t)c * (k / 16) + r0) * 32, (r1 - r0) * 512);  // in flight while we wait
         if (tid == 0) {
             while (load_acquire(done + s) < sh.gu_strips) __nanosleep(32);
         }
@@ -293,10 +291,41 @@ __device__ __forceinline__ void down_unit(int u, const Shape& sh, const Id* ids,
     if (parts > 1 && tid == 0) fixup_reset(counters + strip);
 }
 
+
+
+// The weight bytes of unit u, prefetched into L2 (a unit's rows of a strip are contiguous: gate_up two ranges,
+// down one). An id outside [0, E) prefetches nothing.
+template <typename Id>
+__device__ __forceinline__ void prefetch_unit(int u, const Shape& sh, const Id* ids, const uint4* gu_w,
+                                              const uint4* d_w) {
+    if (u < sh.gu_units) {
+        const int q = u % sh.gu_slices, strip = u / sh.gu_slices, c = strip % sh.gu_strips, s = strip / sh.gu_strips;
+        const Id e = ids[s];
+        if (!valid_expert(e, sh.experts)) return;
+        const int kr = sh.hidden / 16, r0 = q * kWarps * kGateUpRows, r1 = min(kr, r0 + kWarps * kGateUpRows);
+        const uint4* we = gu_w + (size_t)e * (2 * sh.inter / 64) * kr * 32;
+        prefetch_l2(we + ((size_t)c * kr + r0) * 32, (r1 - r0) * 512);
+        prefetch_l2(we + ((size_t)(sh.gu_strips + c) * kr + r0) * 32, (r1 - r0) * 512);
+    } else {
+        u -= sh.gu_units;
+        const int q = u % sh.d_slices, part = u / sh.d_slices, j = part % sh.topk, strip = part / sh.topk;
+        const int c = strip % sh.d_strips, t = strip / sh.d_strips;
+        const Id e = ids[t * sh.topk + j];
+        if (!valid_expert(e, sh.experts)) return;
+        const int kr = sh.inter / 16, r0 = q * kWarps * kDownRows, r1 = min(kr, r0 + kWarps * kDownRows);
+        prefetch_l2(d_w + ((size_t)e * sh.d_strips * kr + (size_t)c * kr + r0) * 32, (r1 - r0) * 512);
+    }
+}
+
 }  // namespace moed
 
-// One launch of persistent CTAs (grid: min(units, 2 per SM)). gu_ws: S x I/64 x gate_up slices x 128 floats
-// (slices > 1), d_ws: T x H/64 x K x down slices x 64 floats (K x slices > 1); sync: the header's words.
+// One launch of persistent CTAs (grid G = min(units, 2 per SM)): CTA b takes units b, b + G, b + 2G, ... (every
+// gate_up unit comes before every down unit), and keeps the weights of its next kPrefetchUnits units on their
+// way into L2, so DRAM streams while a unit's chain of dependent steps (its reduction, fix-up and epilogue)
+// runs. No deadlock: a CTA waits only in a down unit, for gate_up units, which never wait, of CTAs that are
+// resident or will be (G never exceeds what the GPU holds at once).
+// gu_ws: S x I/64 x gate_up slices x 128 floats (slices > 1), d_ws: T x H/64 x K x down slices x 64 floats
+// (K x slices > 1); sync: the header's words.
 template <typename T, int GU_GROUP, bool GU_ASYM, int D_GROUP, bool D_ASYM, int ACT, typename Id>
 __global__ void __launch_bounds__(moed::kThreads, 2)
 moe_decode(const T* __restrict__ x, const Id* __restrict__ ids, const float* __restrict__ weights,
@@ -307,37 +336,32 @@ moe_decode(const T* __restrict__ x, const Id* __restrict__ ids, const float* __r
     using namespace moed;
     static_assert(kDecoderHasZeros || (!GU_ASYM && !D_ASYM), "table codebooks have no zero points");
     __shared__ float red[kWarps * 2 * 64];
-    __shared__ int s_unit, s_last;
+    __shared__ int s_last;
     const Shape sh(tokens, topk, experts, hidden, inter, kWarps * kGateUpRows, kWarps * kDownRows);
     const Stacked<T> g{gu_w, gu_scales, gu_zeros, gu_bias}, d{d_w, d_scales, d_zeros, d_bias};
-    int* queue = sync;
     int* finished = sync + 1;
     int* done = sync + 2;
     int* gu_counters = done + sh.slots;
     int* d_counters = gu_counters + sh.slots * sh.gu_strips;
-    const int units = sh.gu_units + sh.d_units;
+    const int units = sh.gu_units + sh.d_units, stride = gridDim.x;
 
-    if (threadIdx.x == 0) s_unit = atomicAdd(queue, 1);
-    __syncthreads();
-    int u = s_unit;
-    while (u < units) {
-        __syncthreads();  // every thread has read s_unit
-        int next = 0;
-        if (threadIdx.x == 0) next = atomicAdd(queue, 1);  // waited for only where it is stored, below
+    for (int i = 0; i < kPrefetchUnits; ++i) {
+        const int u = blockIdx.x + i * stride;
+        if (u < units) prefetch_unit(u, sh, ids, gu_w, d_w);
+    }
+    for (int u = blockIdx.x; u < units; u += stride) {
+        const int ahead = u + kPrefetchUnits * stride;
+        if (ahead < units) prefetch_unit(ahead, sh, ids, gu_w, d_w);
         if (u < sh.gu_units)
             gate_up_unit<T, GU_GROUP, GU_ASYM, ACT, Id>(u, sh, x, ids, g, act, gu_ws, done, gu_counters, red, s_last);
         else
             down_unit<T, D_GROUP, D_ASYM, Id>(u - sh.gu_units, sh, ids, weights, d, act, y, d_ws, done, d_counters,
                                               red, s_last);
         __syncthreads();  // the unit's shared memory is free again
-        if (threadIdx.x == 0) s_unit = next;
-        __syncthreads();
-        u = s_unit;
     }
-    // The last CTA out resets the queue and the done words (the strip counters reset themselves).
+    // The last CTA out resets the done words (the strip counters reset themselves).
     if (threadIdx.x == 0 && atomic_add_acq_rel(finished, 1) == (int)gridDim.x - 1) {
         for (int i = 0; i < sh.slots; ++i) store_relaxed(done + i, 0);
-        store_relaxed(queue, 0);
         store_relaxed(finished, 0);
     }
 }
