@@ -403,11 +403,7 @@ def grouped_experts_cuda(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
     dev, dtype = x.device, x.dtype
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     info = device_info(index)
-    if path == "decode" and gate_up.codebook != down.codebook:
-        raise ValueError(f"the decode path builds one codebook for both projections; gate_up is "
-                         f"{gate_up.codebook}, down {down.codebook} (path='grouped' takes any pair)")
-    if path == "decode" or (path is None and gate_up.codebook == down.codebook
-                            and takes_decode_path(tokens, topk, experts)):
+    if path == "decode" or (path is None and takes_decode_path(tokens, topk, experts)):
         return _decode(x, topk_ids, topk_weights, gate_up, down, activation, gate_up_bias, down_bias, counters,
                        index, info.sm_count)
     plan = plan_grouped(tokens, topk, experts, hidden, inter, (gate_up.group_size, gate_up.zeros is not None),
@@ -472,9 +468,11 @@ def _decode(x, topk_ids, topk_weights, gate_up: StackedFormat, down: StackedForm
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     biases = [None if b is None else b.contiguous() for b in (gate_up_bias, down_bias)]
     args = (x, ids, weights, gate_up, down, activation, *biases, plan)
-    if counters is not None and plan.sync_words <= counters.numel():
+    if plan.counters and counters is not None and plan.counters <= counters.numel():
         with _workspace_lock:  # streams take the owned counters in turn (workspace.py)
             hand_over(counters, index, current_stream_handle(index))
             return decode_experts(*args, counters.data_ptr(), index)
-    sync = torch.zeros(plan.sync_words, dtype=torch.int32, device=x.device)  # held until the launch is enqueued
-    return decode_experts(*args, sync.data_ptr(), index)
+    if plan.counters:
+        fresh = torch.zeros(plan.counters, dtype=torch.int32, device=x.device)  # held until both are enqueued
+        return decode_experts(*args, fresh.data_ptr(), index)
+    return decode_experts(*args, 0, index)
