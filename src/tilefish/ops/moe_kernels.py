@@ -14,6 +14,9 @@ on the current stream, S = T * K slots:
                        out [S, H], times topk_weights[t, j] (fp32, after the bias, before the rounding).
   5. moe/combine.cu    y[t] = sum_j out[t*K + j] in fp32, slot order, rounded once.
 
+Few tokens (ops/moe_decode.takes_decode_path) take the decode path instead: two launches, no sorting
+(ops/moe_decode.py).
+
 Every launch size is a function of (T, K, E, the shapes, the GPU) only, never of the routing values: the plan
 (plan_grouped) holds the grids, so the op can be captured in a CUDA graph and replayed with new routing in the
 captured input buffers. An expert id outside [0, E) is dropped by the alignment (its slot adds nothing; no
