@@ -292,12 +292,16 @@ def moe_fmt_parse(code: str) -> tuple[int, bool, str]:
     return -1 if gp == "pc" else int(gp[1:]), bool(rest), cb
 
 
+DECODE_KINDS = ("decode_gate_up", "decode_down")  # moe_read_back's names of ops.moe_decode's two kernels
+
+
 def moe_read_back(spec):
     """A spec of ops.moe_kernels.kernel_specs() -> (config, format), read back from its template arguments and
     defines and verified by rebuilding it with moe_kernels' / moe_decode's own spec functions: the grouped GEMM
     (gemm.cu built with -D TF_W4A16_GROUPED) -> (GemmConfig, {kind: gemm, dt, g, zp, cb}); the alignment,
     activation and combine kernels -> ("align" / "act" / "combine", {kind, dt, id, act} as they apply); the decode
-    path's kernel (moe/decode.cu, one launch) -> ("decode", {kind, dt, gu, dn (format codes), act, id})."""
+    path's two kernels (moe/decode.cu) -> ("decode_gate_up", {kind, dt, g, zp, cb, act, id}) / ("decode_down",
+    {kind, dt, g, zp, cb, id})."""
     from tilefish.ops import moe_decode as md
     from tilefish.ops import moe_kernels as mk
     from tilefish.ops.w4a16.configs import CODEBOOK_DEFINES, GemmConfig
@@ -331,16 +335,20 @@ def moe_read_back(spec):
             cfg = GemmConfig(mb, wn, wk, stages, swap, breg)
             fmt = {"kind": "gemm", "dt": _dtname(dt), "g": -1 if group == 0 else group, "zp": int(zp), "cb": cb}
             rebuilt = mk.grouped_gemm_spec(dt, cfg, fmt["g"], zp, cb)
-        elif head == "moe_decode" and spec.source == md.DECODE_SOURCE:  # <T, GG, GZ, DG, DZ, ACT, Id>
-            dt, cb = dts[a[0]], codebook()
-            (gg, gz), (dg, dz) = (group(a[1]), a[2] == "true"), (group(a[3]), a[4] == "true")
-            cfg = "decode"
-            fmt = {"kind": "decode", "dt": _dtname(dt), "gu": moe_fmt_code(gg, gz, cb), "dn": moe_fmt_code(dg, dz, cb),
-                   "act": dacts[int(a[5])], "id": _ID_NAMES[a[6]]}
-            rebuilt = md.decode_spec(dt, (gg, gz), (dg, dz), cb, fmt["act"], _id_dtype(fmt["id"]))
+        elif head in ("moe_decode_gate_up", "moe_decode_down") and spec.source == md.DECODE_SOURCE:
+            dt, zp = dts[a[0]], a[2] == "true"
+            fmt = {"kind": "", "dt": _dtname(dt), "g": group(a[1]), "zp": int(zp), "cb": codebook()}
+            if head == "moe_decode_gate_up":  # <T, GROUP, ASYM, ACT, Id, RW>
+                cfg = fmt["kind"] = "decode_gate_up"
+                fmt.update(act=dacts[int(a[3])], id=_ID_NAMES[a[4]])
+                rebuilt = md.gate_up_spec(dt, fmt["g"], zp, fmt["cb"], fmt["act"], _id_dtype(fmt["id"]))
+            else:  # <T, GROUP, ASYM, Id, RW>
+                cfg = fmt["kind"] = "decode_down"
+                fmt["id"] = _ID_NAMES[a[3]]
+                rebuilt = md.down_spec(dt, fmt["g"], zp, fmt["cb"], _id_dtype(fmt["id"]))
         else:
             raise ValueError("not a moe_kernels kernel (moe_align / moe_act / moe_combine / a grouped w4a16_gemm / "
-                             "moe_decode)")
+                             "moe_decode_gate_up / moe_decode_down)")
     except (KeyError, IndexError, ValueError) as e:
         raise ValueError(f"{spec.name} {dict(spec.defines)}: cannot read back as a MoE kernel: {e}") from None
     if rebuilt != spec:
@@ -694,146 +702,140 @@ def moe_exhaustive(universe, gpu, covered: set, add) -> None:
         add(p)
 
 
-# The MoE decode path (ops.moe_decode: moe/decode.cu's one launch of persistent CTAs taking gate_up units, then
-# down units, from a queue; plan ids with path=decode, the call forced to it). plan_decode's k slices follow the
-# shapes (gate_up: 32 k16 rows a unit, down: 64), its grid min(units, 2 CTAs an SM). Modes (shapes as a function
-# of the weight format: group 128 gets k % 128 == 0, the others k % 128 == 64 where the mode allows):
-#   split   both projections split k: gate_up H = 640 (40 rows: 32 + 8), down I = 1088 (68 rows: 64 + 4, a part
-#           batch) or 1152 (72 rows); slices through the workspace and the strip counters
-#   small   slices == 1 in both (small k: H 192 / 256, I 320 / 384); down still sums K = 2 parts (workspace)
-#   single  slices == 1 and K = 1: one part a strip, no workspace at all
-#   gptoss  gpt-oss' H = I = 2880 (mxfp4, biases, swiglu_oai; gate_up 6 slices, the last of 20 rows; down 3)
-# The grid: the described GPU's SM count, or forced down to MOE_DECODE_FORCED_SMS (the worker hands the launcher
-# that SM count), so every CTA takes several units in turn (shared memory reused unit after unit; down units
-# waiting on gate_up strips other CTAs finish; the last CTA out resets the sync words). Every routing has an idle
-# expert, a dropped id, (T >= 3) a token whose every slot is dropped and an expert that several slots pick
-# (_run_moe makes one where the seeded routing has none).
-MOE_DECODE_SHAPES = {  # mode -> (T, K, E, H (group 128, else), I (group 128, else))
-    "split": (4, 2, 6, (640, 640), (1152, 1088)),
-    "small": (3, 2, 4, (256, 192), (384, 320)),
-    "single": (4, 1, 4, (256, 320), (256, 192)),
-    "gptoss": (3, 2, 3, (2880, 2880), (2880, 2880)),
+# The MoE decode path (ops.moe_decode: moe/decode.cu's moe_decode_gate_up -> moe_decode_down; plan ids with
+# path=decode, the call forced to it). plan_decode cuts each kernel's k into slices from the shapes and the SM
+# count (about 4 CTAs an SM; a slice at least one batch a warp: gate_up 32 k16 rows, down 64). Modes (shapes as a
+# function of the weight formats: a group-128 projection gets k % 128 == 0, the others k % 128 == 64 where the
+# mode allows), each checked against plan_decode on the GPU the plans are made for:
+#   split   both kernels split k (gate_up H = 640, 40 k16 rows; down I = 1088 / 1152, 68 / 72 rows, a part batch
+#           of 4 rows in down's last slice at 1088); T tried 4, 3, 2 until both split on this GPU
+#   small   slices == 1 in both (small k: H 192 / 256, I 320 / 384); down still sums K = 2 parts (workspace, counters)
+#   single  slices == 1 and K = 1: one part a strip, so neither kernel touches a workspace or a counter
+#   gptoss  gpt-oss' H = I = 2880 (mxfp4, biases, swiglu_oai; 180 k16 rows, down's last batch partial)
+# Every routing has an idle expert, a dropped id, (T >= 3) a token whose every slot is dropped and an expert that
+# several slots pick (_run_moe makes one where the seeded routing has none).
+MOE_DECODE_SHAPES = {  # mode -> (T candidates, K, E, H (gate_up group 128, else), I (down group 128, else))
+    "split": ((4, 3, 2), 2, 4, (640, 640), (1152, 1088)),
+    "small": ((3,), 2, 4, (256, 192), (384, 320)),
+    "single": ((4,), 1, 4, (256, 320), (256, 192)),
+    "gptoss": ((3,), 2, 3, (2880, 2880), (2880, 2880)),
 }
 MOE_DECODE_MODES = ("split", "small", "split", "single")  # the rotation over a dtype's formats
-MOE_DECODE_FORCED_SMS = 2  # a forced grid: 2 CTAs an SM -> 4 CTAs
-# The decode plans racecheck runs, (mode, dtype, forced grid): the first of each. The kernel's shared memory (the
-# warp sum, the unit queue's and the fixup's words) does not depend on the weight format; these take it through
-# both dtypes and activations, split and whole k, one unit a CTA and several.
-MOE_DECODE_RACE = (("split", "fp16", False), ("split", "bf16", True), ("small", "fp16", False),
-                   ("single", "bf16", True))
+# The decode plans racecheck runs, (mode, dtype, cnt): the first of each. The kernels' shared memory (the warp sum,
+# the fixup's arrival flag) does not depend on the weight format; these take both kernels through both dtypes,
+# both activations, a k split with owned and with fresh counters, slices == 1 with and without a workspace.
+MOE_DECODE_RACE = (("split", "fp16", "1"), ("split", "bf16", "0"), ("small", "fp16", "1"), ("single", "bf16", None))
 
 
 def moe_decode_plan(gpu, mode: str, dt: str, gu: str, dn: str, *, idt: str, act: str, bias: int,
-                    sms: int | None = None, cnt: int | None = None, rep: int | None = None, tools=ALL, tier: int = 0,
-                    why: str = ""):
+                    cnt: int | None = None, rep: int | None = None, tools=ALL, tier: int = 0, why: str = ""):
     """One grouped_experts_cuda(..., path="decode") call in `mode` (MOE_DECODE_SHAPES) -> (Plan,
-    moe_decode.DecodePlan). The id names what plan_decode makes for the SM count sms (None: the described GPU's):
-    the k slices s1 (gate_up) / s2 (down) and the grid c, which the worker checks before it launches; the mode's
-    intent (both split; neither; no workspace at K = 1; a forced grid of several units a CTA) is checked here
-    (AssertionError). gate_up and down must be formats of one codebook that fit their k (else ValueError)."""
+    moe_decode.DecodePlan). The id names the k slices plan_decode makes on `gpu` (sms): s1 (gate_up), s2 (down),
+    which the worker checks before it launches; the mode's intent (both split; neither; no workspace at K = 1) is
+    checked here (AssertionError), and a format that does not fit its kernel's k is a ValueError."""
     from tilefish.ops import moe_decode as md
     from tilefish.ops.w4a16.layout import check_shape
 
-    t, topk, e, hs, is_ = MOE_DECODE_SHAPES[mode]
-    (g1, _, cb1), (g2, _, cb2) = moe_fmt_parse(gu), moe_fmt_parse(dn)
-    if cb1 != cb2:
-        raise ValueError(f"the decode path takes one codebook for both projections; {gu} / {dn}")
+    ts, topk, e, hs, is_ = MOE_DECODE_SHAPES[mode]
+    (g1, _, _), (g2, _, _) = moe_fmt_parse(gu), moe_fmt_parse(dn)
     h, i = hs[g1 != 128], is_[g2 != 128]
     check_shape(2 * i, h, g1)
     check_shape(h, i, g2)
-    sms = gpu.sm_count if sms is None else sms
-    dp = md.plan_decode(t, topk, h, i, sms)
-    units = dp.gate_up_units + dp.down_units
-    intent = {"split": dp.gate_up_slices > 1 and dp.down_slices > 1,
-              "small": dp.gate_up_slices == dp.down_slices == 1 and dp.down_workspace > 0,
-              "single": dp.gate_up_slices == dp.down_slices == 1 and not dp.gate_up_workspace + dp.down_workspace,
+    for t in ts:
+        dp = md.plan_decode(t, topk, h, i, gpu.sm_count)
+        if mode != "split" or (dp.gate_up_slices > 1 and dp.down_slices > 1):
+            break
+    intent = {"split": dp.gate_up_slices > 1 and dp.down_slices > 1 and dp.counters > 0,
+              "small": dp.gate_up_slices == 1 and dp.down_slices == 1 and dp.counters > 0,
+              "single": dp.gate_up_slices == 1 and dp.down_slices == 1 and not dp.counters and not dp.workspace_floats,
               "gptoss": True}[mode]
-    if sms != gpu.sm_count:
-        intent = intent and 2 * dp.ctas <= units
     if not intent:
-        raise AssertionError(f"MoE decode plan ({mode}, T {t}, K {topk}, H {h}, I {i}) on {sms} SMs: plan_decode "
-                             f"makes {dp}, not what the mode is meant to run")
+        raise AssertionError(f"MoE decode plan ({mode}, T {t}, K {topk}, H {h}, I {i}) on {gpu.sm_count} SMs: "
+                             f"plan_decode makes {dp}, not what the mode is meant to run")
+    if cnt is not None and not dp.counters:
+        raise AssertionError(f"MoE decode plan ({mode}): cnt={cnt} but plan_decode needs no counters ({dp})")
     p = make_plan("moe", tools, tier, why, path="decode", dt=dt, id=idt, act=act, t=t, topk=topk, e=e, h=h, i=i,
-                  gu=gu, dn=dn, bias=bias, sms=sms, s1=dp.gate_up_slices, s2=dp.down_slices, c=dp.ctas, cnt=cnt,
+                  gu=gu, dn=dn, bias=bias, sms=gpu.sm_count, s1=dp.gate_up_slices, s2=dp.down_slices, cnt=cnt,
                   rep=rep)
     return p, dp
 
 
-def _decode_why(mode: str, a: dict, dp, gpu_sms: int) -> str:
+def _decode_why(mode: str, a: dict, dp) -> str:
     t, topk, h, i = (int(a[x]) for x in ("t", "topk", "h", "i"))
-    units = dp.gate_up_units + dp.down_units
-    what = {"split": f"both projections split k (gate_up x{dp.gate_up_slices} over H = {h}, down x{dp.down_slices} "
-                     f"over I = {i}{': a part batch in its last slice' if (i // 16) % 8 else ''})",
+    what = {"split": f"both kernels split k (gate_up x{dp.gate_up_slices} over H = {h}, down x{dp.down_slices} over "
+                     f"I = {i}{': a part batch in its last slice' if (i // 16) % 8 else ''})",
             "small": f"slices == 1 in both (H = {h}, I = {i}); down sums K = {topk} parts through its workspace",
-            "single": f"slices == 1 in both (H = {h}, I = {i}) and K = 1: no workspace",
+            "single": f"slices == 1 in both (H = {h}, I = {i}) and K = 1: no workspace, no counter",
             "gptoss": f"gpt-oss' H = I = 2880 (mxfp4, biases, swiglu_oai; gate_up x{dp.gate_up_slices}, down "
                       f"x{dp.down_slices} slices)"}[mode]
-    grid = (f"{dp.ctas} CTAs for {units} units" + (f" (SM count forced to {a['sms']})" if int(a["sms"]) != gpu_sms
-                                                   else ""))
-    sync = ("the caller's counters as sync words (checked back at zero)" if a.get("cnt") == "1" else
-            "fresh zeroed sync words")
-    return (f"decode path (forced): T = {t}, K = {topk}; {what}; {grid}; {sync}"
+    sync = ("" if "cnt" not in a else "; the fixup through the tile counters the caller owns (checked back at zero)"
+            if a["cnt"] == "1" else "; the fixup through fresh zeroed counters")
+    return (f"decode path (forced): T = {t}, K = {topk}; {what}{sync}"
             + ("; launched twice, compared bitwise" if a.get("rep") == "2" else "")
             + "; an idle expert, a dropped id, an expert several slots pick"
             + (", a token with every slot dropped" if t >= 3 else ""))
 
 
 def enumerate_moe_decode(universe, gpu, add) -> None:
-    """MoE decode-path plans (ops.moe_decode, the call forced to path="decode"). Tier 0: the kernel in every
-    weight format x dtype kernel_specs lists (both projections in one format, as a model has them), both
-    activations and id dtypes, biases or none, in the modes of MOE_DECODE_SHAPES (k split in both projections,
-    slices == 1 with K = 2 and K = 1, gpt-oss' shape as the bf16 mxfp4 plan), on the GPU's grid or a forced grid
-    of several units a CTA; the sync words the caller's counters or fresh ones; every plan launched twice and
-    compared bitwise. racecheck runs the MOE_DECODE_RACE plans, the other tools every plan. Tier 1: gate_up and
-    down in different formats of one codebook (instantiations compiled when first used)."""
-    if not any(pfam == "moe" and fmt.get("kind") == "decode" for _, _, pfam, _, fmt in universe):
+    """MoE decode-path plans (ops.moe_decode, the call forced to path="decode"), tier 0: both kernels in every
+    weight format x dtype (fp16: gate_up and down in different formats, codebooks mixed; bf16: one format both, as
+    a model has it), both activations and id dtypes, biases or none, in the modes of MOE_DECODE_SHAPES: k split in
+    both kernels (the caller's counters and fresh ones), slices == 1 in both (K = 2, and K = 1 without a workspace),
+    gpt-oss' shape (the bf16 mxfp4 plan); the plans with counters launched twice and compared bitwise. racecheck
+    runs the MOE_DECODE_RACE plans, the other tools every plan."""
+    if not any(pfam == "moe" and fmt.get("kind") in DECODE_KINDS for _, _, pfam, _, fmt in universe):
         return
+    fmts = moe_formats()
+    n = len(fmts)
     count = 0
     per_mode: dict[str, int] = {}
     race = set(MOE_DECODE_RACE)
-
-    def one(mode, dt, gu, dn, tier=0, **kw):
-        nonlocal count
-        m = per_mode[mode] = per_mode.get(mode, -1) + 1  # the mode's own rotation of activation, grid and counters
-        forced = mode in ("split", "single") and m % 2 == 1
-        key = (mode, dt, forced)
-        tools = ALL if tier == 0 and key in race else NO_RACE
-        if tools == ALL:
-            race.discard(key)
-        args = dict(idt=("i32", "i64")[count % 2], act=("silu", "swiglu_oai")[(m // 2 if mode == "split" else m) % 2],
-                    bias=int(count % 3 != 1), sms=MOE_DECODE_FORCED_SMS if forced else None,
-                    cnt=int(count // 2 % 2 == 0), rep=2, tools=tools, tier=tier)
-        args.update(kw)
-        p, dp = moe_decode_plan(gpu, mode, dt, gu, dn, **args)
-        add(dataclasses.replace(p, why=_decode_why(mode, p.args, dp, gpu.sm_count)))
-        count += 1
-
     for dt in ("fp16", "bf16"):
-        for j, f in enumerate(moe_formats()):
-            if dt == "bf16" and f == "mxfp4.g32":
-                one("gptoss", dt, f, f, act="swiglu_oai", bias=1)
-            else:
-                one(MOE_DECODE_MODES[j % len(MOE_DECODE_MODES)], dt, f, f)
+        for j, gu in enumerate(fmts):
+            dn = fmts[(j + 5) % n] if dt == "fp16" else gu
+            gptoss = dt == "bf16" and gu == "mxfp4.g32"
+            mode = "gptoss" if gptoss else MOE_DECODE_MODES[j % len(MOE_DECODE_MODES)]
+            # the mode's own rotation: the counters (owned / fresh), then the activation
+            m = per_mode[mode] = per_mode.get(mode, -1) + 1
+            act = "swiglu_oai" if gptoss else ("silu", "swiglu_oai")[(m // 2 if mode == "split" else m) % 2]
+            cnt = None if mode == "single" else 1 if gptoss else int(m % 2 == 0)
+            key = (mode, dt, None if cnt is None else str(cnt))
+            tools = ALL if key in race else NO_RACE
+            race.discard(key)
+            p, dp = moe_decode_plan(gpu, mode, dt, gu, dn, idt=("i32", "i64")[count % 2], act=act,
+                                    bias=1 if gptoss else int(count % 3 != 1), cnt=cnt,
+                                    rep=None if mode == "single" else 2, tools=tools)
+            add(dataclasses.replace(p, why=_decode_why(mode, p.args, dp)))
+            count += 1
     if race:
         raise AssertionError(f"no MoE decode plan for racecheck's {sorted(race, key=str)}")
-    # tier 1: two formats of one codebook (the dispatcher builds any pair; kernel_specs lists the equal ones)
-    for mode, dt, gu, dn in (("split", "fp16", "int4.pc.zp", "int4.g32"), ("small", "bf16", "int4.g128", "int4.pc"),
-                             ("single", "fp16", "int4.g64.zp", "int4.g128.zp"),
-                             ("split", "bf16", "nf4.g128", "nf4.g64")):
-        one(mode, dt, gu, dn, tier=1)
 
 
 def moe_decode_exhaustive(universe, gpu, covered: set, add) -> None:
-    """--exhaustive: a memcheck plan (mode small) for every decode spec the sampled plans leave out."""
-    for _, spec, pfam, _, fmt in universe:
-        if pfam != "moe" or fmt.get("kind") != "decode" or spec in covered:
-            continue
-        p, dp = moe_decode_plan(gpu, "small", fmt["dt"], fmt["gu"], fmt["dn"], idt=fmt["id"], act=fmt["act"], bias=1,
-                                rep=None, tools=frozenset(("memcheck",)), tier=3)
-        p = dataclasses.replace(p, why="--exhaustive: a decode spec the sampled plans leave out; "
-                                + _decode_why("small", p.args, dp, gpu.sm_count))
-        if spec not in plan_specs(p):
-            raise AssertionError(f"--exhaustive MoE decode plan {p.id} does not run {spec}")
+    """--exhaustive: memcheck plans (mode small) for every decode spec the sampled plans leave out: each left-out
+    gate_up spec with a left-out down spec of its dtype and id dtype where one is left (else down in its own
+    format), then the down specs left (gate_up in their format)."""
+    left = [(spec, fmt) for _, spec, pfam, _, fmt in universe
+            if pfam == "moe" and fmt.get("kind") in DECODE_KINDS and spec not in covered]
+    downs = [(s, f) for s, f in left if f["kind"] == "decode_down"]
+    todo = []  # (specs, dtype, id, act, gate_up format, down format)
+    for spec, fmt in [(s, f) for s, f in left if f["kind"] == "decode_gate_up"]:
+        code = moe_fmt_code(fmt["g"], bool(fmt["zp"]), fmt["cb"])
+        mate = next((x for x in downs if (x[1]["dt"], x[1]["id"]) == (fmt["dt"], fmt["id"])), None)
+        if mate is not None:
+            downs.remove(mate)
+        todo.append(([spec] + ([mate[0]] if mate else []), fmt["dt"], fmt["id"], fmt["act"], code,
+                     moe_fmt_code(mate[1]["g"], bool(mate[1]["zp"]), mate[1]["cb"]) if mate else code))
+    for spec, fmt in downs:
+        code = moe_fmt_code(fmt["g"], bool(fmt["zp"]), fmt["cb"])
+        todo.append(([spec], fmt["dt"], fmt["id"], "silu", code, code))
+    for specs, dt, idt, act, gu, dn in todo:
+        p, dp = moe_decode_plan(gpu, "small", dt, gu, dn, idt=idt, act=act, bias=1, tools=frozenset(("memcheck",)),
+                                tier=3)
+        p = dataclasses.replace(p, why="--exhaustive: decode specs the sampled plans leave out; "
+                                + _decode_why("small", p.args, dp))
+        if not set(specs) <= set(plan_specs(p)):
+            raise AssertionError(f"--exhaustive MoE decode plan {p.id} does not run {specs}")
         add(p)
 
 
@@ -1069,7 +1071,7 @@ def plan_specs(p: Plan) -> list:
         dt, idt = _dtype(a["dt"]), _id_dtype(a["id"])
         (g1, zp1, cb1), (g2, zp2, cb2) = moe_fmt_parse(a["gu"]), moe_fmt_parse(a["dn"])
         if a.get("path") == "decode":
-            return [md.decode_spec(dt, (g1, zp1), (g2, zp2), cb1, a["act"], idt)]
+            return [md.gate_up_spec(dt, g1, zp1, cb1, a["act"], idt), md.down_spec(dt, g2, zp2, cb2, idt)]
         return list(dict.fromkeys([mk.align_spec(idt),
                                    mk.grouped_gemm_spec(dt, w4.parse_plan(a["g1"])[0], g1, zp1, cb1),
                                    mk.act_spec(dt, a["act"]),
@@ -1087,7 +1089,7 @@ class Coverage:
     format_tools: dict     # (kernel source, format key) -> set of tools
     moe_config_tools: dict = field(default_factory=dict)  # MoE grouped GEMM config label -> set of tools
     moe_format_tools: dict = field(default_factory=dict)  # MoE (dtype, weight format code) -> set of tools
-    moe_decode_tools: dict = field(default_factory=dict)  # MoE decode (dtype, gate_up, down format code) -> tools
+    moe_decode_tools: dict = field(default_factory=dict)  # MoE decode (kernel kind, dtype, format code) -> tools
 
 
 def coverage(plans: list[Plan], universe=None, cc: int = 90) -> Coverage:
@@ -1103,11 +1105,12 @@ def coverage(plans: list[Plan], universe=None, cc: int = 90) -> Coverage:
     listed = {spec for _, spec, *_ in universe}
     for p in plans:
         for s in plan_specs(p):
-            if s in listed:  # a plan may run more (the decode kernel of two formats compiles when first used)
+            if s in listed:  # coverage of kernel_specs(): a build it does not list is not counted
                 covered.setdefault(s, []).append(p.id)
         if p.family == "moe" and p.args.get("path") == "decode":
             a = p.args
-            decode_tools.setdefault((a["dt"], a["gu"], a["dn"]), set()).update(p.tools)
+            for kind, f in zip(DECODE_KINDS, (a["gu"], a["dn"])):
+                decode_tools.setdefault((kind, a["dt"], f), set()).update(p.tools)
         elif p.family == "moe":
             a = p.args
             for g, f in ((a["g1"], a["gu"]), (a["g2"], a["dn"])):
@@ -1127,12 +1130,13 @@ def coverage(plans: list[Plan], universe=None, cc: int = 90) -> Coverage:
             excluded[spec] = f"UNREAD: {fmt['error']} (teach spec_config this kernel)"
         elif spec.min_sm > cc:
             excluded[spec] = f"needs sm_{spec.min_sm}; this GPU is sm_{cc}"
-        elif pfam == "moe" and fmt.get("kind") == "decode":
-            what = f"{fmt['dt']} {fmt['gu']} / {fmt['dn']}"
-            excluded[spec] = (f"decode variant {what} ({fmt['act']}, id {fmt['id']}) not sampled: the kernel runs "
-                              "these formats and dtype with another activation / id dtype; --exhaustive runs every "
-                              "spec" if (fmt["dt"], fmt["gu"], fmt["dn"]) in decode_tools else
-                              f"no plan runs the decode kernel in {what}: a gap")
+        elif pfam == "moe" and fmt.get("kind") in DECODE_KINDS:
+            code = moe_fmt_code(fmt["g"], bool(fmt["zp"]), fmt["cb"])
+            variant = (f"activation {fmt['act']}, " if "act" in fmt else "") + f"id {fmt['id']}"
+            excluded[spec] = (f"decode variant {cfg} {fmt['dt']} {code} ({variant}) not sampled: the kernel runs this "
+                              "format and dtype with another activation / id dtype; --exhaustive runs every spec"
+                              if (cfg, fmt["dt"], code) in decode_tools else
+                              f"no plan runs the decode kernel {cfg} in {fmt['dt']} {code}: a gap")
         elif pfam == "moe" and fmt.get("kind") == "gemm":
             code = moe_fmt_code(fmt["g"], bool(fmt["zp"]), fmt["cb"])
             excluded[spec] = (f"grouped format {fmt['dt']} {code} of {cfg.label()} not sampled: the configuration "
@@ -1155,8 +1159,8 @@ def coverage(plans: list[Plan], universe=None, cc: int = 90) -> Coverage:
         if pfam == "moe" and cfg is not None and fmt.get("kind") == "gemm":  # ... and every MoE grouped GEMM one
             moe_cfg_tools.setdefault(cfg.label(), set())
             moe_fmt_tools.setdefault((fmt["dt"], moe_fmt_code(fmt["g"], bool(fmt["zp"]), fmt["cb"])), set())
-        if pfam == "moe" and fmt.get("kind") == "decode":  # ... and every decode dtype x format pair listed
-            decode_tools.setdefault((fmt["dt"], fmt["gu"], fmt["dn"]), set())
+        if pfam == "moe" and fmt.get("kind") in DECODE_KINDS:  # ... and every decode kernel x dtype x format
+            decode_tools.setdefault((cfg, fmt["dt"], moe_fmt_code(fmt["g"], bool(fmt["zp"]), fmt["cb"])), set())
     return Coverage(covered, excluded, unreadable, cfg_tools, fmt_tools, moe_cfg_tools, moe_fmt_tools, decode_tools)
 
 
@@ -1399,11 +1403,11 @@ def _share_an_expert(ids, experts: int) -> bool:
 
 
 def _run_moe(pid: str, a: dict, dev) -> dict:
-    """One grouped_experts_cuda call on the path the id names (path=decode: ops.moe_decode's one launch; else the
+    """One grouped_experts_cuda call on the path the id names (path=decode: ops.moe_decode's two launches; else the
     grouped path; either forced): E experts in the id's formats, seeded routing with an idle expert (no slot
     names it), a dropped id (negative, E, or past int32 for int64 ids), for T >= 3 a token whose every slot
     is dropped (its row must be exactly 0) and, on the decode path, an expert several slots pick. The plan the
-    launcher makes (grouped: configurations and k splits by plan_grouped; decode: plan_decode's slices and grid)
+    launcher makes (grouped: configurations and k splits by plan_grouped; decode: plan_decode's k slices)
     is checked against the id first, under the id's SM count / shared memory limit (moe_kernels.device_info
     stands in for the GPU where they differ from its own). The caller's counters (cnt=1) must be back at zero
     after the call. Checked against tilefish.reference.moe_experts (float64 from the dequantized weights, CPU)
@@ -1427,12 +1431,11 @@ def _run_moe(pid: str, a: dict, dev) -> dict:
     sms, smem = _moe_device_limits(a, dev)
     if path == "decode":
         dplan = md.plan_decode(t, topk, h, i, sms)
-        got = (dplan.gate_up_slices, dplan.down_slices, dplan.ctas)
-        if got != (int(a["s1"]), int(a["s2"]), int(a["c"])):
-            raise AssertionError(f"plan_decode splits gate_up x{got[0]}, down x{got[1]} on {got[2]} CTAs; the plan id "
-                                 f"names x{a['s1']}, x{a['s2']} on {a['c']}")
+        if (dplan.gate_up_slices, dplan.down_slices) != (int(a["s1"]), int(a["s2"])):
+            raise AssertionError(f"plan_decode splits gate_up x{dplan.gate_up_slices}, down x{dplan.down_slices}; "
+                                 f"the plan id names x{a['s1']}, x{a['s2']}")
         info: dict = {"decode_plan": dplan._asdict()}
-        needs_counters = dplan.sync_words
+        needs_counters = dplan.counters
     else:
         plan = mk.plan_grouped(t, topk, e, h, i, (g1, zp1), (g2, zp2), sms, smem)
         got = (plan.gate_up.config, plan.gate_up.slices, plan.down.config, plan.down.slices)
@@ -1486,8 +1489,8 @@ def _run_moe(pid: str, a: dict, dev) -> dict:
             for _ in range(int(a.get("rep", 1))):
                 s_ = t * topk
                 if path == "decode":  # the workspace, a [S, I], y [T, H]
-                    if dplan.gate_up_workspace + dplan.down_workspace:
-                        _poison(1, dplan.gate_up_workspace + dplan.down_workspace, torch.float32, dev)
+                    if dplan.workspace_floats:
+                        _poison(1, dplan.workspace_floats, torch.float32, dev)
                 else:
                     _poison(s_, max(2 * i, h), dt, dev)
                 _poison(s_, i, dt, dev)
@@ -2475,7 +2478,7 @@ def list_main(args) -> int:
                 print(f"  MoE grouped GEMM {what} {key} not run under {sorted(set(tools) - tl)}")
     for key, tl in sorted(cov.moe_decode_tools.items()):  # racecheck runs a few decode plans (enumerate_moe_decode)
         if (set(tools) & NO_RACE) - tl:
-            print(f"  MoE decode dtype x formats {key} not run under {sorted((set(tools) & NO_RACE) - tl)}")
+            print(f"  MoE decode kernel x dtype x format {key} not run under {sorted((set(tools) & NO_RACE) - tl)}")
     if cov.unreadable:
         for fam, s, e in cov.unreadable:
             print(f"  UNREADABLE spec ({fam}) {s.name}: {e}")

@@ -457,7 +457,8 @@ def test_moe_specs_read_back_and_plans_name_the_planned_configs(san, universe, p
     gpu = san.described_gpu(132, 90)
     mp = [p for p in plans if p.family == "moe" and p.args.get("path") != "decode"]
     assert mp and all(p.args["sms"] == "132" for p in mp)
-    # the decode kernels read back to their format, activation and id dtype; another RW or a stray define does not
+    # the decode kernels read back to their format, activation and id dtype; another batch size (RW), a stray
+    # define or two codebooks do not
     spec = md.gate_up_spec(torch.bfloat16, 64, False, "nf4", "swiglu_oai", torch.int64)
     assert san.spec_config("moe", spec)[1:] == ("decode_gate_up", {"kind": "decode_gate_up", "dt": "bf16", "g": 64,
                                                                   "zp": 0, "cb": "nf4", "act": "swiglu_oai",
@@ -466,7 +467,8 @@ def test_moe_specs_read_back_and_plans_name_the_planned_configs(san, universe, p
     assert san.spec_config("moe", spec)[1:] == ("decode_down", {"kind": "decode_down", "dt": "fp16", "g": -1,
                                                                "zp": 1, "cb": "int4", "id": "i32"})
     for bad in (dataclasses.replace(spec, name=spec.name.replace(f", {md.DOWN_ROWS_PER_BATCH}>", ", 16>")),
-                dataclasses.replace(spec, defines=spec.defines + (("TF_W4A16_GROUPED", "1"),))):
+                dataclasses.replace(spec, defines=spec.defines + (("TF_W4A16_GROUPED", "1"),)),
+                dataclasses.replace(spec, defines=(("TF_W4A16_NF4", "1"), ("TF_W4A16_MXFP4", "1")))):
         with pytest.raises(ValueError, match="does not read back"):
             san.spec_config("moe", bad)
     for p in mp:
@@ -507,7 +509,7 @@ def test_moe_coverage(san, plans, universe):
     assert all(r.startswith(("grouped format", "decode variant")) for r in moe_excluded.values())
     forced = [p for p in tier0 if p.family == "moe" and "smem" in p.args]
     assert forced and all(int(p.args["smem"]) < san.described_gpu(132, 90).smem_per_block for p in forced)
-    split = [p.args for p in plans if p.family == "moe" and p.tier == 1]
+    split = [p.args for p in plans if p.family == "moe" and p.tier == 1 and p.args.get("path") != "decode"]
     assert split and all(int(a["s1"]) > 1 and int(a["s2"]) > 1 and a["rep"] == "2" for a in split)
     assert {a["cnt"] for a in split} == {"0", "1"} and {a["g2"][:3] for a in split} == {"m16", "m32"}
     assert any(a["g1"].endswith("-swap-reg") for a in split)
@@ -539,26 +541,29 @@ def test_moe_decode_plans(san, plans, universe):
 
     tier0 = [p for p in plans if p.tier == 0]
     cov = san.coverage(tier0, universe, 90)
-    fmts = san.moe_formats()
-    want = {(k, dt, f) for k in san.DECODE_KINDS for dt in ("fp16", "bf16") for f in fmts}
+    want = {(k, dt, f) for k in san.DECODE_KINDS for dt in ("fp16", "bf16") for f in san.moe_formats()}
     assert set(cov.moe_decode_tools) == want and len(want) == 2 * 2 * len(mk.FORMATS)
     assert all(tools >= san.NO_RACE for tools in cov.moe_decode_tools.values()), \
         {k: t for k, t in cov.moe_decode_tools.items() if not t >= san.NO_RACE}
+    listed = {s for s in mk.kernel_specs() if s.source == md.DECODE_SOURCE}
+    assert {r.split(" ")[0] for s, r in cov.excluded.items() if s in listed} <= {"decode"}
     dec = [p for p in tier0 if p.family == "moe" and p.args.get("path") == "decode"]
     assert dec and all(p.args.get("path") == "decode" for p in plans if p.family == "moe" and "g1" not in p.args)
     race = [p.args for p in dec if "racecheck" in p.tools]
     assert {a["dt"] for a in race} == {"fp16", "bf16"} and {a["act"] for a in race} == set(md.ACTIVATION_CODES)
     assert {a.get("cnt") for a in race if int(a["s1"]) > 1 and int(a["s2"]) > 1} == {"0", "1"}
-    assert any(a["s1"] == a["s2"] == "1" for a in race) and len(race) < len(dec) / 2
+    assert {a["topk"] for a in race if a["s1"] == a["s2"] == "1"} == {"1", "2"} and len(race) < len(dec) / 2
     args = [p.args for p in dec]
     assert {a["act"] for a in args} == set(md.ACTIVATION_CODES) and {a["id"] for a in args} == {"i32", "i64"}
     assert {a["bias"] for a in args} == {"0", "1"} and all(int(a["t"]) >= 2 for a in args)
+    assert any(a["gu"].split(".")[0] != a["dn"].split(".")[0] for a in args), "two codebooks in one call"
     split = [a for a in args if int(a["s1"]) > 1 and int(a["s2"]) > 1]
     assert {a["cnt"] for a in split} == {"0", "1"} and all(a["rep"] == "2" for a in split)
-    assert any(int(a["t"]) >= 3 for a in split)
+    assert {a["act"] for a in split} == set(md.ACTIVATION_CODES) and any(int(a["t"]) >= 3 for a in split)
     assert any(int(a["i"]) // 16 % md.DOWN_ROWS_PER_BATCH for a in split), "a part batch in down's last slice"
     whole = [a for a in args if a["s1"] == a["s2"] == "1"]
-    assert {a["topk"] for a in whole} >= {"1", "2"}  # K = 1: no workspace, no counter
+    assert {a["topk"] for a in whole} == {"1", "2"}  # K = 1: no workspace, no counter
+    assert {a.get("cnt") for a in whole if a["topk"] == "2"} == {"0", "1"}
     gptoss = [a for a in args if a["h"] == a["i"] == "2880"]
     assert len(gptoss) == 1 and gptoss[0]["bias"] == "1" and gptoss[0]["act"] == "swiglu_oai"
     assert (gptoss[0]["gu"], gptoss[0]["dn"], gptoss[0]["dt"]) == ("mxfp4.g32", "mxfp4.g32", "bf16")
@@ -568,10 +573,10 @@ def test_moe_decode_plans(san, plans, universe):
         assert (dp.gate_up_slices, dp.down_slices) == (int(a["s1"]), int(a["s2"])), p.id
         assert ("cnt" in a) == (dp.counters > 0), p.id
         assert [s.source for s in san.plan_specs(p)] == [md.DECODE_SOURCE] * 2, p.id
-    # the decode plans of another GPU still split where they are meant to (T is cut down to fit)
-    small_gpu = san.enumerate_plans(40, 80, universe=universe)
-    assert any(p.args.get("path") == "decode" and int(p.args["s1"]) > 1 and int(p.args["s2"]) > 1
-               for p in small_gpu)
+        assert set(san.plan_specs(p)) <= listed, p.id
+    # on another GPU the split plans still split (T is cut down until both kernels do)
+    other = san.enumerate_plans(40, 80, universe=universe)
+    assert any(p.args.get("path") == "decode" and int(p.args["s1"]) > 1 and int(p.args["s2"]) > 1 for p in other)
 
 
 def test_moe_decode_worker_cpu_path(san, plans):
