@@ -30,6 +30,9 @@ ACTIVATION_CODES = {"silu": 0, "swiglu_oai": 1}  # gated.cuh's ACT
 ID_TYPES = {torch.int32: "int", torch.int64: "long long"}
 WARPS = 8                   # decode.cu's kWarps
 GATE_UP_ROWS_PER_BATCH = 4  # RW of the gate_up kernel: 2 strips x 4 k16 rows x 512 B in flight a warp
+# NF4's decoder needs more registers: with 4 rows its gate_up kernel spills (groups 64 / 128, 128 registers),
+# so it takes 2 (the plan's slices stay multiples of 4 rows, so of 2).
+GATE_UP_ROWS_BY_CODEBOOK = {"nf4": 2}
 DOWN_ROWS_PER_BATCH = 8     # RW of the down kernel: 1 strip x 8 rows
 UNITS_PER_SM = 4            # the k slices aim at this many CTAs a SM (two run at once: __launch_bounds__)
 # The path's domain, from forced runs of both paths on the H100 (scripts/experiments/moe_paths.py, docs/moe.md):
@@ -98,7 +101,8 @@ def gate_up_spec(dtype: torch.dtype, group_size: int, zero_points: bool, codeboo
                  id_dtype: torch.dtype) -> KernelSpec:
     group = 0 if group_size == -1 else group_size
     name = (f"moe_decode_gate_up<{DTYPES[dtype]}, {group}, {'true' if zero_points else 'false'}, "
-            f"{ACTIVATION_CODES[activation]}, {ID_TYPES[id_dtype]}, {GATE_UP_ROWS_PER_BATCH}>")
+            f"{ACTIVATION_CODES[activation]}, {ID_TYPES[id_dtype]}, "
+            f"{GATE_UP_ROWS_BY_CODEBOOK.get(codebook, GATE_UP_ROWS_PER_BATCH)}>")
     return KernelSpec(DECODE_SOURCE, name, _defines(codebook), hot=True)
 
 
