@@ -28,6 +28,7 @@ faster of the two ("best bf16").
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import statistics
 import time
@@ -179,7 +180,7 @@ def run(layers: int | None = None, batches=BATCHES, impls=None, new_tokens: int 
     """The generate() rows (added to `report` when given). arch: e2e_models.ARCHS (default the Llama), `layers`
     decoder layers (None: all); impls: its variants (None: all; IMPLS, or MOE_GENERATE_IMPLS for the MoE model).
     config: a LlamaConfig or MoEConfig instead (tests); its type picks the arch."""
-    from .e2e import _rel, weight_bytes
+    from .e2e import _fit_layers, _rel, weight_bytes
     from .progress import InnerProgress
 
     device = torch.device(device or "cuda")
@@ -188,6 +189,8 @@ def run(layers: int | None = None, batches=BATCHES, impls=None, new_tokens: int 
                          "it needs a GPU")
     if arch is not None and arch not in e2e_models.ARCHS:
         raise ValueError(f"unknown arch {arch!r}; known: {', '.join(e2e_models.ARCHS)}")
+    if config is not None and arch is not None and e2e_models.arch_of(config).name != arch:
+        raise ValueError(f"arch {arch!r} with a {type(config).__name__}")
     cfg = config or e2e_models.default_config(arch or e2e_models.DEFAULT_ARCH, layers)
     spec, known = e2e_models.arch_of(cfg), known_impls(cfg)
     impls = known if impls is None else impls
@@ -196,6 +199,12 @@ def run(layers: int | None = None, batches=BATCHES, impls=None, new_tokens: int 
         raise ValueError(f"unknown generate impls {sorted(unknown)}; {spec.name}'s: {known}")
     if new_tokens < 2:
         raise ValueError(f"new_tokens must be at least 2 (decode time = T(N) - T(1)), got {new_tokens}")
+    fit = _fit_layers(cfg, max(batches) * max(prompt + new_tokens, CHECK_TOKENS), torch.cuda.mem_get_info(device)[0])
+    if fit < 1:
+        raise RuntimeError("not even one decoder layer fits in the free GPU memory")
+    reduced = fit < cfg.num_hidden_layers
+    if reduced:
+        layers_before, cfg = cfg.num_hidden_layers, dataclasses.replace(cfg, num_hidden_layers=fit)
     report = report or Report(f"generate() with the static cache, {spec.title} shapes, {cfg.num_hidden_layers} "
                               f"layers{title_note}")
     report.notes.append(
@@ -206,6 +215,9 @@ def run(layers: int | None = None, batches=BATCHES, impls=None, new_tokens: int 
         f"(mode reduce-overhead: CUDA graph trees), greedy, prompt {prompt} tokens; decode per token = "
         f"(T({new_tokens} tokens) - T(1 token)) / {new_tokens - 1}, median of {reps}; GPU = the profiler's busy "
         "time the same way; host = the rest (the GPU waiting for generate's Python loop)")
+    if reduced:
+        report.notes.append(f"generate(): reduced to {fit} of {layers_before} layers: {spec.dtype} weights + the "
+                            "static cache must fit in the free GPU memory")
     order = [i for i in known if i in impls]
     results: dict[str, dict[int, dict]] = {}
     info: dict[str, dict] = {}

@@ -44,8 +44,8 @@ def _ints(text: str) -> list[int]:
 class E2E(BenchFamily):
     name = "e2e"
     title = "End-to-end decoder"
-    help = ("a Llama-3-8B-shaped decoder end to end: fp16 against tilefish W4A16 / NF4 and bitsandbytes NF4; "
-            "--arch qwen3-moe: a Qwen3-30B-A3B-shaped MoE decoder, bf16 against tilefish int4 / MXFP4 experts")
+    help = ("a decoder end to end: Llama-3-8B, fp16 vs tilefish W4A16 / NF4 and bitsandbytes NF4; --arch "
+            "qwen3-moe: Qwen3-30B-A3B, bf16 vs tilefish int4 / MXFP4")
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("--arch", default=DEFAULT_ARCH, choices=list(ARCHS),
