@@ -2,7 +2,9 @@
 one in real multi-process groups: gloo on the CPU (reference path, 2 and 4 ranks), NCCL on two GPUs."""
 from __future__ import annotations
 
+import faulthandler
 import os
+import sys
 import tempfile
 
 import pytest
@@ -128,6 +130,22 @@ def test_layers_that_cannot_be_sharded_are_named():
 
 # -- real process groups ----------------------------------------------------------------------------------------
 
+def _enter(backend: str, init: str, rank: int, world: int) -> None:
+    """Join the group; a rank that aborts in C++ prints its Python stack (pytest's faulthandler covers only the
+    parent process)."""
+    faulthandler.enable()
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+
+
+def _leave() -> None:
+    """A rank whose checks passed ends here, without interpreter teardown: gloo's worker threads can still be
+    torn down then and abort the process (SIGABRT, "terminate called without an active exception"); that is
+    torch's exit path, not what these tests check."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _build(kind: str, method: str, device: torch.device, dtype: torch.dtype):
     """A tiny Llama (same seed on every rank) as an e2e runner, converted by `method`."""
     from tilefish.bench import e2e
@@ -162,7 +180,7 @@ def _worker(rank: int, world: int, init: str, backend: str, cases: list):
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+    _enter(backend, init, rank, world)
     try:
         with torch.no_grad():
             for kind, method, dtype in cases:
@@ -180,6 +198,7 @@ def _worker(rank: int, world: int, init: str, backend: str, cases: list):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    _leave()
 
 
 def _spawn(world: int, backend: str, cases: list) -> None:
@@ -218,7 +237,7 @@ def test_layer_level_gather_and_full_input(tmp_path):
 
 
 def _layer_worker(rank: int, world: int, init: str):
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    _enter("gloo", init, rank, world)
     try:
         g = torch.Generator().manual_seed(2)
         dense = nn.Linear(256, 512, bias=True)
@@ -238,6 +257,7 @@ def _layer_worker(rank: int, world: int, init: str):
             assert rel_err(y, ref) < 1e-2
     finally:
         dist.destroy_process_group()
+    _leave()
 
 
 def _transpose_like(layer):
@@ -269,7 +289,7 @@ def test_bench_e2e_tp_on_gloo(tmp_path):
 def _bench_worker(rank: int, world: int, init: str, out: str):
     from tilefish.bench import e2e_tp
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    _enter("gloo", init, rank, world)
     try:
         rep = e2e_tp.run([1, 2], batches=(1, 2), context=8, reps=2, config=TINY, backend="eager", model="builtin")
         if rank == 0:
@@ -278,6 +298,7 @@ def _bench_worker(rank: int, world: int, init: str, out: str):
             assert not rep.rows  # rank 0 reports
     finally:
         dist.destroy_process_group()
+    _leave()
 
 
 def test_cli_tp_flags_reach_the_tp_bench(monkeypatch):
@@ -317,7 +338,7 @@ def test_gloo_load_sharded_checkpoint(tmp_path, case):
 def _load_worker(rank: int, world: int, init: str, directory: str, act_order: bool):
     from tilefish.checkpoint import load_quantized
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    _enter("gloo", init, rank, world)
     try:
         ids = torch.randint(256, (2, 9), generator=torch.Generator().manual_seed(3))
         with torch.no_grad():
@@ -332,3 +353,4 @@ def _load_worker(rank: int, world: int, init: str, directory: str, act_order: bo
         assert err < TP_TOL[torch.float16], f"rank {rank}: sharded checkpoint logits rel err {err:.3g}"
     finally:
         dist.destroy_process_group()
+    _leave()
