@@ -285,6 +285,13 @@ def moe_fmt_code(group: int, zero_points: bool, codebook: str) -> str:
     return f"{codebook}.{'pc' if group == -1 else f'g{group}'}{'.zp' if zero_points else ''}"
 
 
+def _routing_dtype(rt: str | None, dt):
+    """A decode plan's routing weights: "act" in the activation dtype, else (None, "f32") fp32."""
+    import torch
+
+    return dt if rt == "act" else torch.float32
+
+
 def moe_fmt_parse(code: str) -> tuple[int, bool, str]:
     cb, gp, *rest = code.split(".")
     if rest not in ([], ["zp"]) or not (gp == "pc" or re.fullmatch(r"g\d+", gp)):
@@ -342,10 +349,10 @@ def moe_read_back(spec):
                 cfg = fmt["kind"] = "decode_gate_up"
                 fmt.update(act=dacts[int(a[3])], id=_ID_NAMES[a[4]])
                 rebuilt = md.gate_up_spec(dt, fmt["g"], zp, fmt["cb"], fmt["act"], _id_dtype(fmt["id"]))
-            else:  # <T, GROUP, ASYM, Id, RW>
+            else:  # <T, GROUP, ASYM, Id, RW, R>: R the routing weights' type, float or T ("act")
                 cfg = fmt["kind"] = "decode_down"
-                fmt["id"] = _ID_NAMES[a[3]]
-                rebuilt = md.down_spec(dt, fmt["g"], zp, fmt["cb"], _id_dtype(fmt["id"]))
+                fmt.update(id=_ID_NAMES[a[3]], rt="f32" if a[5] == "float" else "act")
+                rebuilt = md.down_spec(dt, fmt["g"], zp, fmt["cb"], _id_dtype(fmt["id"]), _routing_dtype(fmt["rt"], dt))
         else:
             raise ValueError("not a moe_kernels kernel (moe_align / moe_act / moe_combine / a grouped w4a16_gemm / "
                              "moe_decode_gate_up / moe_decode_down)")
@@ -728,10 +735,12 @@ MOE_DECODE_RACE = (("split", "fp16", "1"), ("split", "bf16", "0"), ("small", "fp
 
 
 def moe_decode_plan(gpu, mode: str, dt: str, gu: str, dn: str, *, idt: str, act: str, bias: int,
-                    cnt: int | None = None, rep: int | None = None, tools=ALL, tier: int = 0, why: str = ""):
+                    cnt: int | None = None, rep: int | None = None, rt: str | None = None, tools=ALL, tier: int = 0,
+                    why: str = ""):
     """One grouped_experts_cuda(..., path="decode") call in `mode` (MOE_DECODE_SHAPES) -> (Plan,
     moe_decode.DecodePlan). The id names the k slices plan_decode makes on `gpu` (sms): s1 (gate_up), s2 (down),
-    which the worker checks before it launches; the mode's intent (both split; neither; no workspace at K = 1) is
+    which the worker checks before it launches; rt="act": the routing weights in the activation dtype (None:
+    fp32). The mode's intent (both split; neither; no workspace at K = 1) is
     checked here (AssertionError), and a format that does not fit its kernel's k is a ValueError."""
     from tilefish.ops import moe_decode as md
     from tilefish.ops.w4a16.layout import check_shape
@@ -756,7 +765,7 @@ def moe_decode_plan(gpu, mode: str, dt: str, gu: str, dn: str, *, idt: str, act:
         raise AssertionError(f"MoE decode plan ({mode}): cnt={cnt} but plan_decode needs no counters ({dp})")
     p = make_plan("moe", tools, tier, why, path="decode", dt=dt, id=idt, act=act, t=t, topk=topk, e=e, h=h, i=i,
                   gu=gu, dn=dn, bias=bias, sms=gpu.sm_count, s1=dp.gate_up_slices, s2=dp.down_slices, cnt=cnt,
-                  rep=rep)
+                  rep=rep, rt=rt)
     return p, dp
 
 
@@ -772,6 +781,7 @@ def _decode_why(mode: str, a: dict, dp) -> str:
             if a["cnt"] == "1" else "; the fixup through fresh zeroed counters")
     return (f"decode path (forced): T = {t}, K = {topk}; {what}{sync}"
             + ("; launched twice, compared bitwise" if a.get("rep") == "2" else "")
+            + ("; routing weights in the activation dtype" if a.get("rt") == "act" else "")
             + "; an idle expert, a dropped id, an expert several slots pick"
             + (", a token with every slot dropped" if t >= 3 else ""))
 
@@ -804,7 +814,7 @@ def enumerate_moe_decode(universe, gpu, add) -> None:
             race.discard(key)
             p, dp = moe_decode_plan(gpu, mode, dt, gu, dn, idt=("i32", "i64")[count % 2], act=act,
                                     bias=1 if gptoss else int(count % 3 != 1), cnt=cnt,
-                                    rep=None if mode == "single" else 2, tools=tools)
+                                    rep=None if mode == "single" else 2, rt="act" if j % 2 else None, tools=tools)
             add(dataclasses.replace(p, why=_decode_why(mode, p.args, dp)))
             count += 1
     if race:
@@ -818,20 +828,21 @@ def moe_decode_exhaustive(universe, gpu, covered: set, add) -> None:
     left = [(spec, fmt) for _, spec, pfam, _, fmt in universe
             if pfam == "moe" and fmt.get("kind") in DECODE_KINDS and spec not in covered]
     downs = [(s, f) for s, f in left if f["kind"] == "decode_down"]
-    todo = []  # (specs, dtype, id, act, gate_up format, down format)
+    todo = []  # (specs, dtype, id, act, gate_up format, down format, routing dtype)
     for spec, fmt in [(s, f) for s, f in left if f["kind"] == "decode_gate_up"]:
         code = moe_fmt_code(fmt["g"], bool(fmt["zp"]), fmt["cb"])
         mate = next((x for x in downs if (x[1]["dt"], x[1]["id"]) == (fmt["dt"], fmt["id"])), None)
         if mate is not None:
             downs.remove(mate)
         todo.append(([spec] + ([mate[0]] if mate else []), fmt["dt"], fmt["id"], fmt["act"], code,
-                     moe_fmt_code(mate[1]["g"], bool(mate[1]["zp"]), mate[1]["cb"]) if mate else code))
+                     moe_fmt_code(mate[1]["g"], bool(mate[1]["zp"]), mate[1]["cb"]) if mate else code,
+                     mate[1]["rt"] if mate else None))
     for spec, fmt in downs:
         code = moe_fmt_code(fmt["g"], bool(fmt["zp"]), fmt["cb"])
-        todo.append(([spec], fmt["dt"], fmt["id"], "silu", code, code))
-    for specs, dt, idt, act, gu, dn in todo:
-        p, dp = moe_decode_plan(gpu, "small", dt, gu, dn, idt=idt, act=act, bias=1, tools=frozenset(("memcheck",)),
-                                tier=3)
+        todo.append(([spec], fmt["dt"], fmt["id"], "silu", code, code, fmt["rt"]))
+    for specs, dt, idt, act, gu, dn, rt in todo:
+        p, dp = moe_decode_plan(gpu, "small", dt, gu, dn, idt=idt, act=act, bias=1, rt=None if rt == "f32" else rt,
+                                tools=frozenset(("memcheck",)), tier=3)
         p = dataclasses.replace(p, why="--exhaustive: decode specs the sampled plans leave out; "
                                 + _decode_why("small", p.args, dp))
         if not set(specs) <= set(plan_specs(p)):
@@ -1071,7 +1082,8 @@ def plan_specs(p: Plan) -> list:
         dt, idt = _dtype(a["dt"]), _id_dtype(a["id"])
         (g1, zp1, cb1), (g2, zp2, cb2) = moe_fmt_parse(a["gu"]), moe_fmt_parse(a["dn"])
         if a.get("path") == "decode":
-            return [md.gate_up_spec(dt, g1, zp1, cb1, a["act"], idt), md.down_spec(dt, g2, zp2, cb2, idt)]
+            return [md.gate_up_spec(dt, g1, zp1, cb1, a["act"], idt),
+                    md.down_spec(dt, g2, zp2, cb2, idt, _routing_dtype(a.get("rt"), dt))]
         return list(dict.fromkeys([mk.align_spec(idt),
                                    mk.grouped_gemm_spec(dt, w4.parse_plan(a["g1"])[0], g1, zp1, cb1),
                                    mk.act_spec(dt, a["act"]),
@@ -1452,6 +1464,8 @@ def _run_moe(pid: str, a: dict, dev) -> dict:
     pool = torch.tensor([x for x in range(e) if x != idle])
     ids = torch.stack([pool[torch.randperm(e - 1, generator=gen)[:topk]] for _ in range(t)])
     weights = torch.softmax(torch.randn(t, topk, generator=gen), -1)
+    if a.get("rt") == "act":  # the kernel reads them in the activation dtype; the reference gets the same values
+        weights = weights.to(dt)
     drops = (-1, e, 2**40, -(2**40)) if idt == torch.int64 else (-1, e, 2**31 - 1)
     t0 = int(torch.randint(t, (1,), generator=gen))
     ids[t0, int(torch.randint(topk, (1,), generator=gen))] = drops[_seed(pid) % len(drops)]

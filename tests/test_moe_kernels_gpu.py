@@ -176,6 +176,17 @@ def test_gpt_oss_shapes_swiglu_and_biases(tokens, dtype, path):
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("routing", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_routing_weights_of_every_float_dtype(dtype, routing, path):
+    """Routing weights in fp32, in the activation dtype (the decode kernel reads those as they are) and in the
+    other 16-bit dtype (converted first): each gives the reference's sum with those weights' values."""
+    gen, x, ids, w, (gu, gu_d), (dn, dn_d) = _case(3, 4, 32, 256, 128, dtype, seed=9)
+    w = w.to(routing)
+    _close(_run(x, ids, w, gu, dn, path=path), _reference(x, ids, w, gu_d, dn_d, "silu"), dtype)
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_silu_with_biases_and_mixed_formats(path):
     gen, x, ids, w, (gu, gu_d), (dn, dn_d) = _case(3, 4, 32, 256, 128, torch.bfloat16, "g32-zeros", "nf4-g64", 3)
     gb = torch.randn(32, 256, generator=gen, device="cuda").to(torch.bfloat16)

@@ -465,8 +465,13 @@ def test_moe_specs_read_back_and_plans_name_the_planned_configs(san, universe, p
                                                                   "id": "i64"})
     spec = md.down_spec(torch.float16, -1, True, "int4", torch.int32)
     assert san.spec_config("moe", spec)[1:] == ("decode_down", {"kind": "decode_down", "dt": "fp16", "g": -1,
-                                                               "zp": 1, "cb": "int4", "id": "i32"})
-    for bad in (dataclasses.replace(spec, name=spec.name.replace(f", {md.DOWN_ROWS_PER_BATCH}>", ", 16>")),
+                                                               "zp": 1, "cb": "int4", "id": "i32", "rt": "f32"})
+    act_routing = md.down_spec(torch.bfloat16, 32, False, "mxfp4", torch.int64, torch.bfloat16)
+    assert san.spec_config("moe", act_routing)[1:] == ("decode_down", {"kind": "decode_down", "dt": "bf16", "g": 32,
+                                                                      "zp": 0, "cb": "mxfp4", "id": "i64",
+                                                                      "rt": "act"})
+    for bad in (dataclasses.replace(spec, name=spec.name.replace(f", {md.DOWN_ROWS_PER_BATCH}, ", ", 16, ")),
+                dataclasses.replace(spec, name=spec.name.replace("float>", "__nv_bfloat16>")),  # neither fp32 nor T
                 dataclasses.replace(spec, defines=spec.defines + (("TF_W4A16_GROUPED", "1"),)),
                 dataclasses.replace(spec, defines=(("TF_W4A16_NF4", "1"), ("TF_W4A16_MXFP4", "1")))):
         with pytest.raises(ValueError, match="does not read back"):

@@ -1,6 +1,7 @@
 """Host time per eager call of the MoE expert op (what a user running eager PyTorch pays per layer), beside
 F.linear's on one of the layer's projections and transformers' bf16 experts module (grouped_mm), interleaved
-(bench.timing.host_overhead_paired_us), at one token.
+(bench.timing.host_overhead_paired_us), at one token: the converted module (QuantizedExperts, which keeps its
+decode launches per call signature), the functional op and the launcher on each path.
 
     python scripts/experiments/moe_host.py --models qwen3-30b-a3b,gpt-oss-20b
 """
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from tilefish.bench import moe as bm
 from tilefish.bench.moe_shapes import parse_models
 from tilefish.bench.timing import host_overhead_paired_us
+from tilefish.experts import QuantizedExperts
 from tilefish.moe import moe_experts
 from tilefish.ops.moe_kernels import grouped_experts_cuda
 from tilefish.ops.w4a16.workspace import new_counters
@@ -32,8 +34,10 @@ def main() -> None:
         x = torch.randn(1, model.hidden, device=dev, dtype=torch.bfloat16)
         weight = torch.randn(2 * model.inter, model.hidden, device=dev, dtype=torch.bfloat16)
         counters = new_counters(dev)
+        layer = QuantizedExperts(gu, dn, act, gb, db)
         grouped = bm.with_implementation(module, model, "grouped_mm")
         fns = {"F.linear (one gate_up weight)": lambda: F.linear(x, weight),
+               "QuantizedExperts (eager module)": lambda: layer(x, ids, w),
                "tilefish.moe.moe_experts (auto: decode)": lambda: moe_experts(x, ids, w, gu, dn, act, gb, db),
                "grouped_experts_cuda decode": lambda: grouped_experts_cuda(x, ids, w, gu, dn, act, gb, db, counters,
                                                                             "decode"),

@@ -23,7 +23,7 @@ from torch import nn
 
 from .ops.expert_weights import ExpertWeights
 from .ops.w4a16.layout import DTYPES
-from .ops.w4a16.workspace import make_layer_counters
+from .ops.w4a16.workspace import layer_counters, make_layer_counters
 
 __all__ = ["QuantizedExperts", "DenseExpertsLayout", "dense_layout", "is_dense_experts"]
 
@@ -33,6 +33,8 @@ _DENSE_PARAMETERS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_pro
 # plain attributes of the dense module that describe its dense parameters, not the quantized ones
 _DENSE_ONLY_ATTRIBUTES = ("is_transposed", "is_concatenated", "training")
 _SILU_CLASSES = ("SiLU", "SiLUActivation")
+MAX_LAUNCHES = 64  # decode launches a module keeps (one per call signature); past this it starts afresh
+_UNSEEN = object()
 
 
 def is_dense_experts(module: nn.Module) -> bool:
@@ -150,6 +152,8 @@ class QuantizedExperts(nn.Module):
     - Casting (.half(), .bfloat16()) changes the activation dtype; .float() / .double() leave the 16-bit
       tensors as they are (the op takes 16-bit activations), as W4A16Linear does.
     - No gradients: the experts are frozen.
+    - Eager CUDA calls that take the decode path keep its launches per call signature (shapes, dtypes,
+      devices): the checks and the plan happen on the first call, later ones only allocate and launch.
     """
 
     def __init__(self, gate_up: ExpertWeights, down: ExpertWeights, activation: str = "silu",
@@ -158,6 +162,7 @@ class QuantizedExperts(nn.Module):
         super().__init__()
         from .ops.moe import validate
 
+        self._launches: dict = {}
         x = torch.empty(0, gate_up.k, dtype=gate_up.dtype, device=gate_up.device)
         ids = torch.empty(0, 1, dtype=torch.int64, device=gate_up.device)
         validate(x, ids, ids.float(), gate_up, down, activation, gate_up_bias, down_bias)   # shapes agree
@@ -172,6 +177,21 @@ class QuantizedExperts(nn.Module):
         # to_dense; not a submodule: its meta tensors are no state of this module
         object.__setattr__(self, "dense_template", template)
         object.__setattr__(self, "storage", storage)
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name in _TENSORS and "_launches" in self.__dict__:
+            self._launches = {}  # the launches point into the replaced tensors
+
+    def __getstate__(self):
+        # copy.deepcopy / pickle: launches hold loaded kernels and raw pointers into this module's tensors
+        state = self.__dict__.copy()
+        state["_launches"] = {}
+        return state
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._launches = {}
+        super()._load_from_state_dict(*args, **kwargs)
 
     @property
     def gate_up(self) -> ExpertWeights:
@@ -247,8 +267,31 @@ class QuantizedExperts(nn.Module):
                             "top_k_weights)")
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         dtype = self.gate_up_scales.dtype
+        if not torch.compiler.is_compiling() and x.is_cuda and x.dtype == dtype and isinstance(ids, torch.Tensor) \
+                and isinstance(weights, torch.Tensor):
+            launch = self._decode_launch(x, ids, weights)
+            if launch is not None:
+                return launch(x, ids, weights).reshape(hidden_states.shape)
         y = self._experts(x.to(dtype) if x.dtype != dtype else x, ids, weights)
         return y.to(hidden_states.dtype).reshape(hidden_states.shape)
+
+    def _decode_launch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+        """The kept decode launches of this call signature (built and kept on its first call, after the op's
+        checks), or None where such calls take the grouped path."""
+        key = (x.shape, ids.shape, ids.dtype, weights.dtype, x.device, ids.device, weights.device)
+        launch = self._launches.get(key, _UNSEEN)
+        if launch is _UNSEEN:
+            from .ops.moe import validate
+            from .ops.moe_kernels import decode_launch
+
+            gate_up, down = self.gate_up, self.down
+            validate(x, ids, weights, gate_up, down, self.activation, self.gate_up_bias, self.down_bias)
+            launch = decode_launch(x, ids, weights, gate_up, down, self.activation, self.gate_up_bias,
+                                   self.down_bias, layer_counters(x.device))
+            if len(self._launches) >= MAX_LAUNCHES:
+                self._launches = {}
+            self._launches[key] = launch
+        return launch
 
     def _experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -264,6 +307,7 @@ class QuantizedExperts(nn.Module):
                                 self.down_bias)
 
     def _apply(self, fn, *args, **kwargs):
+        self._launches = {}
         # a cast to a dtype the op does not take (.float(), .double()) moves the tensors but keeps their dtype
         probe = fn(torch.empty(0, dtype=self.dtype, device=self.gate_up_scales.device))
         if probe.dtype != self.dtype and probe.dtype not in DTYPES:

@@ -1,6 +1,8 @@
 """The decode path of the grouped expert op: kernels/moe/decode.cu's two launches for few tokens.
 
-    y = decode_experts(x, ids, weights, gate_up, down, "silu", gate_up_bias, down_bias, counters)
+    launch = DecodeLaunch(T, K, dtype, ids.dtype, weights.dtype, gate_up, down, "silu", gate_up_bias, down_bias,
+                          device_index, sm_count, counters)
+    y = launch(x, ids, weights)
 
 computes the op of ops/moe.py as one-row GEMVs per slot (s = t * K + j on expert ids[s]): no sorting, the
 activation in the first launch's epilogue, the routing weights and each token's K-slot sum in the second's
@@ -22,8 +24,10 @@ import torch
 from ..runtime import KernelSpec, get_kernel, i32, launch_prepared, prepare_launch
 from .w4a16.configs import CODEBOOK_DEFINES
 from .w4a16.layout import DTYPES
+from .w4a16.workspace import StreamTurn
 
-__all__ = ["DECODE_SOURCE", "DecodePlan", "decode_experts", "decode_specs", "plan_decode", "takes_decode_path"]
+__all__ = ["DECODE_SOURCE", "DecodeLaunch", "DecodePlan", "decode_specs", "plan_decode", "routing_dtype",
+           "takes_decode_path"]
 
 DECODE_SOURCE = "moe/decode.cu"
 ACTIVATION_CODES = {"silu": 0, "swiglu_oai": 1}  # gated.cuh's ACT
@@ -106,23 +110,33 @@ def gate_up_spec(dtype: torch.dtype, group_size: int, zero_points: bool, codeboo
     return KernelSpec(DECODE_SOURCE, name, _defines(codebook), hot=True)
 
 
-def down_spec(dtype: torch.dtype, group_size: int, zero_points: bool, codebook: str,
-              id_dtype: torch.dtype) -> KernelSpec:
+def routing_dtype(weights_dtype: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the down kernel reads the routing weights in: fp32 or the activation dtype as given (a
+    router's output is usually the latter); any other float dtype is converted to fp32 first."""
+    return weights_dtype if weights_dtype in (torch.float32, dtype) else torch.float32
+
+
+def down_spec(dtype: torch.dtype, group_size: int, zero_points: bool, codebook: str, id_dtype: torch.dtype,
+              weights_dtype: torch.dtype = torch.float32) -> KernelSpec:
+    """weights_dtype: the routing weights', fp32 or `dtype` (routing_dtype)."""
+    if weights_dtype not in (torch.float32, dtype):
+        raise ValueError(f"the down kernel reads fp32 or {dtype} routing weights, not {weights_dtype}")
     group = 0 if group_size == -1 else group_size
     name = (f"moe_decode_down<{DTYPES[dtype]}, {group}, {'true' if zero_points else 'false'}, "
-            f"{ID_TYPES[id_dtype]}, {DOWN_ROWS_PER_BATCH}>")
+            f"{ID_TYPES[id_dtype]}, {DOWN_ROWS_PER_BATCH}, "
+            f"{'float' if weights_dtype == torch.float32 else DTYPES[dtype]}>")
     return KernelSpec(DECODE_SOURCE, name, _defines(codebook), hot=True)
 
 
 def decode_specs(formats) -> list[KernelSpec]:
     """Every decode kernel over `formats` ((group_size, zero points, codebook) triples), both dtypes, both
-    activations and both id dtypes."""
+    activations, both id dtypes and both routing dtypes."""
     specs = []
     for dt in DTYPES:
         for g, zp, cb in formats:
             for ids in ID_TYPES:
                 specs += [gate_up_spec(dt, g, zp, cb, act, ids) for act in ACTIVATION_CODES]
-                specs.append(down_spec(dt, g, zp, cb, ids))
+                specs += [down_spec(dt, g, zp, cb, ids, r) for r in (torch.float32, dt)]
     return specs
 
 
@@ -138,31 +152,83 @@ def _kernel(spec: KernelSpec, index: int):
     return kern
 
 
-def decode_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up, down, activation: str,
-                   gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, plan: DecodePlan,
-                   counter_ptr: int, index: int) -> torch.Tensor:
-    """y [T, H] on the current stream. Arguments as grouped_experts_cuda has checked and prepared them: x
-    contiguous and 16-byte aligned, ids contiguous, weights fp32 [T * K], gate_up / down StackedFormats,
-    contiguous biases or None; counter_ptr: plan.counters zeroed int32 counters (0 when plan.counters is 0),
-    left zero."""
-    tokens, hidden = x.shape
-    topk, experts, inter = ids.shape[1], gate_up.num_experts, down.k
-    slots, dtype, dev = tokens * topk, x.dtype, x.device
-    ws = torch.empty(plan.workspace_floats, dtype=torch.float32, device=dev) if plan.workspace_floats else None
-    ws_ptr = 0 if ws is None else ws.data_ptr()
-    act = torch.empty(slots, inter, dtype=dtype, device=dev)
-    y = torch.empty(tokens, hidden, dtype=dtype, device=dev)
-    k1 = _kernel(gate_up_spec(dtype, gate_up.group_size, gate_up.zeros is not None, gate_up.codebook, activation,
-                              ids.dtype), index)
-    k2 = _kernel(down_spec(dtype, down.group_size, down.zeros is not None, down.codebook, ids.dtype), index)
-    launch_prepared(k1, prepare_launch(k1, (slots, inter // 64, plan.gate_up_slices), WARPS * 32),
-                    x.data_ptr(), ids.data_ptr(), gate_up.packed.data_ptr(), gate_up.scales.data_ptr(),
-                    0 if gate_up.zeros is None else gate_up.zeros.data_ptr(),
-                    0 if gate_up_bias is None else gate_up_bias.data_ptr(), act.data_ptr(), ws_ptr, counter_ptr,
-                    i32(topk), i32(experts), i32(hidden), i32(inter), i32(plan.gate_up_rows))
-    launch_prepared(k2, prepare_launch(k2, (tokens, hidden // 64, topk * plan.down_slices), WARPS * 32),
-                    act.data_ptr(), ids.data_ptr(), weights.data_ptr(), down.packed.data_ptr(),
-                    down.scales.data_ptr(), 0 if down.zeros is None else down.zeros.data_ptr(),
-                    0 if down_bias is None else down_bias.data_ptr(), y.data_ptr(), ws_ptr, counter_ptr,
-                    i32(topk), i32(experts), i32(hidden), i32(inter), i32(plan.down_rows), i32(plan.down_slices))
-    return y
+class DecodeLaunch:
+    """The decode path's two launches for one call signature (tokens, K, dtypes, the weights, the device),
+    decided once: the plan, both kernels and launch configurations, and every argument but x, the ids, the
+    routing weights, the outputs and the scratch. grouped_experts_cuda builds one a call; QuantizedExperts
+    keeps one per signature, so an eager call only allocates and launches.
+
+    Scratch: the activations a [S, I] and the k-split slots (plan.workspace_floats) share one allocation a
+    call; the tile counters are the owner's `counters` when they have room (taken in turn by streams,
+    workspace.py), else fresh zeros a call."""
+
+    __slots__ = ("plan", "tokens", "hidden", "dtype", "weights_dtype", "device", "kernels", "configs",
+                 "gate_up_weight", "gate_up_sizes", "down_weight", "down_sizes", "ws_offset", "scratch_bytes", "counters", "keep")
+
+    def __init__(self, tokens: int, topk: int, dtype: torch.dtype, id_dtype: torch.dtype,
+                 weights_dtype: torch.dtype, gate_up, down, activation: str, gate_up_bias: torch.Tensor | None,
+                 down_bias: torch.Tensor | None, index: int, sm_count: int, counters: torch.Tensor | None):
+        """Arguments as grouped_experts_cuda has checked them: gate_up / down StackedFormats and the biases
+        contiguous on device `index`; weights_dtype fp32 or dtype (routing_dtype); counters owned tile
+        counters or None."""
+        experts, hidden, inter = gate_up.num_experts, gate_up.k, down.k
+        slots = tokens * topk
+        self.plan = plan = plan_decode(tokens, topk, hidden, inter, sm_count)
+        self.tokens, self.hidden, self.dtype, self.weights_dtype = tokens, hidden, dtype, weights_dtype
+        self.device = torch.device("cuda", index)
+        self.kernels = (
+            _kernel(gate_up_spec(dtype, gate_up.group_size, gate_up.zeros is not None, gate_up.codebook,
+                                 activation, id_dtype), index),
+            _kernel(down_spec(dtype, down.group_size, down.zeros is not None, down.codebook, id_dtype,
+                              weights_dtype), index))
+        self.configs = (prepare_launch(self.kernels[0], (slots, inter // 64, plan.gate_up_slices), WARPS * 32),
+                        prepare_launch(self.kernels[1], (tokens, hidden // 64, topk * plan.down_slices),
+                                       WARPS * 32))
+        sizes = (i32(topk), i32(experts), i32(hidden), i32(inter))
+        self.gate_up_weight, self.gate_up_sizes = _pointers(gate_up, gate_up_bias), (*sizes, i32(plan.gate_up_rows))
+        self.down_weight = _pointers(down, down_bias)
+        self.down_sizes = (*sizes, i32(plan.down_rows), i32(plan.down_slices))
+        act_bytes = slots * inter * torch.empty(0, dtype=dtype).element_size()
+        self.ws_offset = -(-act_bytes // 256) * 256  # the fp32 slots start on their own 256-byte line
+        self.scratch_bytes = self.ws_offset + 4 * plan.workspace_floats
+        self.counters = counters if plan.counters and counters is not None and \
+            plan.counters <= counters.numel() else None
+        self.keep = (gate_up, down, gate_up_bias, down_bias)  # what the pointers point into
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """y [T, H] on the current stream, for x [T, H], ids [T, K] and routing weights [T, K] of the shapes,
+        dtypes and device the launch was built for (the weights in any float dtype: another than the launch's
+        is converted). Non-contiguous or misaligned inputs are copied first."""
+        if x.data_ptr() % 16 or not x.is_contiguous():  # the kernel reads x rows in 16-byte pieces
+            x = x.contiguous()
+            if x.data_ptr() % 16:
+                x = x.clone()
+        ids = ids.contiguous()
+        if weights.dtype != self.weights_dtype:
+            weights = weights.to(self.weights_dtype)
+        weights = weights.contiguous()
+        y = torch.empty(self.tokens, self.hidden, dtype=self.dtype, device=self.device)
+        scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=self.device)
+        act = scratch.data_ptr()
+        ws = act + self.ws_offset if self.plan.workspace_floats else 0
+        pointers = (x.data_ptr(), ids.data_ptr(), weights.data_ptr(), act, y.data_ptr(), ws)
+        if not self.plan.counters:
+            self._enqueue(*pointers, 0)
+        elif self.counters is None:
+            fresh = torch.zeros(self.plan.counters, dtype=torch.int32, device=self.device)  # held until enqueued
+            self._enqueue(*pointers, fresh.data_ptr())
+        else:
+            with StreamTurn(self.counters, self.device.index) as counters:
+                self._enqueue(*pointers, counters)
+        return y
+
+    def _enqueue(self, x: int, ids: int, weights: int, act: int, y: int, ws: int, counters: int) -> None:
+        (k1, k2), (c1, c2) = self.kernels, self.configs
+        launch_prepared(k1, c1, x, ids, *self.gate_up_weight, act, ws, counters, *self.gate_up_sizes)
+        launch_prepared(k2, c2, act, ids, weights, *self.down_weight, y, ws, counters, *self.down_sizes)
+
+
+def _pointers(w, bias: torch.Tensor | None) -> tuple[int, int, int, int]:
+    """packed, scales, zeros, bias: the kernels' weight arguments."""
+    return (w.packed.data_ptr(), w.scales.data_ptr(), 0 if w.zeros is None else w.zeros.data_ptr(),
+            0 if bias is None else bias.data_ptr())

@@ -41,19 +41,18 @@ from typing import NamedTuple
 
 import torch
 
-from ..runtime import (KernelSpec, current_stream_handle, device_info, get_kernel, i32, i64, launch_prepared,
+from ..runtime import (KernelSpec, device_info, get_kernel, i32, i64, launch_prepared,
                        prepare_launch)
 from ..runtime.device import SMEM_PER_BLOCK_BY_CC
-from .moe_decode import decode_experts, decode_specs, plan_decode, takes_decode_path
+from .moe_decode import DecodeLaunch, decode_specs, routing_dtype, takes_decode_path
 from .w4a16.configs import THREADS, GemmConfig, kernel_spec
 from .w4a16.dispatch import NF4_GROUPS, choose_slices, fit_mma_smem
 from .w4a16.layout import BK, CODEBOOKS, DTYPES, MXFP4_GROUP, TABLE_CODEBOOKS, check_shape
-from .w4a16.workspace import _lock as _workspace_lock
-from .w4a16.workspace import check_counters, hand_over
+from .w4a16.workspace import StreamTurn, check_counters
 
 __all__ = ["ACTIVATION_CODES", "GROUPED_DEFINE", "MAX_EXPERTS", "Alignment", "GroupedGemm", "GroupedPlan",
            "StackedFormat", "act_spec", "align_experts", "align_spec", "check_grouped_args", "combine_spec",
-           "expected_active_experts", "grouped_config", "grouped_experts_cuda", "grouped_gemm_spec", "kernel_specs",
+           "decode_launch", "expected_active_experts", "grouped_config", "grouped_experts_cuda", "grouped_gemm_spec", "kernel_specs",
            "max_blocks", "plan_grouped", "stacked_format"]
 
 GROUPED_DEFINE = "TF_W4A16_GROUPED"
@@ -407,8 +406,8 @@ def grouped_experts_cuda(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     info = device_info(index)
     if path == "decode" or (path is None and takes_decode_path(tokens, topk, experts)):
-        return _decode(x, topk_ids, topk_weights, gate_up, down, activation, gate_up_bias, down_bias, counters,
-                       index, info.sm_count)
+        return _decode_launch(x, topk_ids, topk_weights, gate_up, down, activation, gate_up_bias, down_bias,
+                              counters, index, info.sm_count)(x, topk_ids, topk_weights)
     plan = plan_grouped(tokens, topk, experts, hidden, inter, (gate_up.group_size, gate_up.zeros is not None),
                         (down.group_size, down.zeros is not None), info.sm_count, info.smem_per_block_optin)
     x = x.contiguous()
@@ -442,9 +441,8 @@ def grouped_experts_cuda(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
 
     needs_counters = max(plan.gate_up.tile_counters, plan.down.tile_counters)
     if needs_counters and counters is not None and needs_counters <= counters.numel():
-        with _workspace_lock:  # streams take the owned counters in turn (workspace.py)
-            hand_over(counters, index, current_stream_handle(index))
-            enqueue(counters.data_ptr())
+        with StreamTurn(counters, index) as counter_ptr:
+            enqueue(counter_ptr)
     elif needs_counters:
         # held by a name until the launches are enqueued: a temporary would go back to the allocator at once
         # and its memory could become the partials the same launches write
@@ -459,23 +457,26 @@ def grouped_experts_cuda(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
     return y
 
 
-def _decode(x, topk_ids, topk_weights, gate_up: StackedFormat, down: StackedFormat, activation: str, gate_up_bias,
-            down_bias, counters, index: int, sm_count: int) -> torch.Tensor:
-    """The decode path (ops/moe_decode.py) with this module's argument preparation and counter rules."""
-    tokens, hidden = x.shape
-    plan = plan_decode(tokens, topk_ids.shape[1], hidden, down.k, sm_count)
-    x = x.contiguous()
-    if x.data_ptr() % 16:
-        x = x.clone()
-    ids = topk_ids.contiguous()
-    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+def decode_launch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up, down,
+                  activation: str = "silu", gate_up_bias: torch.Tensor | None = None,
+                  down_bias: torch.Tensor | None = None,
+                  counters: torch.Tensor | None = None) -> DecodeLaunch | None:
+    """The decode path's launches for calls like this one (arguments as grouped_experts_cuda's, checked the
+    same way), to keep and call with new inputs of the same shapes, dtypes and device; None where the automatic
+    rule (takes_decode_path) sends such calls down the grouped path."""
+    gate_up, down = stacked_format(gate_up, "gate_up"), stacked_format(down, "down")
+    check_grouped_args(x, topk_ids, topk_weights, gate_up, down, activation, gate_up_bias, down_bias, counters)
+    tokens, topk = topk_ids.shape
+    if tokens * topk == 0 or not takes_decode_path(tokens, topk, gate_up.num_experts):
+        return None
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return _decode_launch(x, topk_ids, topk_weights, gate_up, down, activation, gate_up_bias, down_bias, counters,
+                          index, device_info(index).sm_count)
+
+
+def _decode_launch(x, topk_ids, topk_weights, gate_up: StackedFormat, down: StackedFormat, activation: str,
+                   gate_up_bias, down_bias, counters, index: int, sm_count: int) -> DecodeLaunch:
     biases = [None if b is None else b.contiguous() for b in (gate_up_bias, down_bias)]
-    args = (x, ids, weights, gate_up, down, activation, *biases, plan)
-    if plan.counters and counters is not None and plan.counters <= counters.numel():
-        with _workspace_lock:  # streams take the owned counters in turn (workspace.py)
-            hand_over(counters, index, current_stream_handle(index))
-            return decode_experts(*args, counters.data_ptr(), index)
-    if plan.counters:
-        fresh = torch.zeros(plan.counters, dtype=torch.int32, device=x.device)  # held until both are enqueued
-        return decode_experts(*args, fresh.data_ptr(), index)
-    return decode_experts(*args, 0, index)
+    return DecodeLaunch(x.shape[0], topk_ids.shape[1], x.dtype, topk_ids.dtype,
+                        routing_dtype(topk_weights.dtype, x.dtype), gate_up, down, activation, *biases, index,
+                        sm_count, counters)

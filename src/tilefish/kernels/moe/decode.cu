@@ -161,6 +161,10 @@ __device__ __forceinline__ float sum_warps(const float (&acc)[NS][4][4], float* 
 template <typename Id>
 __device__ __forceinline__ bool valid_expert(Id e, int experts) { return e >= 0 && e < (Id)experts; }
 
+__device__ __forceinline__ float weight_of(float w) { return w; }
+template <typename R>
+__device__ __forceinline__ float weight_of(R w) { return to_float(w); }
+
 }  // namespace moed
 
 // Grid (S slots, I / 64 strips, slices). ws: S x I/64 x slices x 128 floats (slices > 1); counters: S x I/64.
@@ -210,10 +214,11 @@ moe_decode_gate_up(const T* __restrict__ x, const Id* __restrict__ ids, const ui
 }
 
 // Grid (T tokens, H / 64 strips, K x slices: slot j's slice q at j * slices + q). ws: T x H/64 x K x slices x
-// 64 floats (K x slices > 1); counters: T x H/64. weights: fp32 [T, K].
-template <typename T, int GROUP, bool ASYM, typename Id, int RW>
+// 64 floats (K x slices > 1); counters: T x H/64. weights: [T, K] of R, fp32 or T (a router's output dtype is
+// usually the activations': read as it is, no conversion launch before this one).
+template <typename T, int GROUP, bool ASYM, typename Id, int RW, typename R>
 __global__ void __launch_bounds__(moed::kThreads, 2)
-moe_decode_down(const T* __restrict__ a, const Id* __restrict__ ids, const float* __restrict__ weights,
+moe_decode_down(const T* __restrict__ a, const Id* __restrict__ ids, const R* __restrict__ weights,
                 const uint4* __restrict__ w, const T* __restrict__ scales, const T* __restrict__ zeros,
                 const T* __restrict__ bias, T* __restrict__ y, float* __restrict__ ws, int* __restrict__ counters,
                 int topk, int experts, int hidden, int inter, int rows_per_slice, int slices) {
@@ -255,7 +260,7 @@ moe_decode_down(const T* __restrict__ a, const Id* __restrict__ ids, const float
         }
         if constexpr (GROUP == 0) part *= to_float(scales[(size_t)ej * per_expert_s + col]);
         if (bias != nullptr) part += to_float(bias[(size_t)ej * hidden + col]);
-        sum += weights[(size_t)t * topk + jj] * part;
+        sum += moed::weight_of(weights[(size_t)t * topk + jj]) * part;
     }
     y[(size_t)t * hidden + col] = Vec2<T>::one(sum);
     if (parts > 1 && tid == 0) fixup_reset(counters + unit);

@@ -19,7 +19,7 @@ Nothing here is allocated lazily and kept: no tensor outlives the call that made
 counters, which their owner made before any call.
 
 Two streams never use the same counters at once: a launch with owned counters holds `_lock` while it
-enqueues, and when the counters were last used on another stream, the current stream first waits for
+enqueues (`with StreamTurn(counters, index) as ptr:` outside this package), and when the counters were last used on another stream, the current stream first waits for
 that stream's work so far (an event). During graph capture nothing is recorded or waited on: the
 graph's launches run when it replays, ordered like any other work on the tensors it uses.
 """
@@ -29,6 +29,8 @@ import threading
 import weakref
 
 import torch
+
+from ...runtime import current_stream_handle
 
 # Tile counters a layer owns. Plans that split tiles keep their tile count small (stream-K and k
 # splits are weighed only while the tiles fill fewer than a few waves: dispatch.py), so 4096 covers
@@ -113,3 +115,26 @@ def hand_over(counters: torch.Tensor, device_index: int, handle: int) -> None:
         done.record(owner[1])
         current.wait_event(done)
     _owners[ptr] = (handle, current)
+
+
+class StreamTurn:
+    """``with StreamTurn(counters, index) as ptr:`` enqueue the launches that use owned `counters` (on CUDA
+    device `index`, the current stream) inside the block: the current stream's turn with them (hand_over,
+    `_lock` held); ptr is their data_ptr."""
+
+    __slots__ = ("counters", "index")
+
+    def __init__(self, counters: torch.Tensor, index: int):
+        self.counters, self.index = counters, index
+
+    def __enter__(self) -> int:
+        _lock.acquire()
+        try:
+            hand_over(self.counters, self.index, current_stream_handle(self.index))
+        except BaseException:
+            _lock.release()
+            raise
+        return self.counters.data_ptr()
+
+    def __exit__(self, *exc) -> None:
+        _lock.release()
