@@ -155,11 +155,11 @@ def test_quantized_experts_keep_decode_launches_per_call_signature(monkeypatch):
     layer = QuantizedExperts(gate_up.to("cuda"), down.to("cuda"), "silu")
 
     def check(tokens, k, seed, dtype=torch.bfloat16, ids_dtype=torch.int64, routing=torch.float32, wide=False):
-        x = torch.randn(tokens, 512 if wide else 256, generator=torch.Generator().manual_seed(seed)).to(dtype)
-        x = x[:, ::2] if wide else x
+        full = torch.randn(tokens, 512 if wide else 256, generator=torch.Generator().manual_seed(seed)).to(dtype)
+        x, xg = (full[:, ::2], full.cuda()[:, ::2]) if wide else (full, full.cuda())
         ids, w = _routing(tokens, 32, k, seed, routing)
         _poison_allocator(tokens, 256, dtype)
-        got = layer(x.cuda(), ids.to(ids_dtype).cuda(), w.cuda())
+        got = layer(xg, ids.to(ids_dtype).cuda(), w.cuda())
         want = moe.moe_experts(x, ids, w, gate_up.to(dtype), down.to(dtype))
         assert got.dtype == dtype and rel_err(got.cpu(), want) < TOLERANCE[dtype], (tokens, k, seed)
 
@@ -169,7 +169,7 @@ def test_quantized_experts_keep_decode_launches_per_call_signature(monkeypatch):
     check(3, 2, 3)
     check(1, 2, 4, ids_dtype=torch.int32)
     check(1, 2, 5, routing=torch.bfloat16)
-    check(1, 2, 6, wide=True)                # x[:, ::2]: copied before the launch
+    check(1, 2, 6, wide=True)                # x[:, ::2]: the first signature's launch, x copied first
     check(17, 2, 7)                          # 34 slots: the grouped path, no launch kept
     assert len(builds) == 5
     layer.half()
