@@ -201,6 +201,24 @@ def test_bad_weight_layouts():
               topk_weights=torch.ones(1, 1), gate_up=g, down=d)
 
 
+def test_a_kept_decode_launch_rejects_other_signatures_before_any_launch(monkeypatch):
+    """DecodeLaunch (what QuantizedExperts keeps per call signature) checks each call's shapes, dtypes and
+    devices against the signature it was built for: a ValueError, no launch."""
+    launched = []
+    monkeypatch.setattr(md, "_kernel", lambda spec, index: spec)
+    monkeypatch.setattr(md, "prepare_launch", lambda kernel, grid, block: grid)
+    monkeypatch.setattr(md, "launch_prepared", lambda *a: launched.append(a))
+    gate_up, down = (mk.stacked_format(w) for w in _weights())
+    launch = md.DecodeLaunch(3, 2, torch.float16, torch.int64, torch.float32, gate_up, down, "silu", None, None, 0,
+                             132, None)
+    x, ids, w = torch.zeros(3, 128, dtype=torch.float16), torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2)
+    for bad in ((x[:2], ids, w), (x.float(), ids, w), (x, ids[:, :1], w), (x, ids.int(), w), (x, ids, w[:, :1]),
+                (x, ids, w.long()), (x, ids, w)):  # the last: right signature, but on the CPU
+        with pytest.raises(ValueError, match="this decode launch takes x torch.float16 \\(3, 128\\)"):
+            launch(*bad)
+    assert not launched
+
+
 # ---- compile: the new kernels build for sm_80 and sm_90 without spills ----------------------------------------
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])

@@ -162,8 +162,9 @@ class DecodeLaunch:
     call; the tile counters are the owner's `counters` when they have room (taken in turn by streams,
     workspace.py), else fresh zeros a call."""
 
-    __slots__ = ("plan", "tokens", "hidden", "dtype", "weights_dtype", "device", "kernels", "configs",
-                 "gate_up_weight", "gate_up_sizes", "down_weight", "down_sizes", "ws_offset", "scratch_bytes", "counters", "keep")
+    __slots__ = ("plan", "tokens", "hidden", "dtype", "weights_dtype", "device", "x_shape", "ids_shape", "id_dtype",
+                 "kernels", "configs", "gate_up_weight", "gate_up_sizes", "down_weight", "down_sizes", "ws_offset",
+                 "scratch_bytes", "counters", "keep")
 
     def __init__(self, tokens: int, topk: int, dtype: torch.dtype, id_dtype: torch.dtype,
                  weights_dtype: torch.dtype, gate_up, down, activation: str, gate_up_bias: torch.Tensor | None,
@@ -176,6 +177,7 @@ class DecodeLaunch:
         self.plan = plan = plan_decode(tokens, topk, hidden, inter, sm_count)
         self.tokens, self.hidden, self.dtype, self.weights_dtype = tokens, hidden, dtype, weights_dtype
         self.device = torch.device("cuda", index)
+        self.x_shape, self.ids_shape, self.id_dtype = (tokens, hidden), (tokens, topk), id_dtype
         self.kernels = (
             _kernel(gate_up_spec(dtype, gate_up.group_size, gate_up.zeros is not None, gate_up.codebook,
                                  activation, id_dtype), index),
@@ -198,7 +200,15 @@ class DecodeLaunch:
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """y [T, H] on the current stream, for x [T, H], ids [T, K] and routing weights [T, K] of the shapes,
         dtypes and device the launch was built for (the weights in any float dtype: another than the launch's
-        is converted). Non-contiguous or misaligned inputs are copied first."""
+        is converted; other shapes, dtypes or devices are a ValueError). Non-contiguous or misaligned inputs are
+        copied first."""
+        if x.shape != self.x_shape or x.dtype != self.dtype or ids.shape != self.ids_shape or \
+                ids.dtype != self.id_dtype or weights.shape != self.ids_shape or not weights.is_floating_point() or \
+                x.device != self.device or ids.device != self.device or weights.device != self.device:
+            raise ValueError(f"this decode launch takes x {self.dtype} {self.x_shape}, ids {self.id_dtype} and "
+                             f"float weights {self.ids_shape} on {self.device}; got x {x.dtype} {tuple(x.shape)} on "
+                             f"{x.device}, ids {ids.dtype} {tuple(ids.shape)} on {ids.device}, weights "
+                             f"{weights.dtype} {tuple(weights.shape)} on {weights.device}")
         if x.data_ptr() % 16 or not x.is_contiguous():  # the kernel reads x rows in 16-byte pieces
             x = x.contiguous()
             if x.data_ptr() % 16:

@@ -41,8 +41,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..runtime import (KernelSpec, device_info, get_kernel, i32, i64, launch_prepared,
-                       prepare_launch)
+from ..runtime import KernelSpec, device_info, get_kernel, i32, i64, launch_prepared, prepare_launch
 from ..runtime.device import SMEM_PER_BLOCK_BY_CC
 from .moe_decode import DecodeLaunch, decode_specs, routing_dtype, takes_decode_path
 from .w4a16.configs import THREADS, GemmConfig, kernel_spec
@@ -52,8 +51,8 @@ from .w4a16.workspace import StreamTurn, check_counters
 
 __all__ = ["ACTIVATION_CODES", "GROUPED_DEFINE", "MAX_EXPERTS", "Alignment", "GroupedGemm", "GroupedPlan",
            "StackedFormat", "act_spec", "align_experts", "align_spec", "check_grouped_args", "combine_spec",
-           "decode_launch", "expected_active_experts", "grouped_config", "grouped_experts_cuda", "grouped_gemm_spec", "kernel_specs",
-           "max_blocks", "plan_grouped", "stacked_format"]
+           "decode_launch", "expected_active_experts", "grouped_config", "grouped_experts_cuda", "grouped_gemm_spec",
+           "kernel_specs", "max_blocks", "plan_grouped", "stacked_format"]
 
 GROUPED_DEFINE = "TF_W4A16_GROUPED"
 ALIGN_SOURCE, ACT_SOURCE, COMBINE_SOURCE = "moe/align.cu", "moe/act.cu", "moe/combine.cu"

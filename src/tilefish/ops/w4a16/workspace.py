@@ -19,9 +19,10 @@ Nothing here is allocated lazily and kept: no tensor outlives the call that made
 counters, which their owner made before any call.
 
 Two streams never use the same counters at once: a launch with owned counters holds `_lock` while it
-enqueues (`with StreamTurn(counters, index) as ptr:` outside this package), and when the counters were last used on another stream, the current stream first waits for
-that stream's work so far (an event). During graph capture nothing is recorded or waited on: the
-graph's launches run when it replays, ordered like any other work on the tensors it uses.
+enqueues (`with StreamTurn(counters, index) as ptr:` outside this package), and when the counters were
+last used on another stream, the current stream first waits for that stream's work so far (an event).
+During graph capture nothing is recorded or waited on: the graph's launches run when it replays, ordered
+like any other work on the tensors it uses.
 """
 from __future__ import annotations
 
