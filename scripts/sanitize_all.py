@@ -101,6 +101,8 @@ Exit status: 1 on any error (a sanitizer error, a non-async-proxy hazard, a wron
 
 Device command (repository root, about 5 minutes on an H100):
   pip install -q --no-deps --no-build-isolation -e . && TILEFISH_COMMIT=<hash> python scripts/sanitize_all.py
+The moe family alone needs a larger budget: about 340 s of sanitizer runs at --jobs 16 on the H100 plus the
+warm-up (`--families moe --budget 330 --jobs 16`, about 7 minutes in all); --list prints the estimate.
 """
 from __future__ import annotations
 
