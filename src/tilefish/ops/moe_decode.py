@@ -101,6 +101,7 @@ def _defines(codebook: str) -> tuple[tuple[str, str], ...]:
     return ((CODEBOOK_DEFINES[codebook], "1"),) if codebook != "int4" else ()
 
 
+@functools.lru_cache(maxsize=None)
 def gate_up_spec(dtype: torch.dtype, group_size: int, zero_points: bool, codebook: str, activation: str,
                  id_dtype: torch.dtype) -> KernelSpec:
     group = 0 if group_size == -1 else group_size
@@ -116,6 +117,7 @@ def routing_dtype(weights_dtype: torch.dtype, dtype: torch.dtype) -> torch.dtype
     return weights_dtype if weights_dtype in (torch.float32, dtype) else torch.float32
 
 
+@functools.lru_cache(maxsize=None)
 def down_spec(dtype: torch.dtype, group_size: int, zero_points: bool, codebook: str, id_dtype: torch.dtype,
               weights_dtype: torch.dtype = torch.float32) -> KernelSpec:
     """weights_dtype: the routing weights', fp32 or `dtype` (routing_dtype)."""
@@ -190,7 +192,7 @@ class DecodeLaunch:
         self.gate_up_weight, self.gate_up_sizes = _pointers(gate_up, gate_up_bias), (*sizes, i32(plan.gate_up_rows))
         self.down_weight = _pointers(down, down_bias)
         self.down_sizes = (*sizes, i32(plan.down_rows), i32(plan.down_slices))
-        act_bytes = slots * inter * torch.empty(0, dtype=dtype).element_size()
+        act_bytes = slots * inter * dtype.itemsize
         self.ws_offset = -(-act_bytes // 256) * 256  # the fp32 slots start on their own 256-byte line
         self.scratch_bytes = self.ws_offset + 4 * plan.workspace_floats
         self.counters = counters if plan.counters and counters is not None and \
