@@ -190,6 +190,7 @@ def plan_grouped(tokens: int, topk: int, experts: int, hidden: int, inter: int,
 
 # ---- kernel specs ----------------------------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)  # pure, and asked for on every call
 def grouped_gemm_spec(dtype: torch.dtype, cfg: GemmConfig, group_size: int, zero_points: bool,
                       codebook: str = "int4") -> KernelSpec:
     """The mma.sync kernel of cfg and this weight format, built grouped (gemm.cu's TF_W4A16_GROUPED)."""
@@ -197,14 +198,17 @@ def grouped_gemm_spec(dtype: torch.dtype, cfg: GemmConfig, group_size: int, zero
     return replace(spec, defines=spec.defines + ((GROUPED_DEFINE, "1"),))
 
 
+@functools.lru_cache(maxsize=None)
 def align_spec(id_dtype: torch.dtype) -> KernelSpec:
     return KernelSpec(ALIGN_SOURCE, f"moe_align<{ID_TYPES[id_dtype]}>", hot=True)
 
 
+@functools.lru_cache(maxsize=None)
 def act_spec(dtype: torch.dtype, activation: str) -> KernelSpec:
     return KernelSpec(ACT_SOURCE, f"moe_act<{DTYPES[dtype]}, {ACTIVATION_CODES[activation]}>", hot=True)
 
 
+@functools.lru_cache(maxsize=None)
 def combine_spec(dtype: torch.dtype, id_dtype: torch.dtype) -> KernelSpec:
     return KernelSpec(COMBINE_SOURCE, f"moe_combine<{DTYPES[dtype]}, {ID_TYPES[id_dtype]}>", hot=True)
 
