@@ -205,7 +205,7 @@ def test_a_kept_decode_launch_rejects_other_signatures_before_any_launch(monkeyp
     """DecodeLaunch (what QuantizedExperts keeps per call signature) checks each call's shapes, dtypes and
     devices against the signature it was built for: a ValueError, no launch."""
     launched = []
-    monkeypatch.setattr(md, "_kernel", lambda spec, index: spec)
+    monkeypatch.setattr(md, "get_kernel", lambda spec, index: spec)
     monkeypatch.setattr(md, "prepare_launch", lambda kernel, grid, block: grid)
     monkeypatch.setattr(md, "launch_prepared", lambda *a: launched.append(a))
     gate_up, down = (mk.stacked_format(w) for w in _weights())

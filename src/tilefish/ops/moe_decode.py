@@ -144,16 +144,6 @@ def decode_specs(formats) -> list[KernelSpec]:
 
 # ---- the launches ----------------------------------------------------------------------------------------------
 
-_kernels: dict[tuple[KernelSpec, int], object] = {}
-
-
-def _kernel(spec: KernelSpec, index: int):
-    kern = _kernels.get((spec, index))
-    if kern is None:
-        kern = _kernels[(spec, index)] = get_kernel(spec, index)
-    return kern
-
-
 class DecodeLaunch:
     """The decode path's two launches for one call signature (tokens, K, dtypes, the weights, the device),
     decided once: the plan, both kernels and launch configurations, and every argument but x, the ids, the
@@ -181,9 +171,9 @@ class DecodeLaunch:
         self.device = torch.device("cuda", index)
         self.x_shape, self.ids_shape, self.id_dtype = (tokens, hidden), (tokens, topk), id_dtype
         self.kernels = (
-            _kernel(gate_up_spec(dtype, gate_up.group_size, gate_up.zeros is not None, gate_up.codebook,
+            get_kernel(gate_up_spec(dtype, gate_up.group_size, gate_up.zeros is not None, gate_up.codebook,
                                  activation, id_dtype), index),
-            _kernel(down_spec(dtype, down.group_size, down.zeros is not None, down.codebook, id_dtype,
+            get_kernel(down_spec(dtype, down.group_size, down.zeros is not None, down.codebook, id_dtype,
                               weights_dtype), index))
         self.configs = (prepare_launch(self.kernels[0], (slots, inter // 64, plan.gate_up_slices), WARPS * 32),
                         prepare_launch(self.kernels[1], (tokens, hidden // 64, topk * plan.down_slices),

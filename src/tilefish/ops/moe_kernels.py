@@ -315,16 +315,6 @@ def check_grouped_args(x, topk_ids, topk_weights, gate_up: StackedFormat, down: 
 
 # ---- the launches ----------------------------------------------------------------------------------------------
 
-_kernels: dict[tuple[KernelSpec, int], object] = {}
-
-
-def _kernel(spec: KernelSpec, index: int):
-    kern = _kernels.get((spec, index))
-    if kern is None:
-        kern = _kernels[(spec, index)] = get_kernel(spec, index)
-    return kern
-
-
 class Alignment(NamedTuple):
     """moe/align.cu's outputs (views of one int32 allocation; its header has the meanings): sorted_slot and
     sorted_token [S] (rows past meta[0] unwritten), block_expert / block_start / block_rows [max_blocks],
@@ -352,7 +342,7 @@ def align_experts(topk_ids: torch.Tensor, experts: int, block_m: int, blocks: in
     buf = torch.empty(2 * slots + 3 * blocks + 2, dtype=torch.int32, device=topk_ids.device)
     parts = buf.split([slots, slots, blocks, blocks, blocks, 2])
     index = topk_ids.device.index if topk_ids.device.index is not None else torch.cuda.current_device()
-    kern = _kernel(align_spec(topk_ids.dtype), index)
+    kern = get_kernel(align_spec(topk_ids.dtype), index)
     threads = 256 if max(slots, experts) <= 2048 else 1024
     launch_prepared(kern, prepare_launch(kern, 1, threads, 4 * (3 * experts + 1)),
                     topk_ids.data_ptr(), i32(slots), i32(topk), i32(experts), i32(block_m), i32(blocks),
@@ -370,7 +360,8 @@ def _launch_gemm(kern, g: GroupedGemm, blocks: int, al: Alignment, w: StackedFor
     launch_prepared(kern, prepare_launch(kern, (blocks, g.n_tiles, g.slices), THREADS, g.smem),
                     a.data_ptr(), w.packed.data_ptr(), w.scales.data_ptr(),
                     0 if w.zeros is None else w.zeros.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                    dst.data_ptr(), 0 if partials is None else partials.data_ptr(), counter_ptr if g.tile_counters else 0, i32(a.shape[0]), i32(w.n), i32(w.k), i32(g.slices),
+                    dst.data_ptr(), 0 if partials is None else partials.data_ptr(),
+                    counter_ptr if g.tile_counters else 0, i32(a.shape[0]), i32(w.n), i32(w.k), i32(g.slices),
                     al.block_expert.data_ptr(), al.block_start.data_ptr(), al.block_rows.data_ptr(), src_rows,
                     dst_rows, row_scale, i64(w.n // 64 * 8 * w.k), i64(per_expert), i64(per_expert), i64(w.n))
 
@@ -420,12 +411,12 @@ def grouped_experts_cuda(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
     row_scale = topk_weights.reshape(-1).to(torch.float32).contiguous()  # indexed by slot t*K + j
     biases = [None if b is None else b.contiguous() for b in (gate_up_bias, down_bias)]
 
-    kernels = (_kernel(grouped_gemm_spec(dtype, plan.gate_up.config, gate_up.group_size, gate_up.zeros is not None,
-                                         gate_up.codebook), index),
-               _kernel(act_spec(dtype, activation), index),
-               _kernel(grouped_gemm_spec(dtype, plan.down.config, down.group_size, down.zeros is not None,
-                                         down.codebook), index),
-               _kernel(combine_spec(dtype, ids.dtype), index))
+    kernels = (get_kernel(grouped_gemm_spec(dtype, plan.gate_up.config, gate_up.group_size,
+                                            gate_up.zeros is not None, gate_up.codebook), index),
+               get_kernel(act_spec(dtype, activation), index),
+               get_kernel(grouped_gemm_spec(dtype, plan.down.config, down.group_size, down.zeros is not None,
+                                            down.codebook), index),
+               get_kernel(combine_spec(dtype, ids.dtype), index))
     al = align_experts(ids, experts, plan.block_m, plan.max_blocks)
     # h [S, 2I] is dead once the activation has read it: out [S, H] reuses its memory.
     h_out = torch.empty(slots * max(2 * inter, hidden), dtype=dtype, device=dev)
