@@ -206,7 +206,7 @@ def test_a_kept_decode_launch_rejects_other_signatures_before_any_launch(monkeyp
     devices against the signature it was built for: a ValueError, no launch."""
     launched = []
     monkeypatch.setattr(md, "get_kernel", lambda spec, index: spec)
-    monkeypatch.setattr(md, "prepare_launch", lambda kernel, grid, block: grid)
+    monkeypatch.setattr(md, "prepare_launch", lambda kernel, grid, block, pdl=False: grid)
     monkeypatch.setattr(md, "launch_prepared", lambda *a: launched.append(a))
     gate_up, down = (mk.stacked_format(w) for w in _weights())
     launch = md.DecodeLaunch(3, 2, torch.float16, torch.int64, torch.float32, gate_up, down, "silu", None, None, 0,

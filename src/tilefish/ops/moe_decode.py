@@ -43,6 +43,9 @@ UNITS_PER_SM = 4            # the k slices aim at this many CTAs a SM (two run a
 # the decode path ran 1.03-1.26x the grouped path's speed with int4 up to 16 slots where few slots share an
 # expert (Qwen3-30B-A3B 1-2 tokens, gpt-oss 1-4, Mixtral 1-2), and fell behind from 32 slots or where experts
 # are shared (Mixtral at 4 tokens: 0.84x).
+# The down launch under programmatic dependent launch (sm_90+): its CTAs start while gate_up's last ones finish,
+# read their expert id and prefetch their weight rows into L2, then wait for gate_up (decode.cu).
+PROGRAMMATIC_DOWN_LAUNCH = True
 DECODE_MAX_SLOTS = 16
 DECODE_MAX_SHARING = 1.25   # slots per expected active expert
 
@@ -177,7 +180,7 @@ class DecodeLaunch:
                               weights_dtype), index))
         self.configs = (prepare_launch(self.kernels[0], (slots, inter // 64, plan.gate_up_slices), WARPS * 32),
                         prepare_launch(self.kernels[1], (tokens, hidden // 64, topk * plan.down_slices),
-                                       WARPS * 32))
+                                       WARPS * 32, pdl=PROGRAMMATIC_DOWN_LAUNCH))
         sizes = (i32(topk), i32(experts), i32(hidden), i32(inter))
         self.gate_up_weight, self.gate_up_sizes = _pointers(gate_up, gate_up_bias), (*sizes, i32(plan.gate_up_rows))
         self.down_weight = _pointers(down, down_bias)

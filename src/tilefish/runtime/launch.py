@@ -161,14 +161,18 @@ def _stream_for(device_index: int):
     return s
 
 
-def prepare_launch(kernel: LoadedKernel, grid, block, smem: int = 0, cluster: int = 1):
+def prepare_launch(kernel: LoadedKernel, grid, block, smem: int = 0, cluster: int = 1, pdl: bool = False):
     """The launch configuration of `kernel` for this grid (an int or a tuple, counting blocks), block,
     dynamic shared memory and cluster size, with the kernel's shared-memory limit raised where it
     needs more than the default (once). cluster > 1 groups that many consecutive blocks along x into
-    a thread-block cluster (grid[0] must be a multiple of it). Memoized: cheap to call per launch."""
+    a thread-block cluster (grid[0] must be a multiple of it). pdl: programmatic dependent launch
+    (sm_90+; ignored below): the kernel may start before the one ahead of it in the stream ends, so it
+    must call grid_dependency_wait (kernels/common/ptx.cuh) before touching memory that kernel writes
+    or reads. Memoized: cheap to call per launch."""
     if smem + kernel.compiled.resources.static_smem > _DEFAULT_DYN_SMEM:  # the 48 KB default covers both
         kernel.ensure_dynamic_smem(smem)
-    key = (grid, block, smem, cluster)
+    pdl = pdl and device_info(kernel.device).cc >= 90
+    key = (grid, block, smem, cluster, pdl)
     cfg = _configs.get(key)
     if cfg is None:
         from cuda.core import LaunchConfig
@@ -179,9 +183,10 @@ def prepare_launch(kernel: LoadedKernel, grid, block, smem: int = 0, cluster: in
             g = (grid,) if isinstance(grid, int) else tuple(grid)
             if g[0] % cluster:
                 raise ValueError(f"grid.x = {g[0]} is not a multiple of the cluster size {cluster}")
-            cfg = LaunchConfig(grid=(g[0] // cluster,) + g[1:], cluster=cluster, block=block, shmem_size=smem)
+            cfg = LaunchConfig(grid=(g[0] // cluster,) + g[1:], cluster=cluster, block=block, shmem_size=smem,
+                               programmatic_stream_serialization=pdl)
         else:
-            cfg = LaunchConfig(grid=grid, block=block, shmem_size=smem)
+            cfg = LaunchConfig(grid=grid, block=block, shmem_size=smem, programmatic_stream_serialization=pdl)
         _configs[key] = cfg
     return cfg
 

@@ -9,6 +9,35 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef long long i64;
 
+// Programmatic dependent launch (sm_90+). A kernel launched with programmatic stream serialization may
+// start before the kernel ahead of it in the stream has finished: until grid_dependency_wait() returns it
+// may only read memory nothing in flight writes (weights, and inputs written before the kernel ahead
+// started); whatever the kernel ahead writes, and everything this one writes (the kernel ahead may still
+// read it), comes after. Once it returns, the earlier grids have completed and their writes are visible.
+// Without that launch attribute, or below sm_90, both are no-ops.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// The next kernel in the stream (if launched with programmatic serialization) may be scheduled once every
+// CTA of this one has called this or exited: its CTAs take SMs as these leave and start their own loads.
+__device__ __forceinline__ void launch_dependent_grids() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Ask L2 to fetch `bytes` (a multiple of 16, 16-byte aligned) from global memory, one instruction for the
+// whole span (sm_90+; nothing below): a reader that must wait for something else first gets its bytes in
+// flight meanwhile.
+__device__ __forceinline__ void l2_prefetch_span(const void* p, unsigned bytes) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
+#endif
+}
+
 // 16-byte load through the read-only (non-coherent) path: the data is never written by
 // the kernel, so it may bypass L1 coherence and be issued as one LDG.E.128.
 __device__ __forceinline__ uint4 ld_nc_v4(const void* p) {

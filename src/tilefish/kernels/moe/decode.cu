@@ -189,6 +189,7 @@ moe_decode_gate_up(const T* __restrict__ x, const Id* __restrict__ ids, const ui
     float acc[2][4][4] = {};
     const int r0 = q * rows_per_slice, r1 = min(hidden / 16, r0 + rows_per_slice);
     stream_unit<T, GROUP, ASYM, 2, RW>(we, se, ze, x + (size_t)(s / topk) * hidden, n, hidden, strips, r0, r1, acc);
+    launch_dependent_grids();  // the down kernel's CTAs may start their weight prefetch as these finish
     float v = sum_warps<2>(acc, red);
 
     const int tid = threadIdx.x, unit = s * strips_i + c;
@@ -229,11 +230,16 @@ moe_decode_down(const T* __restrict__ a, const Id* __restrict__ ids, const R* __
     const int t = blockIdx.x, c = blockIdx.y, j = blockIdx.z / slices, q = blockIdx.z % slices;
     const int parts = topk * slices, groups = GROUP ? inter / GROUP : 1, tid = threadIdx.x;
     const size_t per_expert_w = (size_t)(hidden / 64) * (inter / 16) * 32, per_expert_s = (size_t)groups * hidden;
-    const Id e = ids[(size_t)t * topk + j];
+    const Id e = ids[(size_t)t * topk + j];  // an input of the op: written before the gate_up kernel started
+    const int r0 = q * rows_per_slice, r1 = min(inter / 16, r0 + rows_per_slice);
+    // Launched with programmatic serialization after gate_up: this CTA's weight rows (one contiguous span of
+    // the strip) head for L2 while gate_up finishes; a, the workspace, the counters and y wait for it.
+    if (tid == 0 && valid_expert(e, experts) && r1 > r0)
+        l2_prefetch_span(w + (size_t)e * per_expert_w + ((size_t)c * (inter / 16) + r0) * 32, (r1 - r0) * 512u);
+    grid_dependency_wait();
     float acc[1][4][4] = {};
     if (valid_expert(e, experts)) {
         const int strips[1] = {c};
-        const int r0 = q * rows_per_slice, r1 = min(inter / 16, r0 + rows_per_slice);
         stream_unit<T, GROUP, ASYM, 1, RW>(w + (size_t)e * per_expert_w, scales + (size_t)e * per_expert_s,
                                            ASYM ? zeros + (size_t)e * per_expert_s : nullptr,
                                            a + ((size_t)t * topk + j) * inter, hidden, inter, strips, r0, r1, acc);
