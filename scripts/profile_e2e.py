@@ -3,8 +3,7 @@ profiler, kernel time summed by kind (W4A16 GEMMs, cuBLAS GEMMs, attention, Trit
 fp16 and W4A16, per layer and in total.
 
 Usage (device): python scripts/profile_e2e.py [layers] [batch ...]   (default 8 layers, batch 1 16;
-MODEL=hf|builtin, INT4_LM_HEAD=1 quantizes lm_head too, IMPLS=fp16,w4a16,w4a16-noprefetch picks the variants:
-w4a16-noprefetch is W4A16 with its layers unlinked, tilefish.link_weight_prefetch(model, enabled=False))
+MODEL=hf|builtin, INT4_LM_HEAD=1 quantizes lm_head too)
 """
 import os
 import sys
@@ -12,7 +11,6 @@ from collections import defaultdict
 
 import torch
 
-import tilefish
 from tilefish.bench import e2e
 from tilefish.models.llama import LlamaConfig
 
@@ -60,13 +58,11 @@ def main():
     cfg = LlamaConfig.llama3_8b(layers)
     dev = torch.device("cuda")
     print(f"GPU {torch.cuda.get_device_name()}, {model} model, {layers} layers")
-    for impl in os.environ.get("IMPLS", "fp16,w4a16").split(","):
+    for impl in ("fp16", "w4a16"):
         torch.manual_seed(0)
         runner = Runner(cfg, dev)
         with torch.no_grad():
-            e2e._convert(runner, impl.removesuffix("-noprefetch"), os.environ.get("INT4_LM_HEAD") == "1")
-            if impl.endswith("-noprefetch"):
-                tilefish.link_weight_prefetch(runner.model, enabled=False)
+            e2e._convert(runner, impl, os.environ.get("INT4_LM_HEAD") == "1")
             for layer in runner.model.model.layers:
                 layer.compile(fullgraph=True, dynamic=False)
             for b in batches:

@@ -2,7 +2,8 @@
 
 Per case, from a CUDA graph, L2 flushed before each replay: [prefetch kernel (mode), torch.cuda._sleep (a
 latency-bound gap, ~20 us), read_stream over the buffer]; the read's time is what changes. Rows: no prefetch,
-the four modes, and the read of an L2-warm buffer.
+and the four modes (mode 3, loads the CTA waits for, is the data surely in L2). The last row, a read right after
+a read, is host-bound (nothing queued ahead of it on the GPU): not an L2-warm figure.
 
     python scripts/experiments/l2_prefetch_probe.py [--mb 12,24] [--ctas 264]
 """

@@ -22,7 +22,6 @@ from torch import nn
 
 from .experts import QuantizedExperts, dense_layout, is_dense_experts
 from .nn import FusedW4A16Linear, NF4Linear, W4A16Linear, W4A16Slice
-from .prefetch_chain import link_weight_prefetch
 
 # Sibling projections fused by default: (parts, in the fused output's column order) -> fused name.
 FUSE_GROUPS: dict[tuple[str, ...], str] = {
@@ -50,7 +49,6 @@ class ConversionReport:
     bytes_after: int = 0    # ... and after
     experts_bytes_before: int = 0   # the part of those that are MoE experts modules, before ...
     experts_bytes_after: int = 0    # ... and after
-    prefetch_links: int = 0         # W4A16 layers linked to the next for the L2 prefetch (link_weight_prefetch)
 
     def __str__(self) -> str:
         lines = [f"converted {len(self.converted)} module(s), skipped {len(self.skipped)}, "
@@ -62,8 +60,6 @@ class ConversionReport:
             lines.append(f"  of which MoE experts: {self.experts_bytes_before / 2**20:,.1f} MiB -> "
                          f"{self.experts_bytes_after / 2**20:,.1f} MiB "
                          f"({self.experts_bytes_after / self.experts_bytes_before:.2f}x)")
-        if self.prefetch_links:
-            lines.append(f"L2 prefetch: {self.prefetch_links} W4A16 layer(s) linked to the next in forward order")
         reasons: dict[str, list[str]] = {}
         for name, why in list(self.skipped.items()) + list(self.unfused.items()):
             reasons.setdefault(why, []).append(name)
@@ -180,7 +176,7 @@ def _check_method_arguments(method: str, given: dict) -> None:
 def quantize_model(model: nn.Module, method: str = "w4a16", *, group_size: int = 128, symmetric: bool = True,
                    skip=("lm_head",), fuse: bool = True, dtype: torch.dtype | None = None,
                    clip_search: bool = True, device=None, blocksize: int = 64,
-                   double_quant: bool = True, prefetch: bool = True) -> ConversionReport:
+                   double_quant: bool = True) -> ConversionReport:
     """Replace every eligible nn.Linear of `model` (any module tree) in place by a W4A16Linear
     (method "w4a16" or "mxfp4") or an NF4Linear (method "nf4"), and every MoE experts module (transformers 5:
     3-D gate_up_proj / down_proj; Mixtral, Qwen-MoE, gpt-oss ...) by a tilefish.experts.QuantizedExperts of
@@ -212,8 +208,6 @@ def quantize_model(model: nn.Module, method: str = "w4a16", *, group_size: int =
       converts layer by layer on the GPU with device="cuda": the GPU then holds the quantized
       layers and one dense layer at a time, never the dense model; model.to(device) afterwards
       moves what stayed dense (embeddings, norms, lm_head).
-    - prefetch: link the W4A16 layers in forward order (tilefish.link_weight_prefetch), so each decode GEMM
-      streams the next one's weights into L2 ahead of it; False leaves them unlinked.
     - Converting an already converted model is a no-op for its W4A16 / NF4 layers (reported as skipped).
     Returns the ConversionReport."""
     if not isinstance(model, nn.Module):
@@ -283,7 +277,6 @@ def quantize_model(model: nn.Module, method: str = "w4a16", *, group_size: int =
         report.converted[name] = f"experts {layer.extra_repr()}"
     if fuse:
         fuse_projections(model, report)
-    report.prefetch_links = link_weight_prefetch(model, prefetch)
     return report
 
 

@@ -9,7 +9,7 @@ from . import nf4 as _nf4
 from . import w4a16 as _w4a16
 from .ops.nf4 import MATMUL_DTYPES, NF4MatmulWeight, check_matmul_shape, prepare
 from .ops.w4a16.policy import active_policy_key
-from .ops.w4a16 import W4A16Weight, check_perm, check_shape, layer_counters, make_layer_counters, prefetch_args
+from .ops.w4a16 import W4A16Weight, check_perm, check_shape, layer_counters, make_layer_counters
 from .quant import nf4 as _nf4_format
 from .quant.nf4 import NF4Weight
 from .runtime import current_stream_handle
@@ -66,7 +66,7 @@ class WeightInfo:
 class _LayerPlan:
     """One input shape's eager call of a W4A16Linear, decided once (ops.w4a16.LaunchPlan)."""
 
-    __slots__ = ("plan", "out_shape", "dtype", "device", "perm", "m", "k", "prefetch", "prefetch_keep")
+    __slots__ = ("plan", "out_shape", "dtype", "device", "perm", "m", "k")
 
     def __init__(self, layer: "W4A16Linear", x: torch.Tensor):
         from .ops.w4a16 import LaunchPlan, validate
@@ -78,18 +78,13 @@ class _LayerPlan:
         self.dtype, self.device, self.perm = x.dtype, x.device, w.perm
         bias = None if layer.bias is None else layer.bias.detach().contiguous()
         self.plan = LaunchPlan.build(w, bias, self.m, x.device, counters=layer_counters(x.device)) if self.m else None
-        # The next layer's weight, as it is now: the plan keeps the tensors its pointers point into, and is
-        # dropped when they are replaced (W4A16Linear._drop_plans on the next layer reaches this one).
-        nxt = layer.prefetch_next
-        self.prefetch_keep = None if nxt is None else (nxt.packed, nxt.scales)
-        self.prefetch = prefetch_args(nxt, x.device, self.m)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         if self.plan is not None:
             if self.perm is not None:
                 x = x.view(self.m, self.k).index_select(1, self.perm)
-            self.plan.launch(x.data_ptr(), out.data_ptr(), self.prefetch)
+            self.plan.launch(x.data_ptr(), out.data_ptr())
         return out
 
 
@@ -113,14 +108,7 @@ class W4A16Linear(nn.Module):
     - codebook: what a 4-bit code means, "int4" ((q - zero) x scale) or "nf4" (NF4 value x scale,
       symmetric, group scales only; NF4Linear builds these from bitsandbytes weights). It is not in
       the state dict (like group_size): a state dict loads into a layer built with the same codebook.
-    - `prefetch_next`: the W4A16Linear whose GEMM runs next on the stream (set_prefetch_next;
-      tilefish.link_weight_prefetch links a model's in forward order). At m <= 64 this layer's launch asks
-      L2 for that layer's scales and first weight bytes as its own loads finish (ops/w4a16/prefetch.py).
-      A hint, never part of the result; not a submodule, not in the state dict, dropped by copies.
     """
-
-    _prefetch_next = None  # plain attributes (class defaults), not submodules: see set_prefetch_next
-    _prefetch_prev = None
 
     def __init__(self, in_features: int, out_features: int, *, group_size: int = 128, bias: bool = True,
                  symmetric: bool = True, dtype: torch.dtype = torch.float16, device=None, act_order: bool = False,
@@ -150,38 +138,10 @@ class W4A16Linear(nn.Module):
     def weight(self) -> WeightInfo:
         return WeightInfo(self)
 
-    @property
-    def prefetch_next(self) -> "W4A16Linear | None":
-        return self._prefetch_next
-
-    def set_prefetch_next(self, layer: "W4A16Linear | None") -> None:
-        """Link the layer whose GEMM follows this one's (None: unlink). Stored as plain attributes on both
-        layers, so neither becomes the other's submodule; the plans that held the old link are dropped."""
-        if layer is not None and not isinstance(layer, W4A16Linear):
-            raise TypeError(f"prefetch_next must be a W4A16Linear or None, got {type(layer).__name__}")
-        old = self._prefetch_next
-        if old is not None and old._prefetch_prev is self:
-            object.__setattr__(old, "_prefetch_prev", None)
-        object.__setattr__(self, "_prefetch_next", layer)
-        if layer is not None:
-            prev = layer._prefetch_prev
-            if prev is not None and prev is not self:
-                object.__setattr__(prev, "_prefetch_next", None)
-                prev._plans = {}
-            object.__setattr__(layer, "_prefetch_prev", self)
-        self._plans = {}
-
-    def _drop_plans(self) -> None:
-        """This layer's plans, and those of the layer that prefetches its weights (they hold its pointers)."""
-        self._plans = {}
-        prev = self._prefetch_prev
-        if prev is not None and "_plans" in prev.__dict__:
-            prev._plans = {}
-
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
         if name in _WEIGHT_FIELDS and "_plans" in self.__dict__:
-            self._drop_plans()  # the plans point into the replaced tensors
+            self._plans = {}  # the plans point into the replaced tensors
             if name == "packed" and isinstance(value, torch.Tensor):
                 make_layer_counters(value.device)
         elif name in _KERNEL_CONSTANTS and "_kernel_constants" in self.__dict__:
@@ -192,12 +152,10 @@ class W4A16Linear(nn.Module):
         # tensors; a copy builds its own on its first call.
         state = self.__dict__.copy()
         state["_plans"] = {}
-        state.pop("_prefetch_next", None)  # a link would drag the linked layers into the copy
-        state.pop("_prefetch_prev", None)
         return state
 
     def _apply(self, fn, *args, **kwargs):
-        self._drop_plans()
+        self._plans = {}
         old = self.scales.dtype
         probe = fn(torch.empty(0, dtype=old, device=self.scales.device))
         if probe.dtype != old and probe.dtype not in MATMUL_DTYPES:  # .float(), .double(): 16-bit tensors stay
@@ -243,7 +201,7 @@ class W4A16Linear(nn.Module):
                 else:
                     value = torch.empty_like(self.scales)  # filled by the copy below
                 self._buffers[name] = value
-        self._drop_plans()
+        self._plans = {}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         if prefix + "perm" in state_dict and self.perm is not None:
@@ -315,11 +273,9 @@ class W4A16Linear(nn.Module):
             from .ops.library import w4a16_matmul_op
 
             group_size, n, k, codebook = self._kernel_constants
-            nxt = self._prefetch_next
             return w4a16_matmul_op(x, self.packed, self.scales, self.zeros, self.perm, self.bias, group_size, n, k,
-                                   codebook, counters, None if nxt is None else nxt.packed,
-                                   None if nxt is None else nxt.scales)
-        return _w4a16.matmul_with_counters(x, self.weight4, self.bias, counters, self._prefetch_next)
+                                   codebook, counters)
+        return _w4a16.matmul_with_counters(x, self.weight4, self.bias, counters)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, codebook={self.codebook}, "
@@ -443,7 +399,7 @@ class NF4Linear(W4A16Linear):
                     self.bias.copy_(bias)
             else:
                 self.bias = nn.Parameter(bias, requires_grad=False)
-        self._drop_plans()
+        self._plans = {}
         return self
 
     def _apply(self, fn, *args, **kwargs):

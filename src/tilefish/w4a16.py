@@ -51,37 +51,31 @@ def from_awq(qweight, qzeros, scales, *, group_size: int, dtype: torch.dtype | N
 
 
 def matmul(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = None, *,
-           workspace: Workspace | None = None, prefetch_next: W4A16Weight | None = None) -> torch.Tensor:
+           workspace: Workspace | None = None) -> torch.Tensor:
     """y = x @ dequant(w)^T (+ bias). x [..., k] fp16/bf16 (CUDA: the tensor-core kernel; CPU: reference).
 
     workspace: tile counters for the plans that split a tile between CTAs (small m), made once with
     `Workspace(device)` and passed to every call; without one such a call zero-fills fresh counters
     (one memset more). W4A16Linear owns its own.
 
-    prefetch_next: the weight of the GEMM that comes next on this stream (decode): at m <= 64 this launch
-    asks L2 for its scales and first bytes once its own loads are issued, so they stream while whatever
-    runs between the two (norms, attention) runs. A hint: the result is the same without it.
-
     Autograd: gradients flow to x and bias (through the exactly dequantized weight), the same on CUDA,
     on CPU and under torch.compile; the 4-bit weight is frozen."""
-    if prefetch_next is not None and not isinstance(prefetch_next, W4A16Weight):
-        raise TypeError(f"prefetch_next must be a W4A16Weight or None, got {type(prefetch_next).__name__}")
-    return matmul_with_counters(x, w, bias, None if workspace is None else _counters(workspace), prefetch_next)
+    return matmul_with_counters(x, w, bias, None if workspace is None else _counters(workspace))
 
 
 def matmul_with_counters(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None,
-                         counters: torch.Tensor | None, prefetch=None) -> torch.Tensor:
+                         counters: torch.Tensor | None) -> torch.Tensor:
     """matmul with a layer's own tile counters (W4A16Linear), or None: eager calls run the op's
     implementation directly (less host time); under torch.compile, and where autograd must record
-    the call, they go through the custom op. prefetch: the next GEMM's weight (.packed, .scales) or None."""
+    the call, they go through the custom op."""
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
             getattr(x, "requires_grad", False) or (bias is not None and bias.requires_grad))):
         from .ops import library
 
-        return library.w4a16_matmul(x, w, bias, counters, prefetch)
+        return library.w4a16_matmul(x, w, bias, counters)
     from .ops.w4a16 import matmul_impl
 
-    return matmul_impl(x, w, bias, workspace=counters, prefetch=prefetch)
+    return matmul_impl(x, w, bias, workspace=counters)
 
 
 def _counters(workspace) -> torch.Tensor:

@@ -103,8 +103,7 @@ def _dense_bytes(module: nn.Module, dtype: torch.dtype) -> int:
     return sum(p.numel() for p in module.parameters()) * dtype.itemsize
 
 
-def load_quantized(model_or_path, path=None, *, device=None, dtype: torch.dtype | None = None, fuse: bool = True,
-                   prefetch: bool = True):
+def load_quantized(model_or_path, path=None, *, device=None, dtype: torch.dtype | None = None, fuse: bool = True):
     """Load a GPTQ / AWQ / compressed-tensors / bitsandbytes 4-bit / gpt-oss MXFP4 checkpoint directory (HF format)
     with its quantized Linears as ``W4A16Linear`` (GPTQ / AWQ / compressed-tensors) or ``NF4Linear`` (bitsandbytes
     nf4), and its quantized MoE experts as ``tilefish.experts.QuantizedExperts`` (MXFP4, or one GPTQ / AWQ /
@@ -129,14 +128,11 @@ def load_quantized(model_or_path, path=None, *, device=None, dtype: torch.dtype 
     fuse: fuse q/k/v and gate/up projections afterwards (``tilefish.convert.fuse_projections``). Fused bitsandbytes
         layers hold the kernel layout (their state dict is tilefish's, not bitsandbytes'); fuse=False keeps
         ``NF4Linear``s, whose state dicts are bitsandbytes' again.
-    prefetch: link the W4A16 layers in forward order (``tilefish.link_weight_prefetch``: each decode GEMM streams
-        the next one's weights into L2 ahead of it); False leaves them unlinked.
 
     Returns ``(model, report)``, a ``tilefish.convert.ConversionReport``. Raises ``CheckpointError`` (a ValueError)
     naming the file, tensor or config field for anything it cannot load, and then leaves the model untouched.
     """
     from ..convert import ConversionReport, fuse_projections, module_bytes
-    from ..prefetch_chain import link_weight_prefetch
     from ..experts import QuantizedExperts, is_dense_experts
 
     if dtype is not None and dtype not in ACTIVATION_DTYPES:
@@ -179,5 +175,4 @@ def load_quantized(model_or_path, path=None, *, device=None, dtype: torch.dtype 
         experts_bytes_after=sum(module_bytes(layers[name]) for name in experts))
     if fuse:
         fuse_projections(model, report)
-    report.prefetch_links = link_weight_prefetch(model, prefetch)
     return model, report

@@ -65,26 +65,22 @@ def _w4a16_weight(packed, scales, zeros, perm, group_size, n, k, codebook):
 @torch.library.custom_op("tilefish::w4a16_matmul", mutates_args=())
 def w4a16_matmul_op(x: Tensor, packed: Tensor, scales: Tensor, zeros: Optional[Tensor], perm: Optional[Tensor],
                     bias: Optional[Tensor], group_size: int, n: int, k: int, codebook: str,
-                    counters: Optional[Tensor] = None, prefetch_packed: Optional[Tensor] = None,
-                    prefetch_scales: Optional[Tensor] = None) -> Tensor:
+                    counters: Optional[Tensor] = None) -> Tensor:
     # counters: the caller's tile counters (ops/w4a16/workspace.py). Not a mutated argument: every
-    # launch leaves them zero, as it found them. prefetch_*: the next GEMM's weight, only read by L2
-    # (ops/w4a16/prefetch.py); it never changes the result.
-    from .w4a16 import PrefetchTarget, matmul_impl
+    # launch leaves them zero, as it found them.
+    from .w4a16 import matmul_impl
 
-    target = None if prefetch_packed is None else PrefetchTarget(prefetch_packed, prefetch_scales)
     return matmul_impl(x, _w4a16_weight(packed, scales, zeros, perm, group_size, n, k, codebook), bias,
-                       workspace=counters, prefetch=target)
+                       workspace=counters)
 
 
 @w4a16_matmul_op.register_fake
-def _(x, packed, scales, zeros, perm, bias, group_size, n, k, codebook, counters=None, prefetch_packed=None,
-      prefetch_scales=None):
+def _(x, packed, scales, zeros, perm, bias, group_size, n, k, codebook, counters=None):
     return x.new_empty(*x.shape[:-1], n)
 
 
 def _w4a16_setup_context(ctx, inputs, output):
-    x, packed, scales, zeros, perm, bias, group_size, n, k, codebook, counters, _, _ = inputs
+    x, packed, scales, zeros, perm, bias, group_size, n, k, codebook, counters = inputs
     ctx.save_for_backward(packed, scales, zeros, perm)
     ctx.group_size, ctx.n, ctx.k, ctx.codebook = group_size, n, k, codebook
 
@@ -101,17 +97,15 @@ def _w4a16_backward(ctx, grad):
             grad_x = grad_x.index_select(-1, torch.argsort(perm))
     if ctx.needs_input_grad[5]:
         grad_bias = grad.reshape(-1, ctx.n).sum(0)
-    return grad_x, None, None, None, None, grad_bias, None, None, None, None, None, None, None
+    return grad_x, None, None, None, None, grad_bias, None, None, None, None, None
 
 
 w4a16_matmul_op.register_autograd(_w4a16_backward, setup_context=_w4a16_setup_context)
 
 
-def w4a16_matmul(x: Tensor, w, bias: Tensor | None = None, counters: Tensor | None = None, prefetch=None) -> Tensor:
-    """prefetch: the next GEMM's weight (anything with .packed and .scales) or None."""
+def w4a16_matmul(x: Tensor, w, bias: Tensor | None = None, counters: Tensor | None = None) -> Tensor:
     return w4a16_matmul_op(x, w.packed, w.scales, w.zeros, w.perm, bias, w.group_size, w.n, w.k, w.codebook,
-                           counters, None if prefetch is None else prefetch.packed,
-                           None if prefetch is None else prefetch.scales)
+                           counters)
 
 
 def _expert_weights(packed, scales, zeros, group_size, n, k, codebook):

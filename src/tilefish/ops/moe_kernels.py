@@ -41,7 +41,6 @@ from typing import NamedTuple
 
 import torch
 
-from .w4a16 import NO_PREFETCH
 from ..runtime import KernelSpec, device_info, get_kernel, i32, i64, launch_prepared, prepare_launch
 from ..runtime.device import SMEM_PER_BLOCK_BY_CC
 from .moe_decode import DecodeLaunch, decode_specs, routing_dtype, takes_decode_path
@@ -364,8 +363,7 @@ def _launch_gemm(kern, g: GroupedGemm, blocks: int, al: Alignment, w: StackedFor
                     dst.data_ptr(), 0 if partials is None else partials.data_ptr(),
                     counter_ptr if g.tile_counters else 0, i32(a.shape[0]), i32(w.n), i32(w.k), i32(g.slices),
                     al.block_expert.data_ptr(), al.block_start.data_ptr(), al.block_rows.data_ptr(), src_rows,
-                    dst_rows, row_scale, i64(w.n // 64 * 8 * w.k), i64(per_expert), i64(per_expert), i64(w.n),
-                    *NO_PREFETCH)
+                    dst_rows, row_scale, i64(w.n // 64 * 8 * w.k), i64(per_expert), i64(per_expert), i64(w.n))
 
 
 def _threads(vectors: int) -> int:

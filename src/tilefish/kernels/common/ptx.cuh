@@ -38,33 +38,6 @@ __device__ __forceinline__ void l2_prefetch_span(const void* p, unsigned bytes) 
 #endif
 }
 
-// A later kernel's weights into L2: this CTA's share (`part` of `parts` equal 16-byte-aligned pieces) of
-// `bytes` at `p` (both multiples of 16; nothing when bytes is 0). A decode GEMM issues it once its own
-// loads are in flight, so DRAM keeps streaming the next projection's weights through this kernel's tail
-// and the latency-bound kernels between the two (norms, attention) instead of idling. A hint only: the
-// data is never read here, and nothing waits for it. sm_90+: thread 0 issues bulk prefetches;
-// below, the `nthreads` threads from `tid` issue one prefetch.global.L2 per 128-byte line.
-__device__ __forceinline__ void l2_prefetch_share(const unsigned char* p, long long bytes, long long part,
-                                                  long long parts, int tid, int nthreads) {
-    if (bytes <= 0) return;
-    const long long piece = ((bytes + parts - 1) / parts + 15) & ~15LL;
-    const long long lo = part * piece, hi = lo + piece < bytes ? lo + piece : bytes;
-#if __CUDA_ARCH__ >= 900
-    if (tid == 0)
-        for (long long o = lo; o < hi; o += 32768)
-            l2_prefetch_span(p + o, (unsigned)(hi - o < 32768 ? hi - o : 32768));
-#else
-    for (long long o = lo + 128LL * tid; o < hi; o += 128LL * nthreads)
-        asm volatile("prefetch.global.L2 [%0];" :: "l"(p + o));
-#endif
-}
-
-// The last four arguments of every W4A16 kernel: two spans (the next projection's packed weights and its
-// scales) for l2_prefetch_share; null / 0 when there is no next projection.
-#define TF_L2_PREFETCH_PARAMS                                                                                 \
-    , const unsigned char* __restrict__ pf_a, long long pf_a_bytes, const unsigned char* __restrict__ pf_b, \
-        long long pf_b_bytes
-
 // 16-byte load through the read-only (non-coherent) path: the data is never written by
 // the kernel, so it may bypass L1 coherence and be issued as one LDG.E.128.
 __device__ __forceinline__ uint4 ld_nc_v4(const void* p) {

@@ -13,7 +13,9 @@ __global__ void l2_prefetch_probe(const unsigned char* __restrict__ p, long long
     const long long piece = ((bytes + gridDim.x - 1) / gridDim.x + 15) & ~15LL;
     const long long lo = blockIdx.x * piece, hi = lo + piece < bytes ? lo + piece : bytes;
     if (MODE <= 1) {
-        l2_prefetch_share(p, bytes, blockIdx.x, gridDim.x, threadIdx.x, blockDim.x);
+        if (threadIdx.x == 0)
+            for (long long o = lo; o < hi; o += 32768)
+                l2_prefetch_span(p + o, (unsigned)(hi - o < 32768 ? hi - o : 32768));
         if (MODE == 1) {
             const long long t0 = clock64();
             while (clock64() - t0 < (long long)spin_ns * 2) __nanosleep(1000);

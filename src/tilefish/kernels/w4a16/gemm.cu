@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(kThreads, MB == 1 ? 2 : 1)
 w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __restrict__ scales,
            const T* __restrict__ zeros, const T* __restrict__ bias, T* __restrict__ out,
            float* __restrict__ workspace, int* __restrict__ counters, int m, int n, int k,
-           int slices TF_W4A16_GROUPED_PARAMS TF_L2_PREFETCH_PARAMS) {
+           int slices TF_W4A16_GROUPED_PARAMS) {
     static_assert(WN * WK == 8, "8 warps");
     static_assert(!SWAP || MB == 1, "swap handles up to 8 rows: one 16-row block");
     constexpr int NJ = SWAP ? 4 : 8;  // accumulator tiles per 16-row block: 16x8 each
@@ -342,12 +342,6 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
     }
     cp_async_wait<0>();
     __syncthreads();
-    {  // this block's weights are in: the next projection's stream behind the reduction and fixup
-        const long long bid = ((long long)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-        const long long nb = (long long)gridDim.x * gridDim.y * gridDim.z;
-        l2_prefetch_share(pf_a, pf_a_bytes, bid, nb, tid, kThreads);
-        l2_prefetch_share(pf_b, pf_b_bytes, bid, nb, tid, kThreads);
-    }
 
     // Block-level k reduction: warps wk > 0 hand their partial sums to warp wk == 0 of the strip,
     // which adds them in wk order. Layout [warp][value][lane] keeps the accesses conflict-free.

@@ -69,7 +69,7 @@ template <typename T, int MT, int NS, int WK, int STAGES, int CPS, int GROUP, bo
 __global__ void __launch_bounds__((NS * WK + 2) * 32, CPS)
 w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__ w, const T* __restrict__ scales,
              const T* __restrict__ zeros, const T* __restrict__ bias, T* __restrict__ out,
-             float* __restrict__ workspace, int* __restrict__ counters, int m, int n, int k TF_L2_PREFETCH_PARAMS) {
+             float* __restrict__ workspace, int* __restrict__ counters, int m, int n, int k) {
     using namespace w4s;
     using L = Layout<MT, NS, WK, GROUP, ASYM>;
     using DQ = WeightDecoder<T>;
@@ -341,9 +341,6 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
                 if (++ks == KS) { ks = 0; ++tile; }
                 if (++s == STAGES) { s = 0; phase ^= 1; }
             }
-            // Every load of this CTA is issued: the next projection's weights queue behind them.
-            l2_prefetch_share(pf_a, pf_a_bytes, b, ctas, 0, 1);
-            l2_prefetch_share(pf_b, pf_b_bytes, b, ctas, 0, 1);
         }
         return;
     }

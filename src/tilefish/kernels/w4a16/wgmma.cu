@@ -84,7 +84,7 @@ __global__ void __launch_bounds__((CONS + 1) * 128, CONS == 1 ? 2 : 1)
 w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__ w, const T* __restrict__ scales,
             const T* __restrict__ zeros, const T* __restrict__ bias, T* __restrict__ out,
             float* __restrict__ workspace, int* __restrict__ counters, int m, int n, int k, int slices,
-            int cluster_split, int tile_base TF_L2_PREFETCH_PARAMS) {
+            int cluster_split, int tile_base) {
     using namespace w4h;
     using L = Layout<MT, NT, CONS, GROUP, ASYM>;
     using DQ = WeightDecoder<T>;
@@ -219,11 +219,6 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
                     w_cta = w + (size_t)(n0 / 64) * strip_uint4;
                 }
             }
-            // Every load of this CTA is issued: the next projection's weights queue behind them.
-            const long long bid = ((long long)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-            const long long nb = (long long)gridDim.x * gridDim.y * gridDim.z;
-            l2_prefetch_share(pf_a, pf_a_bytes, bid, nb, 0, 1);
-            l2_prefetch_share(pf_b, pf_b_bytes, bid, nb, 0, 1);
         }
         return;  // exited threads count as arrived at the consumers' cluster barriers (PTX `exit`)
     }

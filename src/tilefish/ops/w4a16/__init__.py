@@ -15,7 +15,6 @@
                  and split; launch_geometry, what a plan launches (the launchers' and plan()'s one copy)
   tuned.py       measured plans per GPU (`tilefish tune`'s tables), which choose_plan takes first
   launch.py      the op: matmul_impl, LaunchPlan, the launchers (they launch dispatch.launch_geometry)
-  prefetch.py    the L2 prefetch of the next GEMM's weights a launch issues as its own loads finish
   workspace.py   the launches' scratch: fp32 partials per call, tile counters owned by the caller
                  (Workspace, a layer's buffer) and taken in turn by streams
 
@@ -39,7 +38,6 @@ from .dispatch import (HOPPER_MIN_M, HOPPER_SLICES, MAX_HOPPER_SLICES, MIN_K_TIL
                        KernelBuild, launch_geometry, plan_geometry)
 from .geometry import Launch, LaunchGeometry, separate_tail, split_geometry
 from .launch import LaunchPlan, device_clusters, hopper_split_uses_clusters, matmul_impl, plan_for, validate
-from .prefetch import NO_PREFETCH, PREFETCH_L2_SHARE, PREFETCH_MAX_M, PrefetchTarget, prefetch_args, prefetch_cap
 from .policy import (DEFAULT_POLICY, SEPARATE_TAIL_MODES, LaunchPolicy, active_policy, active_policy_key,
                      launch_policy, resolve_policy)
 from .layout import (BK, CODEBOOKS, DTYPES, NF4_NIBBLE_ORDER, W4A16Weight, _strip_permute, check_perm, check_shape,

@@ -25,7 +25,6 @@ from .dispatch import choose_plan, launch_geometry
 from .geometry import LaunchGeometry
 from .layout import DTYPES, TABLE_CODEBOOKS, W4A16Weight, check_codebook, check_shape, unpack
 from .policy import LaunchPolicy, resolve_policy
-from .prefetch import NO_PREFETCH, prefetch_args
 from .tuned import TunedTable, gpu_key, table_for
 from .workspace import _lock as _workspace_lock
 from .workspace import check_counters, hand_over
@@ -76,17 +75,13 @@ def validate(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None) -> None
 
 def matmul_impl(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = None,
                 cfg: GemmConfig | HopperConfig | SkinnyConfig | None = None, slices: int | None = None,
-                ctas: int | None = None, workspace=None, policy: LaunchPolicy | None = None,
-                prefetch=None) -> torch.Tensor:
+                ctas: int | None = None, workspace=None, policy: LaunchPolicy | None = None) -> torch.Tensor:
     """cfg: a configuration to force (sweeps, tests); None: the dispatcher's. slices: the k split of
     a tile kernel (mma.sync, wgmma tile mode); ctas: the grid of a stream-K one (skinny, wgmma
     streamk); None: the dispatcher's choice. Giving the one the plan's kernel does not take is a
     ValueError (on CUDA, where the plan is made). workspace: a workspace.Workspace, or the int32
     tile counters a layer owns; None: fresh zeroed counters where the plan needs them. policy: the
-    LaunchPolicy to plan under; None: the active one (policy.launch_policy). prefetch: the weight the
-    next GEMM on this stream reads (W4A16Weight, or anything with .packed and .scales), whose scales and first
-    bytes this launch asks L2 for as its own loads finish (prefetch.py: a hint, the result is the same
-    without it)."""
+    LaunchPolicy to plan under; None: the active one (policy.launch_policy)."""
     validate(x, w, bias)
     policy = resolve_policy(policy)
     if slices is not None:
@@ -118,9 +113,7 @@ def matmul_impl(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = Non
         return out.reshape(*lead, w.n)
     if x2.data_ptr() % 16:  # an offset view: the kernels read x in 16-byte (TMA: aligned) pieces
         x2 = x2.clone()
-    pf = prefetch_args(prefetch, x.device, m)
-    LaunchPlan.build(w, bias, m, x.device, cfg, slices, ctas, counters, policy).launch(x2.data_ptr(), out.data_ptr(),
-                                                                                        pf)
+    LaunchPlan.build(w, bias, m, x.device, cfg, slices, ctas, counters, policy).launch(x2.data_ptr(), out.data_ptr())
     return out if flat else out.reshape(*lead, w.n)
 
 
@@ -185,28 +178,25 @@ class LaunchPlan:
         return cls(launches, (w.packed, w.scales, w.zeros, bias), m, w.k, w.dtype, torch.device("cuda", info.index),
                    geo.partial_floats, geo.tile_counters, counters, cfg, geo, policy)
 
-    def launch(self, x_ptr: int, out_ptr: int, prefetch: tuple = NO_PREFETCH) -> None:
-        """x_ptr: x as [m, k] contiguous, 16-byte aligned, on the plan's device; out_ptr: [m, n] contiguous.
-        prefetch: prefetch.prefetch_args of the next GEMM's weights (its last launch asks L2 for them)."""
+    def launch(self, x_ptr: int, out_ptr: int) -> None:
+        """x_ptr: x as [m, k] contiguous, 16-byte aligned, on the plan's device; out_ptr: [m, n] contiguous."""
         partials = torch.empty(self.partials, dtype=torch.float32, device=self.device) if self.partials else None
         ws = 0 if partials is None else partials.data_ptr()
         if not self.tiles:
-            self._enqueue(x_ptr, out_ptr, ws, 0, prefetch)
+            self._enqueue(x_ptr, out_ptr, ws, 0)
         elif self.counters is None:
             fresh = torch.zeros(self.tiles, dtype=torch.int32, device=self.device)
-            self._enqueue(x_ptr, out_ptr, ws, fresh.data_ptr(), prefetch)
+            self._enqueue(x_ptr, out_ptr, ws, fresh.data_ptr())
         else:
             index = self.device.index
             with _workspace_lock:
                 hand_over(self.counters, index, current_stream_handle(index))
-                self._enqueue(x_ptr, out_ptr, ws, self.counters.data_ptr(), prefetch)
+                self._enqueue(x_ptr, out_ptr, ws, self.counters.data_ptr())
 
-    def _enqueue(self, x_ptr: int, out_ptr: int, ws_ptr: int, counters_ptr: int, prefetch: tuple) -> None:
-        last = len(self.launches) - 1
-        for i, (kern, config, box, head, tail) in enumerate(self.launches):
+    def _enqueue(self, x_ptr: int, out_ptr: int, ws_ptr: int, counters_ptr: int) -> None:
+        for kern, config, box, head, tail in self.launches:
             xa = x_ptr if box is None else tensor_map_rows(x_ptr, self.m, self.k, self.dtype, self.device.index, *box)
-            launch_prepared(kern, config, xa, *head, out_ptr, ws_ptr, counters_ptr, *tail,
-                            *(prefetch if i == last else NO_PREFETCH))
+            launch_prepared(kern, config, xa, *head, out_ptr, ws_ptr, counters_ptr, *tail)
 
 
 def _weight_args(w: W4A16Weight, bias: torch.Tensor | None) -> tuple[int, int, int, int]:
