@@ -2,8 +2,8 @@
 
 Per case, from a CUDA graph, L2 flushed before each replay: [prefetch kernel (mode), torch.cuda._sleep (a
 latency-bound gap, ~20 us), read_stream over the buffer]; the read's time is what changes. Rows: no prefetch,
-and the four modes (mode 3, loads the CTA waits for, is the data surely in L2). The last row, a read right after
-a read, is host-bound (nothing queued ahead of it on the GPU): not an L2-warm figure.
+and the four modes (mode 3, loads the CTA waits for, is the data surely in L2). (A read timed right after a
+read is host-bound, nothing being queued ahead of it on the GPU, so no separate L2-warm row is taken.)
 
     python scripts/experiments/l2_prefetch_probe.py [--mb 12,24] [--ctas 264]
 """
@@ -61,16 +61,6 @@ def main() -> None:
                     torch.cuda.synchronize()
                     ts.append(e0.elapsed_time(e1) * 1e3)
                 times.setdefault(name, []).extend(ts)
-        warm = []
-        for _ in range(30):
-            read()
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            read()
-            e1.record()
-            torch.cuda.synchronize()
-            warm.append(e0.elapsed_time(e1) * 1e3)
-        times["L2-warm (read twice)"] = warm
         for name, ts in times.items():
             ts = sorted(ts)
             print(f"{mb:3d} MB  {name:34s} read {ts[len(ts) // 2]:7.1f} us  ({mb * 1.048576 / ts[len(ts) // 2] * 1e3:6.0f} GB/s)")
