@@ -3,7 +3,7 @@ profiler, kernel time summed by kind (W4A16 GEMMs, cuBLAS GEMMs, attention, Trit
 fp16 and W4A16, per layer and in total.
 
 Usage (device): python scripts/profile_e2e.py [layers] [batch ...]   (default 8 layers, batch 1 16;
-MODEL=hf|builtin, INT4_LM_HEAD=1 quantizes lm_head too)
+MODEL=hf|builtin, KERNELS=1 lists every kernel, LM_HEAD=auto|quantize|dense: quantize_model's lm_head, default auto)
 """
 import os
 import sys
@@ -39,14 +39,16 @@ def profile_step(replay, steps=5):
     by = defaultdict(float)
     count = defaultdict(int)
     names = defaultdict(int)
+    every = defaultdict(float)
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             by[kind(ev.name)] += ev.device_time_total / steps
             count[kind(ev.name)] += 1
-            if kind(ev.name) == "W4A16 GEMM":
-                names[ev.name[:60]] += 1
-    for name, c in names.items():
-        print(f"    {c // steps:3d} a step: {name}")
+            every[ev.name[:90]] += ev.device_time_total / steps
+            names[ev.name[:90]] += 1
+    shown = [n for n in names if kind(n) == "W4A16 GEMM" or os.environ.get("KERNELS") == "1"]
+    for name in sorted(shown, key=lambda n: -every[n]):
+        print(f"    {names[name] // steps:3d} a step, {every[name]:8.1f} us a step: {name}")
     return by, {k: v // steps for k, v in count.items()}
 
 
@@ -62,7 +64,7 @@ def main():
         torch.manual_seed(0)
         runner = Runner(cfg, dev)
         with torch.no_grad():
-            e2e._convert(runner, impl, os.environ.get("INT4_LM_HEAD") == "1")
+            e2e._convert(runner, impl, os.environ.get("LM_HEAD", "auto"))
             for layer in runner.model.model.layers:
                 layer.compile(fullgraph=True, dynamic=False)
             for b in batches:

@@ -77,7 +77,7 @@ def test_build_convert_and_dense_twin():
     assert model.config._experts_implementation == "grouped_mm"
     dense_experts = e2e.experts_bytes(model)
     assert dense_experts == 2 * 2 * 3 * 8 * 128 * 128
-    summary = e2e._convert(runner, "int4", int4_lm_head=False)
+    summary = e2e._convert(runner, "int4", lm_head="dense")
     assert "2 experts modules -> QuantizedExperts int4 g128" in summary and "8 linears" in summary
     experts = e2e_models.experts_modules(model)
     assert len(experts) == 2 and all(isinstance(m, QuantizedExperts) for m in experts)
@@ -101,7 +101,7 @@ def test_layers_compile_fullgraph_to_one_graph(impl):
     the layers, and the compiled step matches the eager one."""
     torch.manual_seed(0)
     runner = e2e._HF(TINY, CPU)
-    e2e._convert(runner, impl, int4_lm_head=False)
+    e2e._convert(runner, impl, lm_head="dense")
     ids, pos = torch.randint(TINY.vocab_size, (2, 1)), torch.tensor([7])
     runner.setup(2, 64)
     for t in runner.kv_tensors():
@@ -207,13 +207,13 @@ def test_run_rejects_what_the_moe_model_cannot_run():
 
 @torch.no_grad()
 def test_generate_builds_the_moe_variants():
-    model, summary = e2e_generate._build(TINY, "bf16", CPU, 0, False)
+    model, summary = e2e_generate._build(TINY, "bf16", CPU, 0, "dense")
     assert "batched_mm for the decode steps" in summary and "_optimize_model_for_decode" not in vars(model)
-    model, summary = e2e_generate._build(TINY, "bf16-grouped", CPU, 0, False)
+    model, summary = e2e_generate._build(TINY, "bf16-grouped", CPU, 0, "dense")
     assert "grouped_mm" in summary and vars(model)["_optimize_model_for_decode"]().__class__.__name__ == "nullcontext"
     ids = torch.randint(3, TINY.vocab_size, (1, 5))
     assert e2e_generate._generate(model, ids, 3).shape == (1, 8)  # generate() with its decode switch off
-    model, summary = e2e_generate._build(TINY, "int4", CPU, 0, False)
+    model, summary = e2e_generate._build(TINY, "int4", CPU, 0, "dense")
     assert "QuantizedExperts int4 g128" in summary
     assert all(isinstance(m, QuantizedExperts) for m in e2e_models.experts_modules(model))
     assert e2e_generate._generate(model, ids, 3).shape == (1, 8)

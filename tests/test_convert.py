@@ -67,7 +67,7 @@ def _model(seed=0, **kw):
 
 def test_quantize_model_converts_skips_and_reports():
     model = _model()
-    report = quantize_model(model, fuse=False)
+    report = quantize_model(model, fuse=False, skip=("lm_head",))
     assert isinstance(report, ConversionReport)
     assert len(report.converted) == 14 and all(isinstance(model.get_submodule(n), W4A16Linear) for n in report.converted)
     assert report.skipped["lm_head"] == "in skip" and isinstance(model.lm_head, nn.Linear)
@@ -257,8 +257,8 @@ def test_hf_llama_quantize_and_fuse():
     torch.manual_seed(0)
     dense = transformers.LlamaForCausalLM(cfg).half().eval()
     unfused, fused = copy.deepcopy(dense), copy.deepcopy(dense)
-    quantize_model(unfused, fuse=False)
-    report = quantize_model(fused)
+    quantize_model(unfused, fuse=False, lm_head="dense")
+    report = quantize_model(fused, lm_head="dense")
     assert len(report.fused) == 4 and "lm_head" in report.skipped
     ids = torch.randint(0, 320, (2, 9))
     with torch.no_grad():
@@ -267,14 +267,113 @@ def test_hf_llama_quantize_and_fuse():
     assert rel_err(b, ref) < 0.3   # 4-bit weights of a random model; the kernel-exact checks are above
 
 
+def _heads_model(head: str) -> TinyModel:
+    """A TinyModel whose decoder weights are Gaussian and whose lm_head is `head`: "uniform" (int4 serves it
+    better than any Gaussian layer) or "heavy" (Student-t, 1.5 degrees of freedom: outliers that widen its
+    groups' scales, so int4 serves it worse)."""
+    model = _model()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.02)
+        w = model.lm_head.weight
+        if head == "uniform":
+            w.uniform_(-0.04, 0.04)
+        else:
+            w.copy_(torch.distributions.StudentT(1.5).sample(w.shape) * 0.02)
+    return model
+
+
+def _weight_error(linear: nn.Linear) -> float:
+    """The relative Frobenius error of one layer quantized alone, as quantize_model's defaults do."""
+    w = linear.weight.detach().float()
+    return float((w - W4A16Linear.from_linear(linear).weight.dequantize().float()).norm() / w.norm())
+
+
+@pytest.mark.parametrize("head", ["uniform", "heavy"])
+def test_lm_head_auto_follows_its_weight_error_against_the_decoders(head):
+    """lm_head="auto" (the default): int4 where the output projection's relative weight error is at most the
+    largest of the converted decoder layers', else dense, with both errors in the report."""
+    model = _heads_model(head)
+    decoder = max(_weight_error(m) for n, m in model.named_modules()
+                  if isinstance(m, nn.Linear) and n.startswith("layers."))
+    own = _weight_error(model.lm_head)
+    report = quantize_model(model, fuse=False)
+    assert (own <= decoder) == (head == "uniform"), (own, decoder)
+    assert len(report.converted) == (15 if head == "uniform" else 14)
+    if head == "uniform":
+        assert isinstance(model.lm_head, W4A16Linear)
+        assert report.lm_head.startswith("quantized (auto)")
+    else:
+        assert type(model.lm_head) is nn.Linear and report.skipped["lm_head"] == report.lm_head
+        assert report.lm_head.startswith("kept dense (auto)")
+    assert f"{own:.4f}" in report.lm_head and f"{decoder:.4f}" in report.lm_head
+    assert report.lm_head in str(report)
+
+
+def test_lm_head_quantize_dense_and_skip():
+    """lm_head="quantize" converts a tail-heavy head that auto keeps dense; "dense" never converts it; a name
+    in skip keeps it dense whatever lm_head says; anything else is a ValueError before any change."""
+    model = _heads_model("heavy")
+    report = quantize_model(model, lm_head="quantize")
+    assert isinstance(model.lm_head, W4A16Linear) and "lm_head" in report.converted
+    model = _heads_model("uniform")
+    report = quantize_model(model, lm_head="dense")
+    assert type(model.lm_head) is nn.Linear and report.skipped["lm_head"] == "lm_head='dense'"
+    model = _heads_model("uniform")
+    report = quantize_model(model, lm_head="quantize", skip=("lm_head",))
+    assert type(model.lm_head) is nn.Linear and report.skipped["lm_head"] == "in skip"
+    model = _heads_model("uniform")
+    with pytest.raises(ValueError, match="lm_head must be one of"):
+        quantize_model(model, lm_head="int4")
+    assert not any(isinstance(m, W4A16Linear) for m in model.modules())
+
+
+def test_lm_head_auto_finds_the_output_projection_by_get_output_embeddings():
+    """A model whose output projection is not named lm_head: the one get_output_embeddings() returns is the
+    one the rule weighs (converted last, against every other layer)."""
+    class Renamed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = _heads_model("heavy")
+            self.body.to_vocab = self.body.lm_head
+            del self.body.lm_head
+
+        def get_output_embeddings(self):
+            return self.body.to_vocab
+
+    model = Renamed()
+    report = quantize_model(model)
+    assert type(model.body.to_vocab) is nn.Linear and report.lm_head.startswith("kept dense (auto)")
+    assert report.skipped["body.to_vocab"] == report.lm_head
+
+
+def test_tied_lm_head_gets_its_own_int4_copy():
+    """An HF model with tied embeddings: auto quantizes the lm_head (Gaussian like the decoder) into a
+    W4A16Linear of its own; the embedding keeps the dense tensor, and the logits match the dense twin's."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=64, vocab_size=384, tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(cfg).half().eval()
+    embedding = model.model.embed_tokens.weight.detach().clone()
+    report = quantize_model(model)
+    assert isinstance(model.lm_head, W4A16Linear) and report.lm_head.startswith("quantized (auto)")
+    assert torch.equal(model.model.embed_tokens.weight, embedding)
+    ids = torch.randint(0, 384, (2, 7))
+    with torch.no_grad():
+        got = model(ids).logits
+        dequantize_model(model)
+        twin = model(ids).logits
+    assert rel_err(got, twin) < 1e-2
+
+
 def test_dequantize_model_is_the_dense_twin():
     """dequantize_model puts back nn.Linears with the exactly dequantized weights: the twin computes
     what the quantized model computes, up to fp16 rounding of the matmul."""
     model = _model(bias=True)
-    quantize_model(model, group_size=64, symmetric=False)
+    quantize_model(model, group_size=64, symmetric=False, lm_head="quantize")
     h = torch.randn(2, 3, 256, dtype=torch.float16)
     want = model(h)
-    assert dequantize_model(model) == 14
+    assert dequantize_model(model) == 15   # 14 decoder projections and lm_head
     assert not any(isinstance(m, (W4A16Linear, W4A16Slice)) for m in model.modules())
     assert type(model.layers[0].self_attn.k_proj) is nn.Linear and not hasattr(model.layers[0].self_attn, "qkv_proj")
     for a, b in zip(want, model(h)):
@@ -288,7 +387,7 @@ def test_cast_to_another_dtype_keeps_the_16bit_tensors(cast):
     kernel dtype (a W4A16Linear and an NF4Linear alike), the rest of the model takes the cast, and the
     model still runs, fp32 inputs cast in and out of the 4-bit layers."""
     model = _model()
-    quantize_model(model, fuse=False)
+    quantize_model(model, fuse=False, lm_head="dense")
     nf4_layer = tilefish.nn.NF4Linear.from_linear(nn.Linear(256, 128).half())
     before = {n: t.clone() for n, t in list(model.named_buffers()) + list(nf4_layer.named_buffers())}
     for m in (model, nf4_layer):

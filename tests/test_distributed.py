@@ -311,7 +311,7 @@ def test_cli_tp_flags_reach_the_tp_bench(monkeypatch):
     calls = []
     monkeypatch.setattr(e2e_tp, "run", lambda tps, **kw: calls.append((tps, kw)) or Report("tp"))
     args = argparse.Namespace(family="e2e", tp="1,2", impls="fp16,w4a16,nf4", layers=8, batches=None, context=256,
-                              modes=None, model="builtin", reps=9, prefill="512", int4_lm_head=False)
+                              modes=None, model="builtin", reps=9, prefill="512", lm_head="dense")
     FAMILIES["e2e"].run(args)
     tps, kw = calls[-1]
     assert tps == [1, 2] and kw["batches"] == [1, 16] and kw["modes"] == ["compiled"]

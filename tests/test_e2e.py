@@ -118,7 +118,7 @@ def test_layer_compile_shares_one_graph_w4a16(kind):
         pytest.importorskip("transformers")
     torch.manual_seed(0)
     runner = (e2e._HF if kind == "hf" else e2e._Builtin)(TINY, CPU)
-    e2e._convert(runner, "w4a16", int4_lm_head=False)
+    e2e._convert(runner, "w4a16", lm_head="dense")
     ids, pos = torch.randint(TINY.vocab_size, (2, 1)), torch.tensor([7])
     runner.setup(2, 64)
     for t in runner.kv_tensors():
@@ -198,8 +198,11 @@ def test_run_on_cpu(kind, modes, tmp_path):
         pytest.importorskip("transformers")
     rep = e2e.run(batches=(2,), prefill=(8,), context=8, modes=modes, impls=e2e.IMPLS, model=kind,
                   reps=1, config=TINY, device="cpu", backend="eager")
-    impls = (["fp16", "tilefish w4a16"] + (["bitsandbytes nf4"] if e2e._bnb_problem() is None else [])
+    dense = ["fp16"] + (["fp16 + tilefish attention"] if kind == "hf" else [])   # builtin: no K/V repeat to remove
+    impls = (dense + ["tilefish w4a16"] + (["bitsandbytes nf4"] if e2e._bnb_problem() is None else [])
              + (["tilefish nf4"] if e2e._tilefish_nf4_problem() is None else []))
+    if kind == "builtin":
+        assert any(n.startswith("fp16-gqa skipped: ") for n in rep.notes), rep.notes
     if e2e._tilefish_nf4_problem() is not None:  # tilefish.quantize_model(method="nf4") not in this build
         assert any(n.startswith("tilefish-nf4 skipped: ") for n in rep.notes), rep.notes
     assert len(rep.rows) == len(modes) * 2 * len(impls)
@@ -210,8 +213,10 @@ def test_run_on_cpu(kind, modes, tmp_path):
         assert r.metric == pytest.approx((2 if r.extra["phase"] == "decode" else 8) / (r.extra["ms_per_step"] * 1e-3))
         if r.impl == "fp16":
             assert r.ratios == {} and r.extra["logits_rel_err"] == 0.0
+        elif r.impl == "fp16 + tilefish attention":   # the same weights; attention's rounding only
+            assert r.ratios == {} and r.extra["logits_rel_err"] < 1e-2
         else:
-            assert set(r.ratios) == {"fp16"} and r.extra["layer_bytes_ratio"] < 0.3
+            assert set(r.ratios) == set(dense) and r.extra["layer_bytes_ratio"] < 0.3
             assert 0 < r.extra["logits_rel_err"] < 1.0   # 4-bit weights vs fp16 (random model, 2 layers)
             if r.impl == "tilefish w4a16":
                 assert r.extra["kernel_rel_err"] < e2e.LARGE_REL_ERR
@@ -261,18 +266,18 @@ def test_run_frees_each_variant_before_building_the_next(monkeypatch):
 
 def test_tilefish_nf4_conversion_call(monkeypatch):
     """The tilefish-nf4 variant asks quantize_model for NF4 with bitsandbytes' defaults (blocksize 64,
-    double quant), fused like W4A16; --int4-lm-head also quantizes lm_head."""
+    double quant), fused like W4A16, with the lm_head choice passed on (--lm-head)."""
     import tilefish.convert
 
     calls = []
     monkeypatch.setattr(tilefish.convert, "quantize_model",
                         lambda model, **kw: calls.append(kw) or tilefish.convert.ConversionReport())
     runner = e2e._Builtin(TINY, CPU)
-    summary = e2e._convert(runner, "tilefish-nf4", int4_lm_head=False)
-    assert calls[-1] == dict(method="nf4", blocksize=64, double_quant=True, fuse=True)
+    summary = e2e._convert(runner, "tilefish-nf4", lm_head="dense")
+    assert calls[-1] == dict(method="nf4", blocksize=64, double_quant=True, fuse=True, lm_head="dense")
     assert "tilefish NF4 (blocksize 64, double quant)" in summary
-    e2e._convert(runner, "tilefish-nf4", int4_lm_head=True)
-    assert calls[-1] == dict(method="nf4", blocksize=64, double_quant=True, fuse=True, skip=())
+    e2e._convert(runner, "tilefish-nf4", lm_head="quantize")
+    assert calls[-1] == dict(method="nf4", blocksize=64, double_quant=True, fuse=True, lm_head="quantize")
 
 
 def test_tilefish_nf4_skipped_with_a_note_when_quantize_model_lacks_nf4(monkeypatch):
@@ -303,8 +308,9 @@ def test_tilefish_nf4_variant_checks(monkeypatch):
     monkeypatch.setattr(e2e, "_tilefish_nf4_problem", lambda: None)
     monkeypatch.setattr(e2e, "_bnb_problem", lambda: None)
     monkeypatch.setattr(e2e, "_to_nf4", lambda layers: None)
+    # lm_head dense: bitsandbytes' model keeps it dense, so only then are the two the same NF4 weights
     rep = e2e.run(batches=(2,), prefill=(), context=8, modes=("eager",), impls=("fp16", "nf4", "tilefish-nf4"),
-                  model="builtin", reps=1, config=TINY, device="cpu")
+                  model="builtin", reps=1, config=TINY, device="cpu", lm_head="dense")
     assert [r.impl for r in rep.rows] == ["fp16", "bitsandbytes nf4", "tilefish nf4"]
     ours = rep.rows[2].extra
     assert rep.rows[2].ratios.keys() == {"fp16"} and ours["layer_bytes_ratio"] < 0.3
@@ -319,10 +325,10 @@ def test_suite_maps_cli_flags(monkeypatch):
     calls = []
     monkeypatch.setattr(e2e, "run", lambda **kw: calls.append(kw) or Report("e2e"))
     args = argparse.Namespace(family="e2e", layers=4, batches="1,8", prefill="128", context=256, modes="eager",
-                              model="builtin", int4_lm_head=True, impls="fp16,w4a16", reps=7)
+                              model="builtin", lm_head="quantize", impls="fp16,w4a16", reps=7)
     FAMILIES["e2e"].run(args)
     assert calls[-1] == dict(layers=4, batches=[1, 8], prefill=[128], context=256, modes=["eager"],
-                             impls=["fp16", "w4a16"], model="builtin", int4_lm_head=True, reps=7, arch="llama3-8b")
+                             impls=["fp16", "w4a16"], model="builtin", lm_head="quantize", reps=7, arch="llama3-8b")
     args.family = None  # the all-families run: reduced, and says so
     FAMILIES["e2e"].run(args)
     reduced = calls[-1]

@@ -484,7 +484,7 @@ def test_w4a16_linear_codebook():
 
 def test_quantize_model_nf4_report():
     model = _model()
-    report = quantize_model(model, "nf4", fuse=False)
+    report = quantize_model(model, "nf4", fuse=False, skip=("lm_head",))
     assert len(report.converted) == 14
     assert all(type(model.get_submodule(n)) is NF4Linear for n in report.converted)
     assert report.converted["layers.0.self_attn.k_proj"] == "NF4 blocksize 64 double-quant 256->64"
@@ -564,20 +564,20 @@ def test_quantize_model_rejects_arguments_of_the_other_method():
 
 def test_dequantize_model_nf4():
     model = _model(bias=True)
-    quantize_model(model, "nf4", fuse=False)
+    quantize_model(model, "nf4", fuse=False, lm_head="quantize")
     q = model.layers[0].mlp.down_proj.to_nf4()
     seed = fresh_seed()
     torch.manual_seed(seed)
     h = torch.randn(2, 3, 256, dtype=torch.float16)
     want = model(h)
-    assert dequantize_model(model) == 14
+    assert dequantize_model(model) == 15   # 14 decoder projections and lm_head
     assert not any(isinstance(m, (W4A16Linear, W4A16Slice)) for m in model.modules())
     down = model.layers[0].mlp.down_proj
     assert type(down) is nn.Linear and torch.equal(down.weight, nf4_dequantize_fp32_chain(q, torch.float16))
     for a, b in zip(want, model(h)):
         assert rel_err(b, a) < TOLERANCE[torch.float16], f"seed {seed}"
     fused = _model(bias=True)
-    quantize_model(fused, "nf4")
+    quantize_model(fused, "nf4", lm_head="dense")
     want = fused(h)
     assert dequantize_model(fused) == 14 and not hasattr(fused.layers[0].self_attn, "qkv_proj")
     for a, b in zip(want, fused(h)):
@@ -601,7 +601,7 @@ def test_hf_llama_quantize_nf4():
     torch.manual_seed(0)
     dense = transformers.LlamaForCausalLM(cfg).half().eval()
     model = copy.deepcopy(dense)
-    report = quantize_model(model, "nf4")
+    report = quantize_model(model, "nf4", lm_head="dense")
     assert len(report.fused) == 4 and len(report.converted) == 14 and "lm_head" in report.skipped
     ids = torch.randint(0, 320, (2, 9))
     with torch.no_grad():

@@ -1,7 +1,8 @@
 """Whole-model conversion: quantize a model's nn.Linear layers and MoE experts in place, and fuse sibling
 projections.
 
-    report = tilefish.quantize_model(model)            # every eligible nn.Linear -> W4A16Linear (lm_head kept),
+    report = tilefish.quantize_model(model)            # every eligible nn.Linear -> W4A16Linear (lm_head too
+                                                       # where its error is within the decoder's: lm_head="auto"),
                                                        # every experts module -> QuantizedExperts (int4)
     report = tilefish.quantize_model(model, "nf4")     # ... or -> NF4Linear (bitsandbytes NF4, on the same kernels)
     report = tilefish.quantize_model(model, "mxfp4")   # ... or OCP MXFP4 (W4A16Linear with codebook "mxfp4")
@@ -36,6 +37,8 @@ _NF4_DEFAULTS = {"blocksize": 64, "double_quant": True}
 _OWN_OPTIONS = {"w4a16": _W4A16_DEFAULTS, "nf4": _NF4_DEFAULTS, "mxfp4": {}}
 # the names an MoE router has beside its experts: kept dense (it decides which experts run; tiny)
 ROUTER_NAMES = ("gate", "router")
+# quantize_model's lm_head choices: by the weight error rule, always (where tileable), never
+LM_HEAD_CHOICES = ("auto", "quantize", "dense")
 
 
 @dataclass
@@ -49,6 +52,8 @@ class ConversionReport:
     bytes_after: int = 0    # ... and after
     experts_bytes_before: int = 0   # the part of those that are MoE experts modules, before ...
     experts_bytes_after: int = 0    # ... and after
+    lm_head: str = ""       # what became of the output projection, and why (empty: the model has none)
+    attention: str = ""     # the attention implementation fuse_model switched to (empty: none switched)
 
     def __str__(self) -> str:
         lines = [f"converted {len(self.converted)} module(s), skipped {len(self.skipped)}, "
@@ -66,6 +71,10 @@ class ConversionReport:
         for why, names in reasons.items():
             shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
             lines.append(f"  not converted or not fused ({why}): {shown}")
+        if self.lm_head:
+            lines.append(f"  lm_head: {self.lm_head}")
+        if self.attention:
+            lines.append(f"  attention: {self.attention}")
         return "\n".join(lines)
 
 
@@ -174,7 +183,7 @@ def _check_method_arguments(method: str, given: dict) -> None:
 
 
 def quantize_model(model: nn.Module, method: str = "w4a16", *, group_size: int = 128, symmetric: bool = True,
-                   skip=("lm_head",), fuse: bool = True, dtype: torch.dtype | None = None,
+                   skip=(), lm_head: str = "auto", fuse: bool = True, dtype: torch.dtype | None = None,
                    clip_search: bool = True, device=None, blocksize: int = 64,
                    double_quant: bool = True) -> ConversionReport:
     """Replace every eligible nn.Linear of `model` (any module tree) in place by a W4A16Linear
@@ -197,10 +206,20 @@ def quantize_model(model: nn.Module, method: str = "w4a16", *, group_size: int =
       router (named gate / router beside the experts) stays dense too.
     - Either runs where the weights are (CUDA, or CPU for the reference path), one layer at a time, and
       drops each dense weight once its layer is converted: the peak is about one layer above the result.
-    - skip: module names (or their last components, or fnmatch globs) left dense; lm_head by default.
-      A layer whose shape the kernel cannot tile (out_features % 64, in_features % 128) stays dense
-      with the reason in the report, as does any module that is not a plain floating nn.Linear.
-    - fuse: q/k/v and gate/up siblings become one matmul each (fuse_projections). A fused nf4 layer is
+    - skip: module names (or their last components, or fnmatch globs) left dense. A layer whose
+      shape the kernel cannot tile (out_features % 64, in_features % 128) stays dense with the reason
+      in the report, as does any module that is not a plain floating nn.Linear.
+    - lm_head: the output projection (what model.get_output_embeddings() returns, else a module named
+      lm_head). "auto" (default) quantizes it when its relative weight error ||W - W_q|| / ||W|| is at
+      most the largest of the model's other converted nn.Linear layers: a linear map's relative output
+      error is about its weight's, and the decoder's layers compound theirs, so the logits then err less
+      from the 4-bit lm_head than from the decoder. A tail-heavy lm_head that int4 serves worse stays
+      dense, with both errors in report.lm_head. "quantize": always (where tileable); "dense": never.
+      A name in skip stays dense whatever lm_head says. A tied lm_head (the embedding's tensor) gets
+      its own 4-bit copy; the embedding keeps the dense tensor.
+    - fuse: the model's fused forward (fuse_model): q/k/v and gate/up siblings become one matmul each, and a
+      transformers model with grouped-query "sdpa" attention switches to "tilefish_sdpa" (the same math
+      without repeating K/V; model.set_attn_implementation("sdpa") switches back). A fused nf4 layer is
       a FusedW4A16Linear with codebook "nf4": its state dict is tilefish's kernel layout (packed,
       scales), not bitsandbytes' (fuse=False keeps bitsandbytes-exportable NF4Linears).
     - dtype: the activation dtype (the scales'); default the weight's if fp16/bf16, else fp16.
@@ -216,9 +235,12 @@ def quantize_model(model: nn.Module, method: str = "w4a16", *, group_size: int =
                                          blocksize=blocksize, double_quant=double_quant))
     if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"dtype must be torch.float16 or torch.bfloat16 (the activation dtype); got {dtype}")
+    if lm_head not in LM_HEAD_CHOICES:
+        raise ValueError(f"lm_head must be one of {LM_HEAD_CHOICES}; got {lm_head!r}")
     if isinstance(skip, str):
         skip = (skip,)
     report = ConversionReport()
+    head_name = _output_projection_name(model)
     names, experts = [], []
     modules = dict(model.named_modules())
     for name, module in modules.items():
@@ -238,6 +260,8 @@ def quantize_model(model: nn.Module, method: str = "w4a16", *, group_size: int =
         elif isinstance(module, nn.Linear):
             if _matches(name, skip):
                 report.skipped[name] = "in skip"
+            elif name == head_name and lm_head == "dense":
+                report.skipped[name] = "lm_head='dense'"
             elif _is_router(name, module, modules):
                 report.skipped[name] = "an MoE router (kept dense)"
             elif type(module) is not nn.Linear:
@@ -249,6 +273,9 @@ def quantize_model(model: nn.Module, method: str = "w4a16", *, group_size: int =
     del modules
     options = dict(group_size=group_size, symmetric=symmetric, clip_search=clip_search, blocksize=blocksize,
                    double_quant=double_quant)
+    # the output projection last: "auto" weighs its error against the others'
+    names.sort(key=lambda name: name == head_name)
+    weigh_head, errors = lm_head == "auto" and head_name in names, []
     for name in names:  # names, not modules: each dense layer is released once replaced
         parent, leaf = _parent(model, name)
         linear = getattr(parent, leaf)
@@ -256,6 +283,18 @@ def quantize_model(model: nn.Module, method: str = "w4a16", *, group_size: int =
         if device is not None:
             linear = linear.to(device)  # a copy there; the original goes with the setattr below
         layer, what = _quantize_linear(linear, method, dtype, options)
+        if weigh_head:
+            error = relative_weight_error(linear.weight, layer)
+            if name != head_name:
+                errors.append(error)
+            elif not errors or error > max(errors):
+                against = f" > the other layers' worst {max(errors):.4f}" if errors else \
+                    ", and no other layer converted to weigh it against"
+                report.skipped[name] = report.lm_head = f"kept dense (auto): relative weight error {error:.4f}{against}"
+                continue
+            else:
+                report.lm_head = (f"quantized (auto): relative weight error {error:.4f} <= the other layers' "
+                                  f"worst {max(errors):.4f}")
         setattr(parent, leaf, layer)
         del linear
         report.bytes_before += before
@@ -275,9 +314,45 @@ def quantize_model(model: nn.Module, method: str = "w4a16", *, group_size: int =
         report.experts_bytes_before += before
         report.experts_bytes_after += after
         report.converted[name] = f"experts {layer.extra_repr()}"
+    if head_name is not None and not report.lm_head:
+        if head_name in report.converted:
+            report.lm_head = f"quantized (lm_head={lm_head!r})"
+        elif type(model.get_submodule(head_name)) is not nn.Linear:
+            report.lm_head = f"left as it was: {report.skipped.get(head_name, 'not a plain nn.Linear')}"
+        else:
+            report.lm_head = f"kept dense: {report.skipped[head_name]}"
     if fuse:
-        fuse_projections(model, report)
+        fuse_model(model, report)
     return report
+
+
+def _output_projection_name(model: nn.Module) -> str | None:
+    """The name of the model's output projection: the nn.Linear get_output_embeddings() returns (HF
+    models), else the module named lm_head (or ending in .lm_head), else None."""
+    head = None
+    if callable(getattr(model, "get_output_embeddings", None)):
+        try:
+            head = model.get_output_embeddings()
+        except (NotImplementedError, AttributeError):  # HF models without a head say so either way
+            head = None
+    named = None
+    for name, module in model.named_modules():
+        if head is not None and module is head and isinstance(module, nn.Linear):
+            return name
+        if named is None and name.rpartition(".")[2] == "lm_head":
+            named = name
+    return named
+
+
+def relative_weight_error(dense: torch.Tensor, layer: W4A16Linear) -> float:
+    """||dense - layer's dequantized weight|| / ||dense|| (Frobenius, fp32), a block of rows at a time."""
+    quantized = layer.weight.dequantize()
+    diff = norm = 0.0
+    for a in range(0, dense.shape[0], 8192):
+        w = dense[a:a + 8192].detach().float()
+        diff += float((w - quantized[a:a + 8192].float()).pow(2).sum())
+        norm += float(w.pow(2).sum())
+    return (diff / norm) ** 0.5 if norm else 0.0
 
 
 def _quantize_linear(linear: nn.Linear, method: str, dtype, options: dict) -> tuple[nn.Module, str]:
@@ -346,6 +421,18 @@ def fuse(parts: list[W4A16Linear]) -> FusedW4A16Linear:
                                              torch.zeros(p.out_features, dtype=dtype, device=device) for p in parts]),
                                   requires_grad=False)
     return fused
+
+
+def fuse_model(model: nn.Module, report: ConversionReport | None = None) -> ConversionReport:
+    """A model's fused forward: fuse_projections (q/k/v, gate/up as one W4A16 matmul each), and a transformers
+    model's grouped-query "sdpa" attention switched to tilefish.attention's "tilefish_sdpa" (K/V read in
+    place instead of repeated for every query head: at batch 16 that copy outweighs a layer's GEMMs).
+    Anything else is left as it is; report.attention says what was switched."""
+    from .attention import use_gqa_attention
+
+    report = fuse_projections(model, report)
+    report.attention = use_gqa_attention(model) or report.attention
+    return report
 
 
 def fuse_projections(model: nn.Module, report: ConversionReport | None = None,

@@ -34,8 +34,11 @@ DEFAULT_PREFILL = (512, 2048)
 MODES = ("eager", "compiled")  # run in this order: compiling changes the layers in place
 # Built in this order (bitsandbytes' nf4 before tilefish's, whose logits are checked against it). cli.py's
 # E2E_IMPLS repeats this tuple (tests/test_cli.py checks it).
-IMPLS = ("fp16", "w4a16", "nf4", "tilefish-nf4")
-LABELS = {"fp16": "fp16", "w4a16": "tilefish w4a16", "nf4": "bitsandbytes nf4", "tilefish-nf4": "tilefish nf4"}
+# "fp16-gqa": the dense model with the attention quantize_model's fused forward gives the tilefish variants
+# (tilefish.use_gqa_attention: K/V not repeated), so a ratio can be read without the attention's share
+IMPLS = ("fp16", "fp16-gqa", "w4a16", "nf4", "tilefish-nf4")
+LABELS = {"fp16": "fp16", "fp16-gqa": "fp16 + tilefish attention", "w4a16": "tilefish w4a16",
+          "nf4": "bitsandbytes nf4", "tilefish-nf4": "tilefish nf4"}
 # tilefish's variants (both archs): checked against their dense twin (dequantize_model)
 QUANTIZED = ("w4a16", "tilefish-nf4") + MOE_QUANTIZED
 CHECK_TOKENS = 64       # prompt length of the logits checks
@@ -179,15 +182,20 @@ def _to_nf4(layers: nn.Module) -> None:
             setattr(parent, name, q)
 
 
-def _convert(runner, impl: str, int4_lm_head: bool) -> str:
-    """Turn the dense model into `impl` in place; a one-line summary."""
+def _convert(runner, impl: str, lm_head: str) -> str:
+    """Turn the dense model into `impl` in place (lm_head: quantize_model's choice for the tilefish
+    variants); a one-line summary."""
     if impl in MOE_IMPLS:
-        return e2e_models.convert(runner.model, impl, int4_lm_head)
+        return e2e_models.convert(runner.model, impl, lm_head)
+    if impl == "fp16-gqa":
+        from ..attention import use_gqa_attention
+
+        return f"dense, attention {use_gqa_attention(runner.model)}"
     if impl == "w4a16":
         from ..convert import quantize_model
 
-        rep = quantize_model(runner.model, group_size=128, **({"skip": ()} if int4_lm_head else {}))
-        return f"{len(rep.converted)} linears -> W4A16 g128, {len(rep.fused)} fused groups"
+        rep = quantize_model(runner.model, group_size=128, lm_head=lm_head)
+        return f"{len(rep.converted)} linears -> W4A16 g128, {len(rep.fused)} fused groups, lm_head {rep.lm_head}"
     if impl == "nf4":
         _to_nf4(runner.model.model.layers)
         return "decoder-layer linears -> bnb Linear4bit (nf4, blocksize 64, double quant)"
@@ -195,9 +203,9 @@ def _convert(runner, impl: str, int4_lm_head: bool) -> str:
         from ..convert import quantize_model
 
         rep = quantize_model(runner.model, method="nf4", blocksize=64, double_quant=True, fuse=True,
-                             **({"skip": ()} if int4_lm_head else {}))
+                             lm_head=lm_head)
         return (f"{len(rep.converted)} linears -> tilefish NF4 (blocksize 64, double quant), "
-                f"{len(rep.fused)} fused groups")
+                f"{len(rep.fused)} fused groups, lm_head {rep.lm_head}")
     return "dense"
 
 
@@ -323,7 +331,7 @@ class _Plan:
     reps: int
     backend: str
     seed: int
-    int4_lm_head: bool
+    lm_head: str
 
     @property
     def arch(self) -> e2e_models.Arch:
@@ -343,7 +351,7 @@ def _variant(plan: _Plan, impl: str, reference: torch.Tensor | None, timed: bool
     before ("nf4": bitsandbytes', which tilefish-nf4's are compared with). Returns the check's logits."""
     torch.manual_seed(plan.seed)
     runner = plan.Runner(plan.cfg, plan.device)
-    summary = _convert(runner, impl, plan.int4_lm_head)
+    summary = _convert(runner, impl, plan.lm_head)
     logits = _logits(runner, plan.cfg.vocab_size, plan.device)
     err = 0.0 if reference is None else _rel(logits, reference)
     info[impl] = {"layer_bytes": weight_bytes(runner.model.model.layers), "model_bytes": weight_bytes(runner.model),
@@ -373,7 +381,7 @@ def _variant(plan: _Plan, impl: str, reference: torch.Tensor | None, timed: bool
                 f"error {err:.4f}")
         if impl in QUANTIZED:
             line += " (random weights: the 4-bit rounding compounds over the layers)"
-        if impl == "tilefish-nf4" and (built or {}).get("nf4") is not None and not plan.int4_lm_head:
+        if impl == "tilefish-nf4" and (built or {}).get("nf4") is not None and type(runner.model.lm_head) is nn.Linear:
             # The same NF4 weights (same seed, bit-exact quantization): bitsandbytes dequantizes them and runs
             # cuBLAS, so the two differ by the kernels' rounding (tilefish rounds each block scale once to fp16).
             bnb_err = _rel(logits, built["nf4"])
@@ -416,7 +424,7 @@ def _ratios(arch: e2e_models.Arch, impl: str, ms: float, by_impl: dict) -> dict[
     if impl in arch.dense or not dense:
         return {}
     if arch is e2e_models.LLAMA:
-        return {"fp16": dense["fp16"] / ms}
+        return {LABELS[d]: t / ms for d, t in dense.items()}
     ratios = {MOE_LABELS[d]: t / ms for d, t in dense.items()}
     ratios[e2e_models.BEST_DENSE] = min(dense.values()) / ms
     return ratios
@@ -454,7 +462,7 @@ def _add_rows(report: Report, plan: _Plan, model: str, times: dict, info: dict) 
 
 
 def run(layers: int | None = None, batches=DEFAULT_BATCHES, prefill=DEFAULT_PREFILL, context: int = 512,
-        modes=MODES, impls=None, model: str = "auto", int4_lm_head: bool = False, reps: int = 50, *,
+        modes=MODES, impls=None, model: str = "auto", lm_head: str = "auto", reps: int = 50, *,
         arch: str | None = None, config: LlamaConfig | MoEConfig | None = None, device=None,
         backend: str = "inductor", seed: int = 0, title_note: str = "") -> Report:
     """The e2e report. arch: e2e_models.ARCHS ("llama3-8b", default; "qwen3-moe"), `layers` decoder layers
@@ -496,12 +504,15 @@ def run(layers: int | None = None, batches=DEFAULT_BATCHES, prefill=DEFAULT_PREF
     if "nf4" in timed and (why := _bnb_problem()):
         timed.remove("nf4")
         notes.append(f"nf4 skipped: {why}")
+    if "fp16-gqa" in timed and model == "builtin":
+        timed.remove("fp16-gqa")
+        notes.append("fp16-gqa skipped: the built-in model's attention reads K/V in place already")
     if "tilefish-nf4" in timed and (why := _tilefish_nf4_problem()):
         timed.remove("tilefish-nf4")
         notes.append(f"tilefish-nf4 skipped: {why}")
     plan = _Plan(_HF if model == "hf" else _Builtin, cfg, device, [m for m in MODES if m in modes],
                  [("decode", b) for b in batches] + [("prefill", p) for p in prefill], context, reps, backend, seed,
-                 int4_lm_head)
+                 lm_head)
     ratio = (f"ratio = {spec.reference} time / variant time" if spec is e2e_models.LLAMA else
              f"ratio = dense time / variant time, {e2e_models.BEST_DENSE}: the faster dense experts implementation")
     report = Report(f"End-to-end decoder, {spec.title} shapes, {cfg.num_hidden_layers} layers, {model} model, "

@@ -40,14 +40,15 @@ from . import e2e_models
 from .e2e_models import MOE_GENERATE_DENSE, MOE_GENERATE_IMPLS, MOE_GENERATE_LABELS, MoEConfig
 from .report import Report, Row
 
-IMPLS = ("fp16", "bf16", "w4a16", "w4a16-bf16", "tilefish-nf4", "nf4", "tinygemm")
-LABELS = {"fp16": "fp16", "bf16": "bf16", "w4a16": "tilefish w4a16", "w4a16-bf16": "tilefish w4a16 bf16",
+# "fp16-gqa": fp16 with the attention the tilefish variants get (tilefish.use_gqa_attention, K/V not repeated)
+IMPLS = ("fp16", "fp16-gqa", "bf16", "w4a16", "w4a16-bf16", "tilefish-nf4", "nf4", "tinygemm")
+LABELS = {"fp16": "fp16", "fp16-gqa": "fp16 + tilefish attention", "bf16": "bf16", "w4a16": "tilefish w4a16", "w4a16-bf16": "tilefish w4a16 bf16",
           "tilefish-nf4": "tilefish nf4", "nf4": "bitsandbytes nf4", "tinygemm": "torch int4 (tinygemm) bf16"}
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "w4a16": torch.float16, "w4a16-bf16": torch.bfloat16,
+DTYPES = {"fp16": torch.float16, "fp16-gqa": torch.float16, "bf16": torch.bfloat16, "w4a16": torch.float16, "w4a16-bf16": torch.bfloat16,
           "tilefish-nf4": torch.float16, "nf4": torch.float16, "tinygemm": torch.bfloat16}
 DENSE = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 # Each variant's ratios: against the dense model of its dtype, and these peers where they ran.
-PEERS = {"w4a16-bf16": ("tinygemm",), "tilefish-nf4": ("nf4",), "w4a16": ("tilefish-nf4", "nf4")}
+PEERS = {"w4a16-bf16": ("tinygemm",), "tilefish-nf4": ("nf4", "fp16-gqa"), "w4a16": ("fp16-gqa", "tilefish-nf4", "nf4")}
 BATCHES = (1, 16)
 NEW_TOKENS = 128
 PROMPT = 32
@@ -66,7 +67,7 @@ def unavailable(impl: str) -> str | None:
     return None
 
 
-def _build(cfg: LlamaConfig | MoEConfig, impl: str, device: torch.device, seed: int, int4_lm_head: bool):
+def _build(cfg: LlamaConfig | MoEConfig, impl: str, device: torch.device, seed: int, lm_head: str):
     """The HF model of `impl`, converted in place; (model, one-line summary)."""
     from .e2e import _default_dtype, _to_nf4
 
@@ -82,22 +83,27 @@ def _build(cfg: LlamaConfig | MoEConfig, impl: str, device: torch.device, seed: 
         if impl == "bf16-grouped":
             model._optimize_model_for_decode = contextlib.nullcontext  # generate's switch to batched_mm, off
             return model, "dense: transformers' grouped_mm experts in the decode steps too (generate's switch off)"
-        return model, e2e_models.convert(model, impl, int4_lm_head)
-    skip = () if int4_lm_head else ("lm_head",)
+        return model, e2e_models.convert(model, impl, lm_head)
+    if impl == "fp16-gqa":
+        from ..attention import use_gqa_attention
+
+        return model, f"dense, attention {use_gqa_attention(model)}"
     if impl in ("w4a16", "w4a16-bf16", "tilefish-nf4"):
         from ..convert import quantize_model
 
         method = "nf4" if impl == "tilefish-nf4" else "w4a16"
         extra = {} if method == "nf4" else {"clip_search": False}  # the speed does not depend on the values
-        rep = quantize_model(model, method=method, skip=skip, **extra)
-        return model, f"{len(rep.converted)} linears -> tilefish {method}, {len(rep.fused)} fused groups"
+        rep = quantize_model(model, method=method, lm_head=lm_head, **extra)
+        return model, (f"{len(rep.converted)} linears -> tilefish {method}, {len(rep.fused)} fused groups, "
+                       f"lm_head {rep.lm_head}")
     if impl == "nf4":
         _to_nf4(model.model.layers)
         return model, "decoder linears -> bitsandbytes Linear4bit nf4 (blocksize 64, double quant)"
     if impl == "tinygemm":
         from .peers import tinygemm
 
-        n = tinygemm.convert(model, 128, skip=skip)
+        # no error rule of its own: its lm_head is int4 unless tilefish's is held dense (--lm-head dense)
+        n = tinygemm.convert(model, 128, skip=("lm_head",) if lm_head == "dense" else ())
         return model, f"{n} linears -> aten._weight_int4pack_mm g128"
     return model, "dense"
 
@@ -174,7 +180,7 @@ def _dtype(cfg, impl: str) -> torch.dtype:
 
 
 def run(layers: int | None = None, batches=BATCHES, impls=None, new_tokens: int = NEW_TOKENS, prompt: int = PROMPT,
-        reps: int = 3, int4_lm_head: bool = False, *, arch: str | None = None,
+        reps: int = 3, lm_head: str = "auto", *, arch: str | None = None,
         config: LlamaConfig | MoEConfig | None = None, device=None, seed: int = 0, report: Report | None = None,
         title_note: str = "") -> Report:
     """The generate() rows (added to `report` when given). arch: e2e_models.ARCHS (default the Llama), `layers`
@@ -229,7 +235,7 @@ def run(layers: int | None = None, batches=BATCHES, impls=None, new_tokens: int 
                 report.notes.append(f"generate {impl} skipped: {why}")
                 continue
             try:
-                model, summary = _build(cfg, impl, device, seed, int4_lm_head)
+                model, summary = _build(cfg, impl, device, seed, lm_head)
                 logits = _logits(model, cfg.vocab_size, device)
                 dense = reference.setdefault(_dtype(cfg, impl), logits) if impl in DENSE.values() else None
                 ref = reference.get(_dtype(cfg, impl))
@@ -257,7 +263,7 @@ def _add_rows(report: Report, cfg, results: dict, info: dict, new_tokens: int, p
     spec, names = e2e_models.arch_of(cfg), labels(cfg)
     for impl, i in info.items():
         err = i["logits_rel_err_vs_dense"]
-        why = ("" if impl in MOE_GENERATE_DENSE else
+        why = ("" if impl in MOE_GENERATE_DENSE or impl == "fp16-gqa" else
                " (random weights: the 4-bit rounding compounds over the layers)")
         report.notes.append(f"generate {spec.case_prefix}{impl}: {i['summary']}; model "
                             f"{i['model_bytes'] / 2**30:.2f} GiB"

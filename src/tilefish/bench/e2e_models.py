@@ -32,7 +32,7 @@ class Arch:
     default_layers: int
 
 
-LLAMA = Arch("llama3-8b", "Llama-3-8B", "fp16", "fp16", ("fp16",), "", 32)
+LLAMA = Arch("llama3-8b", "Llama-3-8B", "fp16", "fp16", ("fp16", "fp16-gqa"), "", 32)
 QWEN3_MOE = Arch("qwen3-moe", "Qwen3-30B-A3B", "bf16", "bf16", ("bf16", "bf16-batched"), "qwen3-moe ", 48)
 ARCHS = {a.name: a for a in (LLAMA, QWEN3_MOE)}
 DEFAULT_ARCH = LLAMA.name
@@ -188,11 +188,11 @@ MOE_NOTES = [
     "fullgraph=True nor captured, and is not timed",
     "tilefish: quantize_model: every experts module -> QuantizedExperts (the tilefish::moe_experts op: CUDA kernels, "
     "a fake implementation under torch.compile), the attention Linears -> W4A16Linear (q/k/v fused); the routers "
-    "(mlp.gate) and lm_head stay bf16 unless --int4-lm-head; int4 rounds to nearest (no clip search: the speed does "
+    "(mlp.gate) stay bf16, lm_head as quantize_model's lm_head rule says (--lm-head); int4 rounds to nearest (no clip search: the speed does "
     "not depend on the values)"]
 
 
-def convert(model, impl: str, int4_lm_head: bool) -> str:
+def convert(model, impl: str, lm_head: str) -> str:
     """Turn the dense bf16 MoE model into `impl` (MOE_IMPLS) in place; a one-line summary."""
     if impl == "bf16":
         return f"dense, transformers' {model.config._experts_implementation} experts"
@@ -202,9 +202,8 @@ def convert(model, impl: str, int4_lm_head: bool) -> str:
     from ..convert import quantize_model
 
     options = dict(group_size=128, clip_search=False) if impl == "int4" else {}
-    rep = quantize_model(model, "w4a16" if impl == "int4" else "mxfp4", **options,
-                         **({"skip": ()} if int4_lm_head else {}))
+    rep = quantize_model(model, "w4a16" if impl == "int4" else "mxfp4", **options, lm_head=lm_head)
     experts = sum(v.startswith("experts") for v in rep.converted.values())
     fmt = "int4 g128" if impl == "int4" else "mxfp4"
     return (f"{len(rep.converted) - experts} linears -> W4A16Linear {fmt}, {len(rep.fused)} fused groups, "
-            f"{experts} experts modules -> QuantizedExperts {fmt}; routers dense")
+            f"{experts} experts modules -> QuantizedExperts {fmt}; routers dense, lm_head {rep.lm_head}")

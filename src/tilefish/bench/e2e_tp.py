@@ -63,7 +63,8 @@ def run(tps, impls=TP_IMPLS, layers: int = 32, batches=TP_BATCHES, context: int 
     unknown = set(impls) - set(e2e.IMPLS)
     if unknown:
         raise ValueError(f"unknown impls {sorted(unknown)}; --tp runs {', '.join(TP_IMPLS)}")
-    notes = [f"{i} skipped: bitsandbytes' Linear4bit layers cannot be sharded by tilefish.distributed"
+    notes = [f"{i} skipped: " + ("bitsandbytes' Linear4bit layers cannot be sharded by tilefish.distributed"
+                                 if i == "nf4" else f"--tp runs {', '.join(TP_IMPLS)}")
              for i in impls if i not in TP_IMPLS]
     impls = [i for i in impls if i in TP_IMPLS]
     cfg = config or e2e.LlamaConfig.llama3_8b(layers)
@@ -76,7 +77,7 @@ def run(tps, impls=TP_IMPLS, layers: int = 32, batches=TP_BATCHES, context: int 
                          f"model before sharding it")
             cfg = dataclasses.replace(cfg, num_hidden_layers=fit)
     plan = e2e._Plan(e2e._HF if model == "hf" else e2e._Builtin, cfg, device, [m for m in e2e.MODES if m in modes],
-                     [("decode", b) for b in batches], context, reps, backend, seed, False)
+                     [("decode", b) for b in batches], context, reps, backend, seed, "dense")
     report = Report(f"End-to-end decoder, tensor-parallel, Llama-3-8B shapes, {cfg.num_hidden_layers} layers, "
                     f"{model} model, fp16 activations (tok/s; ratios = other time / this time)")
     report.notes += notes + [
@@ -114,7 +115,7 @@ def _min_over_ranks(value: int, device: torch.device) -> int:
 def _variant(plan, impl: str, size: int, group, rank: int, times: dict, notes: list[str]) -> None:
     torch.manual_seed(plan.seed)
     runner = plan.Runner(plan.cfg, plan.device)
-    summary = e2e._convert(runner, impl, False)
+    summary = e2e._convert(runner, impl, "dense")  # shard_model splits a dense lm_head over the vocabulary
     whole = e2e._logits(runner, plan.cfg.vocab_size, plan.device)
     if size > 1:
         report = tp_layers.shard_model(runner.model, group, device=plan.device)

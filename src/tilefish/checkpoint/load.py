@@ -125,14 +125,15 @@ def load_quantized(model_or_path, path=None, *, device=None, dtype: torch.dtype 
     dtype: the activation dtype (fp16 / bf16) of every floating tensor; default config.json's ``torch_dtype`` if it
         is one of those, else the stored scales' dtype (bitsandbytes: ``bnb_4bit_compute_dtype``, else the weights'
         recorded dtype, when fp16 / bf16; else fp16; MXFP4: else bf16).
-    fuse: fuse q/k/v and gate/up projections afterwards (``tilefish.convert.fuse_projections``). Fused bitsandbytes
+    fuse: the fused forward afterwards (``tilefish.convert.fuse_model``: q/k/v and gate/up projections fused, a
+        grouped-query "sdpa" attention switched to "tilefish_sdpa", which does not repeat K/V). Fused bitsandbytes
         layers hold the kernel layout (their state dict is tilefish's, not bitsandbytes'); fuse=False keeps
         ``NF4Linear``s, whose state dicts are bitsandbytes' again.
 
     Returns ``(model, report)``, a ``tilefish.convert.ConversionReport``. Raises ``CheckpointError`` (a ValueError)
     naming the file, tensor or config field for anything it cannot load, and then leaves the model untouched.
     """
-    from ..convert import ConversionReport, fuse_projections, module_bytes
+    from ..convert import ConversionReport, fuse_model, module_bytes
     from ..experts import QuantizedExperts, is_dense_experts
 
     if dtype is not None and dtype not in ACTIVATION_DTYPES:
@@ -174,5 +175,5 @@ def load_quantized(model_or_path, path=None, *, device=None, dtype: torch.dtype 
         experts_bytes_before=sum(dense_bytes[name] for name in experts),
         experts_bytes_after=sum(module_bytes(layers[name]) for name in experts))
     if fuse:
-        fuse_projections(model, report)
+        fuse_model(model, report)
     return model, report

@@ -83,9 +83,11 @@ class E2E(BenchFamily):
                        "(torchrun --nproc_per_node 2 -m tilefish.cli bench e2e --tp 1,2); times fp16, w4a16 and "
                        "tilefish-nf4 sharded by tilefish.distributed, decode only (default batches 1,16); the "
                        "Llama only")
-        p.add_argument("--int4-lm-head", action="store_true",
-                       help="w4a16 and tilefish-nf4 (qwen3-moe: int4, mxfp4) also quantize lm_head (default: kept "
-                       "16-bit)")
+        p.add_argument("--lm-head", choices=("auto", "quantize", "dense"), default="auto",
+                       help="the tilefish variants' lm_head (quantize_model's lm_head): auto (default) quantizes it "
+                       "where its weight error is within the decoder layers', quantize always, dense never")
+        p.add_argument("--int4-lm-head", dest="lm_head", action="store_const", const="quantize",
+                       help="the same as --lm-head quantize")
 
     def run(self, args):
         """The harness's loop and the user's loop in one report; --arch the model, --loops picks the loops,
@@ -120,13 +122,13 @@ class E2E(BenchFamily):
         if "harness" in loops and (chosen := [i for i in impls if i in harness_impls]):
             report = e2e.run(layers=args.layers, batches=_ints(batches), prefill=_ints(args.prefill),
                              context=args.context, modes=(args.modes or "compiled,eager").split(","),
-                             impls=chosen, model=args.model, int4_lm_head=args.int4_lm_head, reps=args.reps,
+                             impls=chosen, model=args.model, lm_head=args.lm_head, reps=args.reps,
                              arch=arch)
         if generate and (chosen := [i for i in impls if i in generate_impls]):
             report = e2e_generate.run(layers=args.layers, impls=chosen,
                                       batches=_ints(getattr(args, "generate_batches", None) or "1,16"),
                                       new_tokens=getattr(args, "new_tokens", None) or e2e_generate.NEW_TOKENS,
-                                      int4_lm_head=args.int4_lm_head, report=report, arch=arch)
+                                      lm_head=args.lm_head, report=report, arch=arch)
         if report is None:
             raise ValueError(f"bench e2e: nothing to run (--arch {arch}, loops {loops}, impls {impls}; {arch}'s "
                              f"variants: harness {','.join(harness_impls)}, generate {','.join(generate_impls)}; the "
