@@ -3,7 +3,7 @@ profiler, kernel time summed by kind (W4A16 GEMMs, cuBLAS GEMMs, attention, Trit
 fp16 and W4A16, per layer and in total.
 
 Usage (device): python scripts/profile_e2e.py [layers] [batch ...]   (default 8 layers, batch 1 16;
-MODEL=hf|builtin, KERNELS=1 lists every kernel, LM_HEAD=auto|quantize|dense: quantize_model's lm_head, default auto)
+MODEL=hf|builtin, KERNELS=1 lists every kernel, IMPLS=fp16,fp16-gqa,w4a16 (default), LM_HEAD=auto|quantize|dense: quantize_model's lm_head, default auto)
 """
 import os
 import sys
@@ -60,7 +60,7 @@ def main():
     cfg = LlamaConfig.llama3_8b(layers)
     dev = torch.device("cuda")
     print(f"GPU {torch.cuda.get_device_name()}, {model} model, {layers} layers")
-    for impl in ("fp16", "w4a16"):
+    for impl in os.environ.get("IMPLS", "fp16,fp16-gqa,w4a16").split(","):
         torch.manual_seed(0)
         runner = Runner(cfg, dev)
         with torch.no_grad():
