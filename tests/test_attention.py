@@ -146,8 +146,9 @@ def test_other_cases_are_handed_to_transformers(case, spy):
 
 @pytest.mark.parametrize("t, mask", [(1, True), (6, True), (6, False)], ids=["decode", "prefill", "mask-none"])
 def test_compiled_fullgraph_gives_the_same_output(t, mask):
-    """torch.compile(fullgraph=True) traces both the folded and the handed-back path (no graph break) and
-    computes what the eager call does."""
+    """torch.compile(fullgraph=True) traces the folded, the compiled-decode (SDPA's enable_gqa) and the
+    handed-back paths (no graph break) and computes what the eager call does: bit for bit where it takes
+    the same path, within the folded path's tolerance for a decode step."""
     torch._dynamo.reset()
     b, heads, kv_heads, s, d = 2, 8, 2, 13, 16
     q, k, v = _qkv(b, heads, kv_heads, t, s, d, torch.float32)
@@ -160,7 +161,10 @@ def test_compiled_fullgraph_gives_the_same_output(t, mask):
     finally:
         torch._dynamo.reset()
     want, _ = gqa_sdpa_attention_forward(module, q, k, v, m, **kw)
-    assert torch.equal(got, want)
+    if t == 1 and mask:   # compiled, a decode step takes SDPA's enable_gqa form; eager, the folded one
+        assert rel_err(got, want) < 16 * torch.finfo(torch.float32).eps
+    else:
+        assert torch.equal(got, want)
 
 
 # ---- switched models against "sdpa" ------------------------------------------------------------------
