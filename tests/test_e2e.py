@@ -366,3 +366,13 @@ def test_generate_client_on_gpu():
         assert r.impl == dense or dense in r.ratios, (r.impl, r.ratios)
     errs = [r.extra["logits_rel_err_vs_dense"] for r in rep.rows if r.extra["logits_rel_err_vs_dense"] is not None]
     assert errs and max(errs) < 0.5, errs  # two layers of 4-bit rounding, far from unrelated logits (~1.4)
+
+
+def test_cli_knows_every_variant_of_both_loops():
+    """--impls is checked at parse time against lists the CLI keeps without importing the loops: they name
+    the same variants the loops run."""
+    from tilefish.bench import e2e_generate
+    from tilefish.bench.families import e2e as cli_e2e
+
+    assert cli_e2e.HARNESS_IMPLS == e2e.IMPLS and cli_e2e.GENERATE_IMPLS == e2e_generate.IMPLS
+

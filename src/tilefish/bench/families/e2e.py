@@ -12,8 +12,8 @@ from ..progress import Case, samples_s
 
 # The variants of each loop (bench/e2e.py IMPLS, bench/e2e_generate.py IMPLS; tests check that they agree): kept
 # here too, so that the command line is built without torch.
-HARNESS_IMPLS = ("fp16", "w4a16", "nf4", "tilefish-nf4")
-GENERATE_IMPLS = ("fp16", "bf16", "w4a16", "w4a16-bf16", "tilefish-nf4", "nf4", "tinygemm")
+HARNESS_IMPLS = ("fp16", "fp16-gqa", "w4a16", "nf4", "tilefish-nf4")
+GENERATE_IMPLS = ("fp16", "fp16-gqa", "bf16", "w4a16", "w4a16-bf16", "tilefish-nf4", "nf4", "tinygemm")
 LOOPS = ("harness", "generate")
 # The quick plan: the decoder at 8 layers, fp16 against tilefish W4A16, compiled (torch.compile per layer + CUDA
 # graph), decode batch 1; and the same model through HF's generate() (static cache, its own compile: the user's
