@@ -32,8 +32,8 @@ from .report import Report, Row
 DEFAULT_BATCHES = (1, 4, 16, 64)
 DEFAULT_PREFILL = (512, 2048)
 MODES = ("eager", "compiled")  # run in this order: compiling changes the layers in place
-# Built in this order (bitsandbytes' nf4 before tilefish's, whose logits are checked against it). cli.py's
-# E2E_IMPLS repeats this tuple (tests/test_cli.py checks it).
+# Built in this order (bitsandbytes' nf4 before tilefish's, whose logits are checked against it). The CLI's
+# bench/families/e2e.py HARNESS_IMPLS repeats this tuple (tests/test_e2e.py checks it).
 # "fp16-gqa": the dense model with the attention quantize_model's fused forward gives the tilefish variants
 # (tilefish.use_gqa_attention: K/V not repeated), so a ratio can be read without the attention's share
 IMPLS = ("fp16", "fp16-gqa", "w4a16", "nf4", "tilefish-nf4")

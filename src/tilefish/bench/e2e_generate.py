@@ -42,10 +42,11 @@ from .report import Report, Row
 
 # "fp16-gqa": fp16 with the attention the tilefish variants get (tilefish.use_gqa_attention, K/V not repeated)
 IMPLS = ("fp16", "fp16-gqa", "bf16", "w4a16", "w4a16-bf16", "tilefish-nf4", "nf4", "tinygemm")
-LABELS = {"fp16": "fp16", "fp16-gqa": "fp16 + tilefish attention", "bf16": "bf16", "w4a16": "tilefish w4a16", "w4a16-bf16": "tilefish w4a16 bf16",
-          "tilefish-nf4": "tilefish nf4", "nf4": "bitsandbytes nf4", "tinygemm": "torch int4 (tinygemm) bf16"}
-DTYPES = {"fp16": torch.float16, "fp16-gqa": torch.float16, "bf16": torch.bfloat16, "w4a16": torch.float16, "w4a16-bf16": torch.bfloat16,
-          "tilefish-nf4": torch.float16, "nf4": torch.float16, "tinygemm": torch.bfloat16}
+LABELS = {"fp16": "fp16", "fp16-gqa": "fp16 + tilefish attention", "bf16": "bf16", "w4a16": "tilefish w4a16",
+          "w4a16-bf16": "tilefish w4a16 bf16", "tilefish-nf4": "tilefish nf4", "nf4": "bitsandbytes nf4",
+          "tinygemm": "torch int4 (tinygemm) bf16"}
+DTYPES = {"fp16": torch.float16, "fp16-gqa": torch.float16, "bf16": torch.bfloat16, "w4a16": torch.float16,
+          "w4a16-bf16": torch.bfloat16, "tilefish-nf4": torch.float16, "nf4": torch.float16, "tinygemm": torch.bfloat16}
 DENSE = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 # Each variant's ratios: against the dense model of its dtype, and these peers where they ran.
 PEERS = {"w4a16-bf16": ("tinygemm",), "tilefish-nf4": ("nf4", "fp16-gqa"), "w4a16": ("fp16-gqa", "tilefish-nf4", "nf4")}

@@ -188,8 +188,8 @@ MOE_NOTES = [
     "fullgraph=True nor captured, and is not timed",
     "tilefish: quantize_model: every experts module -> QuantizedExperts (the tilefish::moe_experts op: CUDA kernels, "
     "a fake implementation under torch.compile), the attention Linears -> W4A16Linear (q/k/v fused); the routers "
-    "(mlp.gate) stay bf16, lm_head as quantize_model's lm_head rule says (--lm-head); int4 rounds to nearest (no clip search: the speed does "
-    "not depend on the values)"]
+    "(mlp.gate) stay bf16, lm_head as quantize_model's lm_head rule says (--lm-head); int4 rounds to nearest (no "
+    "clip search: the speed does not depend on the values)"]
 
 
 def convert(model, impl: str, lm_head: str) -> str:
