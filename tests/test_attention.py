@@ -251,6 +251,23 @@ def test_use_gqa_attention_leaves_eager_attention_alone():
     assert model.config._attn_implementation == "eager"
 
 
+def test_use_gqa_attention_leaves_a_model_that_refuses_it_on_sdpa(monkeypatch):
+    """A model whose set_attn_implementation raises part-way (a sub-model that cannot take a registered
+    implementation) is switched back to "sdpa" everywhere, and use_gqa_attention says None."""
+    model = _tiny("llama")
+    switch = type(model).set_attn_implementation
+
+    def refuses(self, name, *a, **k):
+        switch(self, name, *a, **k)   # the change lands, then a check fails, as a sub-model's would
+        if name == NAME:
+            raise ValueError("this sub-model does not support tilefish_sdpa")
+
+    monkeypatch.setattr(type(model), "set_attn_implementation", refuses)
+    assert use_gqa_attention(model) is None
+    assert model.config._attn_implementation == "sdpa"
+    assert model.model.layers[0].self_attn.config._attn_implementation == "sdpa"
+
+
 def test_use_gqa_attention_leaves_a_model_without_gqa_alone():
     model = _tiny("qwen3", num_key_value_heads=4)
     assert use_gqa_attention(model) is None

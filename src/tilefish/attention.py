@@ -116,5 +116,9 @@ def use_gqa_attention(model) -> str | None:
     register()
     if current == NAME:
         return DESCRIPTION
-    model.set_attn_implementation(NAME)
+    try:
+        model.set_attn_implementation(NAME)
+    except ValueError:  # a sub-model that refuses it: back to "sdpa" everywhere, the model as it was
+        model.set_attn_implementation(current)
+        return None
     return DESCRIPTION if model.config._attn_implementation == NAME else None
