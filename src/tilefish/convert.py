@@ -284,7 +284,7 @@ def quantize_model(model: nn.Module, method: str = "w4a16", *, group_size: int =
             linear = linear.to(device)  # a copy there; the original goes with the setattr below
         layer, what = _quantize_linear(linear, method, dtype, options)
         if weigh_head:
-            error = relative_weight_error(linear.weight, layer)
+            error = _relative_weight_error(linear.weight, layer)
             if name != head_name:
                 errors.append(error)
             elif not errors or error > max(errors):
@@ -344,7 +344,7 @@ def _output_projection_name(model: nn.Module) -> str | None:
     return named
 
 
-def relative_weight_error(dense: torch.Tensor, layer: W4A16Linear) -> float:
+def _relative_weight_error(dense: torch.Tensor, layer: W4A16Linear) -> float:
     """||dense - layer's dequantized weight|| / ||dense|| (Frobenius, fp32), a block of rows at a time."""
     quantized = layer.weight.dequantize()
     diff = norm = 0.0
