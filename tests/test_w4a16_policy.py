@@ -23,7 +23,7 @@ GPUS = [H200,
         GpuSpec("Described Hopper", 114, 90, clusters=((2, 57), (3, 36), (4, 28), (5, 20), (6, 16), (7, 14), (8, 12))),
         GpuSpec("NVIDIA A100-SXM4-80GB", 108, 80), GpuSpec("NVIDIA GeForce RTX 4090", 128, 89)]
 POLICIES = [ops.LaunchPolicy(), ops.LaunchPolicy(dsmem_split=False), ops.LaunchPolicy(separate_tail="never"),
-            ops.LaunchPolicy(False, "always")]
+            ops.LaunchPolicy(False, "always"), ops.LaunchPolicy(programmatic=False)]
 # a whole-tile plan of a two-CTA-an-SM configuration on a per-channel weight whose partial last wave
 # fills most of the H200's SMs: the rule runs that wave as a launch of its own
 TAIL_CFG = ops.HopperConfig(128, 2, 1, 4)
@@ -160,8 +160,8 @@ def described(monkeypatch):
         monkeypatch.setattr(launch, "cluster_capacity", lambda *a, **k: gpu.clusters)
         monkeypatch.setattr(launch, "get_kernel", lambda spec, index=None: _Kernel(
             spec, gpu.clusters if driver_clusters is None else driver_clusters))
-        monkeypatch.setattr(launch, "prepare_launch", lambda kern, grid, block, smem=0, cluster=1: SimpleNamespace(
-            grid=grid, block=block, smem=smem, cluster=cluster))
+        monkeypatch.setattr(launch, "prepare_launch", lambda kern, grid, block, smem=0, cluster=1, pdl=False:
+                            SimpleNamespace(grid=grid, block=block, smem=smem, cluster=cluster, pdl=pdl))
         for name in ("_kernels", "_clusters_by_device", "_keys_by_device"):
             monkeypatch.setattr(launch, name, {})
     return use
@@ -179,6 +179,7 @@ def _assert_launches(lp, geo, where):
     assert len(lp.launches) == len(geo.launches), where
     for (kern, config, box, head, tail), want in zip(lp.launches, geo.launches):
         assert (config.grid, config.cluster, config.smem) == (want.grid, want.cluster, geo.smem), where
+        assert config.pdl == lp.policy.programmatic, where  # every launch of a plan follows its policy
         if isinstance(lp.config, ops.HopperConfig):
             assert int(tail[3]) == (geo.ctas if lp.config.streamk else geo.slices), where
             assert int(tail[4]) == (geo.cluster > 1) and int(tail[5]) == want.first_tile, where

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import tilefish
-from tilefish.runtime import launch_prepared
+from tilefish.runtime import i32, launch_prepared
 
 
 def per_call_us(fn, calls=2000, runs=5):
@@ -46,13 +46,14 @@ def main(k=4096, n=4096, m=1):
     ws = torch.zeros(plan.tiles or 1, dtype=torch.int32, device="cuda")
     partials = torch.empty(max(plan.partials, 1), dtype=torch.float32, device="cuda")
     xp, op = x.data_ptr(), out.data_ptr()
-    args = (xp, *head, op, partials.data_ptr(), ws.data_ptr(), *tail)
+    args = (xp, *head, op, partials.data_ptr(), ws.data_ptr(), *tail, 0, i32(0))  # no epilogue: residual, gated
 
     # The driver path: the CUfunction, the launch geometry, one parameter block (void** of values).
     h = kern.kernel.handle
     func = driver.cuKernelGetFunction(h)[1] if isinstance(h, driver.CUkernel) else h
     grid, block, smem = config.grid, config.block, config.shmem_size
-    values = [ctypes.c_uint64(v) for v in (xp, *head, op, partials.data_ptr(), ws.data_ptr())] + [ctypes.c_int32(int(v)) for v in tail]
+    values = ([ctypes.c_uint64(v) for v in (xp, *head, op, partials.data_ptr(), ws.data_ptr())]
+              + [ctypes.c_int32(int(v)) for v in tail] + [ctypes.c_uint64(0), ctypes.c_int32(0)])
     params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
     params_addr = ctypes.addressof(params)
 

@@ -2,17 +2,20 @@
 
     w = tilefish.w4a16.quantize(linear.weight, group_size=128)     # or from_gptq(...) / from_awq(...)
     y = tilefish.w4a16.matmul(x, w, bias)                          # x [..., k] fp16/bf16 -> [..., n]
+    h = tilefish.w4a16.matmul(x, w, residual=h)                    # h + x @ W^T, the add in the epilogue
+    a = tilefish.w4a16.matmul(x, interleave_gated(w_gate_up), gated=True)  # silu(gate) * up, [..., n / 2]
     p = tilefish.w4a16.plan(16, 4096, 4096, group_size=128)        # what a call launches (any GPU: gpu=GpuSpec(...))
 """
 from __future__ import annotations
 
 import torch
 
-from .ops.w4a16 import W4A16Weight, Workspace, pack, unpack
+from .ops.w4a16 import W4A16Weight, Workspace, deinterleave_gated, interleave_gated, pack, unpack
 from .ops.w4a16.plan import MatmulPlan, plan
 from .quant import int4 as _int4
 
-__all__ = ["W4A16Weight", "Workspace", "MatmulPlan", "plan", "quantize", "matmul", "from_gptq", "from_awq", "pack", "unpack"]
+__all__ = ["W4A16Weight", "Workspace", "MatmulPlan", "plan", "quantize", "matmul", "from_gptq", "from_awq", "pack",
+           "unpack", "interleave_gated", "deinterleave_gated"]
 
 
 def quantize(w: torch.Tensor, group_size: int = 128, symmetric: bool = True, *,
@@ -51,16 +54,26 @@ def from_awq(qweight, qzeros, scales, *, group_size: int, dtype: torch.dtype | N
 
 
 def matmul(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = None, *,
-           workspace: Workspace | None = None) -> torch.Tensor:
+           workspace: Workspace | None = None, residual: torch.Tensor | None = None,
+           gated: bool = False) -> torch.Tensor:
     """y = x @ dequant(w)^T (+ bias). x [..., k] fp16/bf16 (CUDA: the tensor-core kernel; CPU: reference).
 
     workspace: tile counters for the plans that split a tile between CTAs (small m), made once with
     `Workspace(device)` and passed to every call; without one such a call zero-fills fresh counters
     (one memset more). W4A16Linear owns its own.
 
+    The fused epilogues (one launch, the same bits as the unfused PyTorch expression):
+    - residual: a tensor shaped like y: returns `residual + y`.
+    - gated: w holds a SiLU-gated MLP's gate and up projections in the gated column order
+      (interleave_gated of [gate; up]): returns `silu(gate) * up`, [..., n / 2].
+    Both are inference only: with a gradient wanted they raise (write the unfused expression).
+
     Autograd: gradients flow to x and bias (through the exactly dequantized weight), the same on CUDA,
     on CPU and under torch.compile; the 4-bit weight is frozen."""
-    return matmul_with_counters(x, w, bias, None if workspace is None else _counters(workspace))
+    counters = None if workspace is None else _counters(workspace)
+    if residual is None and gated is False:
+        return matmul_with_counters(x, w, bias, counters)
+    return matmul_epilogue(x, w, bias, counters, residual, gated)
 
 
 def matmul_with_counters(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None,
@@ -76,6 +89,22 @@ def matmul_with_counters(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | N
     from .ops.w4a16 import matmul_impl
 
     return matmul_impl(x, w, bias, workspace=counters)
+
+
+def matmul_epilogue(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None, counters: torch.Tensor | None,
+                    residual: torch.Tensor | None, gated: bool) -> torch.Tensor:
+    """matmul with a fused epilogue (residual or gated) and a layer's own tile counters, or None."""
+    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (x, bias, residual)):
+        raise RuntimeError("the fused W4A16 epilogues (residual=, gated=) are inference only; where a gradient is "
+                           "wanted write the unfused expression (residual + matmul(x, w), or silu(gate) * up)")
+    if torch.compiler.is_compiling():
+        from .ops.library import w4a16_matmul_epilogue_op
+
+        return w4a16_matmul_epilogue_op(x, w.packed, w.scales, w.zeros, w.perm, bias, w.group_size, w.n, w.k,
+                                        w.codebook, counters, residual, gated)
+    from .ops.w4a16 import matmul_impl
+
+    return matmul_impl(x, w, bias, workspace=counters, residual=residual, gated=gated)
 
 
 def _counters(workspace) -> torch.Tensor:

@@ -362,6 +362,7 @@ def _launch_gemm(kern, g: GroupedGemm, blocks: int, al: Alignment, w: StackedFor
                     0 if w.zeros is None else w.zeros.data_ptr(), 0 if bias is None else bias.data_ptr(),
                     dst.data_ptr(), 0 if partials is None else partials.data_ptr(),
                     counter_ptr if g.tile_counters else 0, i32(a.shape[0]), i32(w.n), i32(w.k), i32(g.slices),
+                    0, i32(0),  # no fused epilogue (residual, gated): a grouped build ignores them
                     al.block_expert.data_ptr(), al.block_start.data_ptr(), al.block_rows.data_ptr(), src_rows,
                     dst_rows, row_scale, i64(w.n // 64 * 8 * w.k), i64(per_expert), i64(per_expert), i64(w.n))
 

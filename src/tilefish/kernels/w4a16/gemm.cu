@@ -41,7 +41,15 @@
 // scaled by row_scale[o] (null: 1) after the bias, before the store. An unused entry's blocks, all its k
 // slices, exit before anything else, so its tile counter is never touched. The pipeline, the decoding and
 // the fixup protocol are the same code; without the define the kernel is exactly the dense one.
+//
+// Epilogues (w4a16/epilogue.cuh, dense builds only): plain, + residual, or gated (silu(gate) * up of
+// interleaved columns); the k-split fixup pairs a gate column pair with its up pair (lane ^ 4).
+//
+// Programmatic dependent launch: the prologue's weights, scales and zero points go out before
+// grid_dependency_wait (nothing in the stream writes them), x after it; everything the kernel writes
+// comes later still, and the next kernel may be scheduled once every block is set up.
 #include "w4a16/dequant.cuh"
+#include "w4a16/epilogue.cuh"
 #include "w4a16/fixup.cuh"
 
 using namespace tf;
@@ -93,7 +101,7 @@ __global__ void __launch_bounds__(kThreads, MB == 1 ? 2 : 1)
 w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __restrict__ scales,
            const T* __restrict__ zeros, const T* __restrict__ bias, T* __restrict__ out,
            float* __restrict__ workspace, int* __restrict__ counters, int m, int n, int k,
-           int slices TF_W4A16_GROUPED_PARAMS) {
+           int slices, const T* __restrict__ residual, int gated TF_W4A16_GROUPED_PARAMS) {
     static_assert(WN * WK == 8, "8 warps");
     static_assert(!SWAP || MB == 1, "swap handles up to 8 rows: one 16-row block");
     constexpr int NJ = SWAP ? 4 : 8;  // accumulator tiles per 16-row block: 16x8 each
@@ -122,6 +130,9 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
         if (bias != nullptr) bias += expert * bias_stride;
     }
 #endif
+    // The fused epilogues: dense builds only (a grouped build's rows are scattered and weighted).
+    const bool gated_on = !kGrouped && gated;
+    const Epilogue<T> epi{kGrouped ? nullptr : residual, gated_on};
     // Output coordinates (row within the block tile, column within the strip) of acc[a][j][c].
     auto acc_row = [&](int a, int j, int c) { return SWAP ? 2 * t + (c & 1) : a * 16 + g + 8 * (c >> 1); };
     auto acc_col = [&](int j, int c) { return SWAP ? 16 * j + g + 8 * (c >> 1) : j * 8 + 2 * t + (c & 1); };
@@ -161,20 +172,23 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
         a_valid |= (valid ? 1u : 0u) << i;
     }
 
-    auto load_stage = [&](int s, int kt) {
-        unsigned char* base = stage_ptr(s);
-        T* a_s = reinterpret_cast<T*>(base);
-        uint4* b_s = reinterpret_cast<uint4*>(base + L::kA);
+    auto load_x = [&](int s, int kt) {
+        T* a_s = reinterpret_cast<T*>(stage_ptr(s));
         const int k0 = kt * kBK;
-        const bool half = kt == half_kt;
         // x tile: BM rows x 16 chunks of 16 B, swizzled; rows past m are zero-filled, and so are
         // chunks 8..15 of the half tile (their source moved 64 k back, inside the row; nothing is read).
-        const bool a_zero = half && a_hi;
+        const bool a_zero = kt == half_kt && a_hi;
         const int a_k0 = a_zero ? k0 - kBK / 2 : k0;
 #pragma unroll
         for (int i = 0; i < kACopies; ++i)
             if (BM * 16 % kThreads == 0 || tid + i * kThreads < BM * 16)
                 cp_async16(a_s + a_dst[i], a_src[i] + a_k0, ((a_valid >> i) & 1) && !a_zero);
+    };
+    auto load_weights = [&](int s, int kt) {
+        unsigned char* base = stage_ptr(s);
+        uint4* b_s = reinterpret_cast<uint4*>(base + L::kA);
+        const int k0 = kt * kBK;
+        const bool half = kt == half_kt;
         // weight tile: strip i of the block's WN strips is 8 k16 rows x 512 B = 4 KB contiguous in
         // global memory (strip-major layout); warp `warp` copies row `warp` of every strip (half tile:
         // rows 4..7 copy rows 0..3).
@@ -231,16 +245,25 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
     (void)breg;
     (void)breg_off;
 
-    // Prologue: fill STAGES-1 stages.
+    launch_dependent_grids();  // the next kernel's blocks may take SMs as these leave
+
+    // Prologue: fill STAGES-1 stages, their weights before grid_dependency_wait and x after it. The first
+    // commit group holds every prologue weight copy and stage 0's x, group s stage s's x: each stage's
+    // data is in a group no later than its own, so the main loop's waits still cover it.
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (kt_begin + s < kt_end) {
-            load_stage(s, kt_begin + s);
+            load_weights(s, kt_begin + s);
             if constexpr (BREG) {
 #pragma unroll
                 for (int kk = 0; kk < KW; ++kk) breg[s][kk] = ld_nc_v4(w_warp + breg_off(kt_begin + s, kk));
             }
         }
+    }
+    grid_dependency_wait();
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (kt_begin + s < kt_end) load_x(s, kt_begin + s);
         cp_async_commit();
     }
 
@@ -257,7 +280,8 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
             const int nxt = kt + STAGES - 1;
             const int nslot = (u + STAGES - 1) % STAGES;  // a constant once the loop is unrolled
             if (nxt < kt_end) {
-                load_stage(nslot, nxt);
+                load_x(nslot, nxt);
+                load_weights(nslot, nxt);
                 if constexpr (BREG) {
 #pragma unroll
                     for (int kk = 0; kk < KW; ++kk) breg[nslot][kk] = ld_nc_v4(w_warp + breg_off(nxt, kk));
@@ -393,6 +417,7 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
         // sums the slices in slice order (deterministic); the loads of different slices are
         // independent, so they are in flight together.
         const int rows = min(BM, m - m0);
+        // rows x BN / 2 is a multiple of 32, so every lane of a warp runs every round (the gated shuffle).
         for (int e = tid; e < rows * (BN / 2); e += kThreads) {
             const int row = e / (BN / 2), col = 2 * (e % (BN / 2));
             const float* src = tile_ws + row * BN + col;
@@ -415,7 +440,15 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
                 v0 *= f;
                 v1 *= f;
             }
-            *reinterpret_cast<typename V2::type*>(out + (size_t)orow * n + gcol) = V2::make(v0, v1);
+            if (gated_on) {  // gate pair col (col % 16 < 8) and its up pair col + 8, four pairs (lanes) on
+                const float u0 = __shfl_xor_sync(0xffffffffu, v0, 4), u1 = __shfl_xor_sync(0xffffffffu, v1, 4);
+                if (!(col & 8))
+                    *reinterpret_cast<typename V2::type*>(out + (size_t)orow * (n / 2) + gated_column(gcol)) =
+                        V2::make(epi.silu_mul(v0, u0), epi.silu_mul(v1, u1));
+                continue;
+            }
+            const size_t at = (size_t)orow * n + gcol;
+            *reinterpret_cast<typename V2::type*>(out + at) = V2::make(epi.plain(v0, at), epi.plain(v1, at + 1));
         }
         if (tid == 0) fixup_reset(counters + tile);
         return;
@@ -424,36 +457,63 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
     if (wk != 0) return;
     // Epilogue: per-channel scale, bias, convert, store (rows past m are skipped).
     if constexpr (SWAP) {
+        // acc[0][j][c] and acc[0][j][c + 2] (c < 2): columns col and col + 8 of one row (gate and up).
+        auto value = [&](int j, int c, int col) {
+            float v = acc[0][j][c];
+            if constexpr (GROUP == 0) v *= to_float(scales[col]);
+            if (bias != nullptr) v += to_float(bias[col]);
+            return v;
+        };
 #pragma unroll
         for (int j = 0; j < NJ; ++j)
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 const int row = m0 + acc_row(0, j, c), col = n0 + wn * 64 + acc_col(j, c);
                 if (row >= m) continue;
-                float v = acc[0][j][c];
-                if constexpr (GROUP == 0) v *= to_float(scales[col]);
-                if (bias != nullptr) v += to_float(bias[col]);
+                if (gated_on) {
+                    if (c < 2)
+                        out[(size_t)row * (n / 2) + gated_column(col)] =
+                            V2::one(epi.silu_mul(value(j, c, col), value(j, c + 2, col + 8)));
+                    continue;
+                }
+                float v = value(j, c, col);
                 int orow = row;
                 if constexpr (kGrouped) {
                     orow = grp.out_row(row);
                     v *= grp.factor(orow);
                 }
-                out[(size_t)orow * n + col] = V2::one(v);
+                const size_t at = (size_t)orow * n + col;
+                out[at] = V2::one(epi.plain(v, at));
             }
     } else {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
+    // acc[a][j] is n8 subtile j of the strip: gated, subtile 2 p holds gate columns and 2 p + 1 their up
+    // columns, both in this thread.
+    auto scale_bias = [&](int j, int a, int h) {
         const int col = n0 + wn * 64 + j * 8 + 2 * t;
         float2 sc = make_float2(1.f, 1.f), bi = make_float2(0.f, 0.f);
         if constexpr (GROUP == 0) sc = V2::to_float2(*reinterpret_cast<const typename V2::type*>(scales + col));
         if (bias != nullptr) bi = V2::to_float2(*reinterpret_cast<const typename V2::type*>(bias + col));
+        return make_float2(acc[a][j][2 * h] * sc.x + bi.x, acc[a][j][2 * h + 1] * sc.y + bi.y);
+    };
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const int col = n0 + wn * 64 + j * 8 + 2 * t;
 #pragma unroll
         for (int a = 0; a < MB; ++a) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int row = m0 + a * 16 + g + 8 * h;
                 if (row < m) {
-                    float v0 = acc[a][j][2 * h] * sc.x + bi.x, v1 = acc[a][j][2 * h + 1] * sc.y + bi.y;
+                    const float2 v = scale_bias(j, a, h);
+                    float v0 = v.x, v1 = v.y;
+                    if (gated_on) {
+                        if (j % 2 == 0) {
+                            const float2 u = scale_bias(j + 1, a, h);
+                            *reinterpret_cast<typename V2::type*>(out + (size_t)row * (n / 2) + gated_column(col)) =
+                                V2::make(epi.silu_mul(v0, u.x), epi.silu_mul(v1, u.y));
+                        }
+                        continue;
+                    }
                     int orow = row;
                     if constexpr (kGrouped) {
                         orow = grp.out_row(row);
@@ -461,7 +521,8 @@ w4a16_gemm(const T* __restrict__ x, const uint4* __restrict__ w, const T* __rest
                         v0 *= f;
                         v1 *= f;
                     }
-                    *reinterpret_cast<typename V2::type*>(out + (size_t)orow * n + col) = V2::make(v0, v1);
+                    const size_t at = (size_t)orow * n + col;
+                    *reinterpret_cast<typename V2::type*>(out + at) = V2::make(epi.plain(v0, at), epi.plain(v1, at + 1));
                 }
             }
         }

@@ -33,8 +33,16 @@
 // does the fence and the tile counter (the last arriver sums the slots and stores) while the
 // consumers go on streaming. Done by the consumers themselves, those round trips stall them
 // mid-stream with the ring full, and CTAs whose main loop ends late hold up the whole launch.
+//
+// Epilogues (w4a16/epilogue.cuh): plain, + residual, or gated (silu(gate) * up of interleaved columns);
+// a split tile's fixup pairs a gate float4 with its up float4 (lane ^ 2) through a shuffle.
+//
+// Programmatic dependent launch: the producer issues its first ring's weights, scales and zero points
+// before grid_dependency_wait (nothing in the stream writes them), x after it; every other thread waits
+// before it touches anything, and the next kernel may be scheduled once every CTA is set up.
 #include "common/hopper.cuh"
 #include "w4a16/dequant.cuh"
+#include "w4a16/epilogue.cuh"
 #include "w4a16/fixup.cuh"
 #include "w4a16/timeline.cuh"
 
@@ -69,7 +77,8 @@ template <typename T, int MT, int NS, int WK, int STAGES, int CPS, int GROUP, bo
 __global__ void __launch_bounds__((NS * WK + 2) * 32, CPS)
 w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__ w, const T* __restrict__ scales,
              const T* __restrict__ zeros, const T* __restrict__ bias, T* __restrict__ out,
-             float* __restrict__ workspace, int* __restrict__ counters, int m, int n, int k) {
+             float* __restrict__ workspace, int* __restrict__ counters, int m, int n, int k,
+             const T* __restrict__ residual, int gated) {
     using namespace w4s;
     using L = Layout<MT, NS, WK, GROUP, ASYM>;
     using DQ = WeightDecoder<T>;
@@ -124,25 +133,41 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
         fence_barrier_init();
     }
     __syncthreads();
+    launch_dependent_grids();  // the next kernel's CTAs may take SMs as these leave
     TF_STAMP(1);
 
     // Workspace slots: CTA c's first segment in slot 2 c, its last in 2 c + 1 (middle tiles are whole).
     // A slot is the tile's valid rows, row-major MT x BN fp32: rows past m are neither written nor
     // read (at m = 1 that is 1/8 of an 8-row tile).
     auto slot_ptr = [&](int c, int which) { return workspace + ((size_t)c * 2 + which) * (MT * BN); };
-    // A finished float4 of split tile `tile` (valid row `row`, float4 `c4` of the row): per-channel
-    // scale, bias, store.
-    auto store_sum = [&](int tile, int row, int c4, float4 sum) {
-        const int col = tile * BN + 4 * c4;
+    const Epilogue<T> epi{residual, gated};
+    // A finished float4 of split tile `tile`, valid row `row` of float4 `c4` (every lane of the warp calls
+    // this, ok telling whether its float4 is one): per-channel scale, bias, the epilogue, store. The float4s of
+    // a warp are 32 consecutive ones, so a gated weight's gate float4 c4 (c4 & 2 == 0) finds its up float4
+    // c4 + 2, already scaled, at lane ^ 2.
+    auto finish = [&](int tile, int e, bool ok, float4 sum) {
+        const int row = e / (BN / 4), c4 = e % (BN / 4), col = tile * BN + 4 * c4;  // col < n even where !ok
         float r[4] = {sum.x, sum.y, sum.z, sum.w};
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
             if constexpr (GROUP == 0) r[q] *= to_float(scales[col + q]);
             if (bias != nullptr) r[q] += to_float(bias[col + q]);
         }
-        typename V2::type* o = reinterpret_cast<typename V2::type*>(out + (size_t)row * n + col);
-        o[0] = V2::make(r[0], r[1]);
-        o[1] = V2::make(r[2], r[3]);
+        if (gated) {
+            float u[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) u[q] = __shfl_xor_sync(0xffffffffu, r[q], 2);
+            if (ok && !(c4 & 2)) {
+                typename V2::type* o = reinterpret_cast<typename V2::type*>(out + (size_t)row * (n / 2) + gated_column(col));
+                o[0] = V2::make(epi.silu_mul(r[0], u[0]), epi.silu_mul(r[1], u[1]));
+                o[1] = V2::make(epi.silu_mul(r[2], u[2]), epi.silu_mul(r[3], u[3]));
+            }
+        } else if (ok) {
+            const size_t at = (size_t)row * n + col;
+            typename V2::type* o = reinterpret_cast<typename V2::type*>(out + at);
+            o[0] = V2::make(epi.plain(r[0], at), epi.plain(r[1], at + 1));
+            o[1] = V2::make(epi.plain(r[2], at + 2), epi.plain(r[3], at + 3));
+        }
     };
     // The fixup of a split tile, by `nthr` threads from `tid`: the last arriver sums the slots of the
     // tile's CTAs in CTA order (bitwise deterministic), a float4 of one valid row a thread, FIX
@@ -153,12 +178,15 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
         const int nslots = cta_of_unit((tile + 1) * KS - 1, units, ctas) - first_c + 1;
         // Only the first CTA can have started in the tile before (then this is its last segment).
         const bool first_split = unit_begin(first_c, units, ctas) < tile * KS;
-        const int rows = min(MT, m);
-        for (int e = tid; e < rows * (BN / 4); e += nthr) {
+        const int total = min(MT, m) * (BN / 4);  // a multiple of 16: a gate float4's partner is in range too
+        // tid % 32 is the lane (nthr is whole warps) and every lane runs every round: finish shuffles.
+        for (int base = 0; base < total; base += nthr) {
+            const int e = base + tid;
+            const bool ok = e < total;
             const int row = e / (BN / 4), c4 = e % (BN / 4);
             float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 1
-            for (int c0 = 0; c0 < nslots; c0 += FIX) {
+            for (int c0 = 0; c0 < (ok ? nslots : 0); c0 += FIX) {
                 float4 v[FIX];
 #pragma unroll
                 for (int i = 0; i < FIX; ++i)
@@ -171,7 +199,7 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
                         sum.x += v[i].x; sum.y += v[i].y; sum.z += v[i].z; sum.w += v[i].w;
                     }
             }
-            store_sum(tile, row, c4, sum);
+            finish(tile, e, ok, sum);
         }
     };
 
@@ -226,8 +254,8 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
         }
 #pragma unroll
         for (int j = 0; j < EMAX; ++j) {
-            const int e = threadIdx.x + j * CT;
-            if (e < total) store_sum(tile, e / (BN / 4), e % (BN / 4), sum[j]);
+            const int e = threadIdx.x + j * CT;  // lane bits = the lane's: finish may shuffle
+            finish(tile, e, e < total, sum[j]);
         }
         // The next staged fixup (the final tile after a deferred one) overwrites these bytes.
         fence_proxy_async_smem();
@@ -241,6 +269,7 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
         // sits full) and, for a tile whose last segment it sees, runs the fixup. For the consumers'
         // final segment it does not: they are idle by then, so they get the tile back and run the
         // fixup with all their threads (the one fixup on the kernel's critical path).
+        grid_dependency_wait();  // before the counters, which the kernel ahead may still use
         int hs = 0;
         u32 hph = 0;
         int deferred = -1;
@@ -296,37 +325,30 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
     if (warp == CW) {  // producer
         if (lane == 0) {
             tma_prefetch_desc(&tma_x);
-            int s = 0;
-            u32 phase = 0;
-            int tile = u0 / KS, ks = u0 - tile * KS;
             const int half_ks = k % kBK ? KS - 1 : -1;  // the half stage of every tile, or none
             constexpr int HALF_ROWS = L::S_ROWS / 2;    // scale rows of a half stage (group 128: none)
-            for (int u = u0; u < u1; ++u) {
-                mbar_wait(&empty[s], phase ^ 1);  // round 0: the phase before the first counts as done
-                mbar_arrive_expect_tx(&full[s], L::TX);  // a half stage lands as many bytes (see the header)
-                unsigned char* st = smem + s * L::STAGE;
+            // Unit (tile, ks)'s packed weights, scales and zero points into stage st.
+            auto issue_weights = [&](unsigned char* st, u64* bar, int tile, int ks) {
                 const bool half = ks == half_ks;
-                tma_load_2d(st, &tma_x, ks * kBK, 0, &full[s]);
-                tma_load_2d(st + L::X_HALF, &tma_x, ks * kBK + 64, 0, &full[s]);  // half stage: all zeros
                 const uint4* src = w + (size_t)tile * NS * strip_uint4 + (size_t)ks * 8 * 32;
                 if (!half) {
 #pragma unroll
                     for (int i = 0; i < NS; ++i)
-                        bulk_load(st + L::X_BYTES + i * L::W_STRIP, src + i * strip_uint4, L::W_STRIP, &full[s]);
+                        bulk_load(st + L::X_BYTES + i * L::W_STRIP, src + i * strip_uint4, L::W_STRIP, bar);
                 } else {
 #pragma unroll
                     for (int i = 0; i < NS; ++i)
 #pragma unroll
                         for (int h = 0; h < 2; ++h)
                             bulk_load(st + L::X_BYTES + i * L::W_STRIP + h * (L::W_STRIP / 2), src + i * strip_uint4,
-                                      L::W_STRIP / 2, &full[s]);
+                                      L::W_STRIP / 2, bar);
                 }
                 if constexpr (GROUP > 0) {
 #pragma unroll
                     for (int r = 0; r < L::S_ROWS; ++r) {
                         const int sr = HALF_ROWS > 0 && half && r >= HALF_ROWS ? r - HALF_ROWS : r;
                         bulk_load(st + L::X_BYTES + L::W_BYTES + r * BN * 2,
-                                  scales + (size_t)(ks * kBK / GROUP + sr) * n + tile * BN, BN * 2, &full[s]);
+                                  scales + (size_t)(ks * kBK / GROUP + sr) * n + tile * BN, BN * 2, bar);
                     }
                 }
                 if constexpr (ASYM) {
@@ -335,9 +357,34 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
                         const int sr = GROUP > 0 && HALF_ROWS > 0 && half && r >= HALF_ROWS ? r - HALF_ROWS : r;
                         const int zrow = GROUP > 0 ? ks * kBK / GROUP + sr : 0;
                         bulk_load(st + L::X_BYTES + L::W_BYTES + L::S_BYTES + r * BN * 2,
-                                  zeros + (size_t)zrow * n + tile * BN, BN * 2, &full[s]);
+                                  zeros + (size_t)zrow * n + tile * BN, BN * 2, bar);
                     }
                 }
+            };
+            // The first ring's weights go out before grid_dependency_wait, each stage's byte count
+            // (x included) announced first; x, which the kernel ahead may still be writing, after it.
+            const int ring = min(u1 - u0, STAGES);
+            {
+                int tile = u0 / KS, ks = u0 - tile * KS;
+                for (int i = 0; i < ring; ++i) {
+                    mbar_arrive_expect_tx(&full[i], L::TX);  // a half stage lands as many bytes (see the header)
+                    issue_weights(smem + i * L::STAGE, &full[i], tile, ks);
+                    if (++ks == KS) { ks = 0; ++tile; }
+                }
+            }
+            grid_dependency_wait();
+            int s = 0;
+            u32 phase = 0;
+            int tile = u0 / KS, ks = u0 - tile * KS;
+            for (int u = u0; u < u1; ++u) {
+                unsigned char* st = smem + s * L::STAGE;
+                if (u - u0 >= ring) {
+                    mbar_wait(&empty[s], phase ^ 1);
+                    mbar_arrive_expect_tx(&full[s], L::TX);
+                    issue_weights(st, &full[s], tile, ks);
+                }
+                tma_load_2d(st, &tma_x, ks * kBK, 0, &full[s]);
+                tma_load_2d(st + L::X_HALF, &tma_x, ks * kBK + 64, 0, &full[s]);  // half stage: all zeros
                 if (++ks == KS) { ks = 0; ++tile; }
                 if (++s == STAGES) { s = 0; phase ^= 1; }
             }
@@ -346,6 +393,7 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
     }
 
     // ---- consumers
+    grid_dependency_wait();  // before y, the workspace and the counters (they read x only once it lands)
     const int si = warp / WK, kw = warp % WK;
     const int g = lane >> 2, t = lane & 3;
     const typename DQ::Zero zsym = DQ::zero(8.f);
@@ -555,24 +603,34 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
             hand_off(tile, final);
             continue;
         }
-        // Epilogue: acc[a][j][c] is y[8 a + 2 t + (c & 1), column 16 j + g + 8 (c >> 1) of the strip].
+        // Epilogue: acc[a][j][c] is y[8 a + 2 t + (c & 1), column 16 j + g + 8 (c >> 1) of the strip]:
+        // columns col and col + 8 of a row (a gate column and its up column, gated).
         if (kw == 0) {
 #pragma unroll
-            for (int j = 0; j < 4; ++j)
+            for (int j = 0; j < 4; ++j) {
+                const int col = tile * BN + si * 64 + 16 * j + g;
+                float sc[2] = {1.f, 1.f}, bi[2] = {0.f, 0.f};
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const int col = tile * BN + si * 64 + 16 * j + 8 * h + g;
-                    float sc = 1.f, bi = 0.f;
-                    if constexpr (GROUP == 0) sc = to_float(scales[col]);
-                    if (bias != nullptr) bi = to_float(bias[col]);
-#pragma unroll
-                    for (int a = 0; a < NB; ++a)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int row = 8 * a + 2 * t + e;
-                            if (row < m) out[(size_t)row * n + col] = V2::one(acc[a][j][2 * h + e] * sc + bi);
-                        }
+                    if constexpr (GROUP == 0) sc[h] = to_float(scales[col + 8 * h]);
+                    if (bias != nullptr) bi[h] = to_float(bias[col + 8 * h]);
                 }
+#pragma unroll
+                for (int a = 0; a < NB; ++a)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int row = 8 * a + 2 * t + e;
+                        if (row >= m) continue;
+                        const float v0 = acc[a][j][e] * sc[0] + bi[0], v1 = acc[a][j][2 + e] * sc[1] + bi[1];
+                        if (gated) {
+                            out[(size_t)row * (n / 2) + gated_column(col)] = V2::one(epi.silu_mul(v0, v1));
+                        } else {
+                            const size_t at = (size_t)row * n + col;
+                            out[at] = V2::one(epi.plain(v0, at));
+                            out[at + 8] = V2::one(epi.plain(v1, at + 8));
+                        }
+                    }
+            }
         }
         if (final) hand_off(-1, 1);  // the final segment was whole: the finisher still needs the end
     }

@@ -46,8 +46,16 @@
 // resets the counter (the protocol of w4a16/fixup.cuh: bitwise deterministic, no CTA waits for another).
 //
 // Any k % 64 == 0 works as it is: a stage is 64 wide, so k / 64 stages cover k exactly.
+//
+// Epilogues (w4a16/epilogue.cuh): plain, + residual, or gated (silu(gate) * up of interleaved columns),
+// applied where y leaves shared memory (a gate chunk of 8 columns and its up chunk are both staged).
+//
+// Programmatic dependent launch: the producer issues its first ring's weights, scales and zero points
+// before grid_dependency_wait (nothing in the stream writes them), x after it; the consumers wait
+// before they touch anything, and the next kernel may be scheduled once every CTA is set up.
 #include "common/wgmma.cuh"
 #include "w4a16/dequant.cuh"
+#include "w4a16/epilogue.cuh"
 #include "w4a16/fixup.cuh"
 #include "w4a16/timeline.cuh"
 
@@ -84,12 +92,13 @@ __global__ void __launch_bounds__((CONS + 1) * 128, CONS == 1 ? 2 : 1)
 w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__ w, const T* __restrict__ scales,
             const T* __restrict__ zeros, const T* __restrict__ bias, T* __restrict__ out,
             float* __restrict__ workspace, int* __restrict__ counters, int m, int n, int k, int slices,
-            int cluster_split, int tile_base) {
+            int cluster_split, int tile_base, const T* __restrict__ residual, int gated) {
     using namespace w4h;
     using L = Layout<MT, NT, CONS, GROUP, ASYM>;
     using DQ = WeightDecoder<T>;
     static_assert(kDecoderHasZeros || !ASYM, "NF4 codes have no zero points");
     using V2 = Vec2<T>;
+    using epilogue_t = Epilogue<T>;
     static_assert(MT == 16 || MT == 32 || MT == 64 || MT == 128 || MT == 256, "MT: a generated wgmma n");
     static_assert(NT == 1 || NT == 2 || NT == 4, "NT words per lane: 4, 8 or 16 bytes");
     static_assert(CONS == 1 || CONS == 2, "one or two consumer warpgroups");
@@ -157,41 +166,35 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
         fence_barrier_init();
     }
     __syncthreads();
+    launch_dependent_grids();  // the next kernel's CTAs may take SMs as these leave
 
     if (wg == 0) {
         setmaxnreg_dec<PRODUCER_REGS>();
         if (threadIdx.x == 0) {
             tma_prefetch_desc(&tma_x);
             const size_t strip_uint4 = (size_t)(k / 16) * 32;  // one strip's whole k run
-            int s = 0;
-            u32 phase = 0;
-            int tile = u0 / KT, kt = u0 - tile * KT;
-            int m0 = (tile % m_tiles) * MT, n0 = (tile / m_tiles) * BN;
             // A ragged last column tile (n - n0 < BN) holds `valid` strips. Its missing strips load
             // copies of its last valid one (weights, scales, zero points): every copy stays in bounds,
             // the stage's byte count and the consumers stay as they are, and the columns the copies
             // feed are never stored (epilogue). Other tiles take the one-copy-per-row path.
-            int valid = min(L::STRIPS, (n - n0) / 64);
-            const uint4* w_cta = w + (size_t)(n0 / 64) * strip_uint4;
-            for (int u = u0; u < u1; ++u) {
-                mbar_wait(&empty[s], phase ^ 1);  // round 0: the phase before the first counts as done
-                mbar_arrive_expect_tx(&full[s], L::TX_BYTES);
-                tma_load_2d(sX + s * L::X_BYTES, &tma_x, kt * kBK, m0, &full[s]);
+            auto issue_weights = [&](int s, u64* bar, int kt, int n0) {
+                const int valid = min(L::STRIPS, (n - n0) / 64);
+                const uint4* w_cta = w + (size_t)(n0 / 64) * strip_uint4;
 #pragma unroll
                 for (int i = 0; i < L::STRIPS; ++i)
                     bulk_load(sW + s * L::W_BYTES + i * L::W_STRIP_BYTES,
                               w_cta + min(i, valid - 1) * strip_uint4 + (size_t)kt * (kBK / 16) * 32,
-                              L::W_STRIP_BYTES, &full[s]);
+                              L::W_STRIP_BYTES, bar);
                 if constexpr (GROUP > 0) {
 #pragma unroll
                     for (int r = 0; r < L::S_ROWS; ++r) {
                         const T* row = scales + (size_t)(kt * kBK / GROUP + r) * n + n0;
                         if (valid == L::STRIPS) {
-                            bulk_load(sS + s * L::S_BYTES + r * BN * 2, row, BN * 2, &full[s]);
+                            bulk_load(sS + s * L::S_BYTES + r * BN * 2, row, BN * 2, bar);
                         } else {
                             for (int i = 0; i < L::STRIPS; ++i)
                                 bulk_load(sS + s * L::S_BYTES + r * BN * 2 + i * 128, row + min(i, valid - 1) * 64,
-                                          128, &full[s]);
+                                          128, bar);
                         }
                     }
                 }
@@ -201,22 +204,44 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
                         const int zrow = GROUP > 0 ? kt * kBK / GROUP + r : 0;
                         const T* row = zeros + (size_t)zrow * n + n0;
                         if (valid == L::STRIPS) {
-                            bulk_load(sZ + s * L::Z_BYTES + r * BN * 2, row, BN * 2, &full[s]);
+                            bulk_load(sZ + s * L::Z_BYTES + r * BN * 2, row, BN * 2, bar);
                         } else {
                             for (int i = 0; i < L::STRIPS; ++i)
                                 bulk_load(sZ + s * L::Z_BYTES + r * BN * 2 + i * 128, row + min(i, valid - 1) * 64,
-                                          128, &full[s]);
+                                          128, bar);
                         }
                     }
                 }
+            };
+            // The first ring's weights go out before grid_dependency_wait, each stage's byte count (x
+            // included) announced first; x, which the kernel ahead may still be writing, after it.
+            const int ring = min(u1 - u0, STAGES);
+            {
+                int tile = u0 / KT, kt = u0 - tile * KT;
+                for (int i = 0; i < ring; ++i) {
+                    mbar_arrive_expect_tx(&full[i], L::TX_BYTES);
+                    issue_weights(i, &full[i], kt, (tile / m_tiles) * BN);
+                    if (++kt == KT) { kt = 0; ++tile; }
+                }
+            }
+            grid_dependency_wait();
+            int s = 0;
+            u32 phase = 0;
+            int tile = u0 / KT, kt = u0 - tile * KT;
+            int m0 = (tile % m_tiles) * MT, n0 = (tile / m_tiles) * BN;
+            for (int u = u0; u < u1; ++u) {
+                if (u - u0 >= ring) {
+                    mbar_wait(&empty[s], phase ^ 1);
+                    mbar_arrive_expect_tx(&full[s], L::TX_BYTES);
+                    issue_weights(s, &full[s], kt, n0);
+                }
+                tma_load_2d(sX + s * L::X_BYTES, &tma_x, kt * kBK, m0, &full[s]);
                 if (++s == STAGES) { s = 0; phase ^= 1; }
                 if (++kt == KT) {
                     kt = 0;
                     ++tile;
                     m0 = (tile % m_tiles) * MT;
                     n0 = (tile / m_tiles) * BN;
-                    valid = min(L::STRIPS, (n - n0) / 64);
-                    w_cta = w + (size_t)(n0 / 64) * strip_uint4;
                 }
             }
         }
@@ -224,6 +249,7 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
     }
 
     setmaxnreg_inc<CONSUMER_REGS>();
+    grid_dependency_wait();  // before y, the workspace and the counters (they read x only once it lands)
     const int c = wg - 1, ctid = threadIdx.x - 128;
     const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
     const int g = lane >> 2, t = lane & 3;
@@ -362,50 +388,74 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
             cluster_sync();
             TF_STAMP(5);
             const u32 local = smem_addr(part);
-            const int rows = min(MT, m - m0), per_row = min(BN, n - n0) / 4, total = rows * per_row;  // ragged: valid strips
+            // Items: the valid rows' float4s (ragged: valid strips); gated, only the gate float4s (c4 % 4
+            // < 2), each summed with its up float4 c4 + 2.
+            const int rows = min(MT, m - m0), per_row = min(BN, n - n0) / 4;
+            const int per_item = gated ? per_row / 2 : per_row, total = rows * per_item;
+            auto c4_of = [&](int q) { return gated ? (q >> 1) * 4 + (q & 1) : q; };  // q: item within its row
             const int rank = (int)cluster_ctarank();  // = the slice (recomputed: nothing extra lives through the loop)
             const int begin = (int)((long long)rank * total / slices), end = (int)((long long)(rank + 1) * total / slices);
-            // RB float4 a thread in flight per rank: one DSMEM round trip per (batch, rank), not one
-            // per float4 (each add would wait on its own load).
+            const epilogue_t epi{residual, gated};
+            // RB items a thread in flight per rank: one DSMEM round trip per (batch, rank), not one per
+            // float4 (each add would wait on its own load).
             constexpr int RB = 8;
             for (int base = begin; base < end; base += RB * CT) {
                 u32 off[RB];
-                float4 sum[RB];
+                float4 sum[RB], up[RB];
 #pragma unroll
                 for (int b = 0; b < RB; ++b) {
-                    const int c4 = min(base + b * CT + ctid, end - 1);  // clamped: loads stay in bounds
-                    off[b] = (u32)((c4 / per_row) * FROW + (c4 % per_row) * 4) * 4;
+                    const int i = min(base + b * CT + ctid, end - 1);  // clamped: loads stay in bounds
+                    off[b] = (u32)((i / per_item) * FROW + c4_of(i % per_item) * 4) * 4;
                 }
                 const u32 rank0 = mapa_shared(local, 0);
 #pragma unroll
-                for (int b = 0; b < RB; ++b) sum[b] = ld_shared_cluster_f4(rank0 + off[b]);
+                for (int b = 0; b < RB; ++b) {
+                    sum[b] = ld_shared_cluster_f4(rank0 + off[b]);
+                    if (gated) up[b] = ld_shared_cluster_f4(rank0 + off[b] + 32);  // 8 floats on
+                }
 #pragma unroll 1
                 for (int r = 1; r < slices; ++r) {
                     const u32 peer = mapa_shared(local, r);
-                    float4 v[RB];
+                    float4 v[RB], vu[RB];
 #pragma unroll
-                    for (int b = 0; b < RB; ++b) v[b] = ld_shared_cluster_f4(peer + off[b]);
+                    for (int b = 0; b < RB; ++b) {
+                        v[b] = ld_shared_cluster_f4(peer + off[b]);
+                        if (gated) vu[b] = ld_shared_cluster_f4(peer + off[b] + 32);
+                    }
 #pragma unroll
                     for (int b = 0; b < RB; ++b) {
                         sum[b].x += v[b].x; sum[b].y += v[b].y; sum[b].z += v[b].z; sum[b].w += v[b].w;
+                        if (gated) {
+                            up[b].x += vu[b].x; up[b].y += vu[b].y; up[b].z += vu[b].z; up[b].w += vu[b].w;
+                        }
                     }
                 }
 #pragma unroll
                 for (int b = 0; b < RB; ++b) {
-                    const int c4 = base + b * CT + ctid;
-                    if (c4 >= end) break;
-                    const int row = c4 / per_row, col = (c4 % per_row) * 4;
+                    const int i = base + b * CT + ctid;
+                    if (i >= end) break;
+                    const int row = i / per_item, col = n0 + c4_of(i % per_item) * 4;
                     float o[4] = {sum[b].x, sum[b].y, sum[b].z, sum[b].w};
+                    float ou[4] = {up[b].x, up[b].y, up[b].z, up[b].w};
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        if constexpr (GROUP == 0) o[e] *= to_float(scales[n0 + col + e]);
-                        if (bias != nullptr) o[e] += to_float(bias[n0 + col + e]);
+                        if constexpr (GROUP == 0) o[e] *= to_float(scales[col + e]);
+                        if (bias != nullptr) o[e] += to_float(bias[col + e]);
+                        if (gated) {
+                            if constexpr (GROUP == 0) ou[e] *= to_float(scales[col + 8 + e]);
+                            if (bias != nullptr) ou[e] += to_float(bias[col + 8 + e]);
+                            o[e] = epi.silu_mul(o[e], ou[e]);
+                        } else {
+                            o[e] = epi.plain(o[e], (size_t)(m0 + row) * n + col + e);
+                        }
                     }
                     const typename V2::type lo = V2::make(o[0], o[1]), hi = V2::make(o[2], o[3]);
                     uint2 packed;
                     packed.x = *reinterpret_cast<const u32*>(&lo);
                     packed.y = *reinterpret_cast<const u32*>(&hi);
-                    *reinterpret_cast<uint2*>(out + (size_t)(m0 + row) * n + n0 + col) = packed;
+                    T* dst = gated ? out + (size_t)(m0 + row) * (n / 2) + gated_column(col)
+                                   : out + (size_t)(m0 + row) * n + col;
+                    *reinterpret_cast<uint2*>(dst) = packed;
                 }
             }
             TF_STAMP(3);
@@ -550,11 +600,22 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
         named_barrier_sync(1, CT);
         constexpr int CHUNKS_PER_ROW = BN / 8;
         const int rows = min(MT, m - m0), cols8 = min(BN, n - n0) / 8;  // a ragged tile stores its valid strips
-        for (int c16 = ctid; c16 < rows * CHUNKS_PER_ROW; c16 += CT) {
-            const int row = c16 / CHUNKS_PER_ROW, col8 = c16 % CHUNKS_PER_ROW;
+        // Gated: chunk 2 p (8 gate columns) and 2 p + 1 (their up columns) -> 8 columns of y.
+        const int per_row = gated ? CHUNKS_PER_ROW / 2 : CHUNKS_PER_ROW;
+        for (int c16 = ctid; c16 < rows * per_row; c16 += CT) {
+            const int row = c16 / per_row, col8 = (c16 % per_row) << (gated ? 1 : 0);
             if (col8 >= cols8) continue;
-            const uint4 v = *reinterpret_cast<const uint4*>(staging + row * ROW + col8 * 16);
-            *reinterpret_cast<uint4*>(out + (size_t)(m0 + row) * n + n0 + col8 * 8) = v;
+            const unsigned char* st = staging + row * ROW + col8 * 16;
+            uint4 v = *reinterpret_cast<const uint4*>(st);
+            size_t at;
+            if (gated) {
+                v = gated_chunk<T>(v, *reinterpret_cast<const uint4*>(st + 16));
+                at = (size_t)(m0 + row) * (n / 2) + (n0 + col8 * 8) / 2;
+            } else {
+                at = (size_t)(m0 + row) * n + n0 + col8 * 8;
+                if (residual != nullptr) v = residual_chunk<T>(v, *reinterpret_cast<const uint4*>(residual + at));
+            }
+            *reinterpret_cast<uint4*>(out + at) = v;
         }
         TF_STAMP(4);
         if constexpr (!SK) break;  // one segment: tell the compiler

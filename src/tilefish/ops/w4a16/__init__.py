@@ -37,11 +37,12 @@ from .dispatch import (HOPPER_MIN_M, HOPPER_SLICES, MAX_HOPPER_SLICES, MIN_K_TIL
                        choose_skinny_config, choose_slices, dispatch_builds, dispatch_specs, skinny_fixup_trips,
                        KernelBuild, launch_geometry, plan_geometry)
 from .geometry import Launch, LaunchGeometry, separate_tail, split_geometry
-from .launch import LaunchPlan, device_clusters, hopper_split_uses_clusters, matmul_impl, plan_for, validate
+from .launch import (LaunchPlan, device_clusters, hopper_split_uses_clusters, matmul_impl, plan_for, validate,
+                     validate_epilogue)
 from .policy import (DEFAULT_POLICY, SEPARATE_TAIL_MODES, LaunchPolicy, active_policy, active_policy_key,
                      launch_policy, resolve_policy)
-from .layout import (BK, CODEBOOKS, DTYPES, NF4_NIBBLE_ORDER, W4A16Weight, _strip_permute, check_perm, check_shape,
-                     pack, unpack)
+from .layout import (BK, CODEBOOKS, DTYPES, GATED_BLOCK, NF4_NIBBLE_ORDER, W4A16Weight, _strip_permute, check_perm,
+                     check_shape, deinterleave_gated, gated_order, interleave_gated, pack, split_gated, unpack)
 from .tuned import Plan, TunedTable, gpu_key
 from .workspace import LAYER_COUNTERS, Workspace, layer_counters, make_layer_counters, new_counters
 from .time_model import (FIXUP_PER_WAVE, HOPPER_TIME_MODEL, MODEL_LARGE_M, hopper_model_regime, hopper_plan_features,

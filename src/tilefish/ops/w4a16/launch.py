@@ -73,16 +73,37 @@ def validate(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None) -> None
                          + ", ".join(f"{a} on {t.device}" for a, t in tensors.items() if t is not None))
 
 
+def validate_epilogue(x: torch.Tensor, w: W4A16Weight, residual: torch.Tensor | None, gated) -> None:
+    """The fused epilogue's arguments (x and w already validated): residual, a tensor like the output
+    (x.shape[:-1] + (n,), x's dtype and device), added to y; gated, silu(gate) * up of a weight in the gated
+    column order (layout.interleave_gated), y then n / 2 wide. Not both."""
+    if not isinstance(gated, bool):
+        raise TypeError(f"gated must be True or False, got {gated!r}")
+    if residual is None:
+        return
+    if gated:
+        raise ValueError("a gated matmul takes no residual (the epilogue is one or the other)")
+    if not isinstance(residual, torch.Tensor):
+        raise TypeError(f"residual must be a torch.Tensor or None, got {type(residual).__name__}")
+    want = tuple(x.shape[:-1]) + (w.n,)
+    if residual.dtype != x.dtype or tuple(residual.shape) != want or residual.device != x.device:
+        raise ValueError(f"residual must be a {x.dtype} tensor of shape {want} on {x.device} (the output's), got "
+                         f"{residual.dtype} {tuple(residual.shape)} on {residual.device}")
+
+
 def matmul_impl(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = None,
                 cfg: GemmConfig | HopperConfig | SkinnyConfig | None = None, slices: int | None = None,
-                ctas: int | None = None, workspace=None, policy: LaunchPolicy | None = None) -> torch.Tensor:
+                ctas: int | None = None, workspace=None, policy: LaunchPolicy | None = None,
+                residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     """cfg: a configuration to force (sweeps, tests); None: the dispatcher's. slices: the k split of
     a tile kernel (mma.sync, wgmma tile mode); ctas: the grid of a stream-K one (skinny, wgmma
     streamk); None: the dispatcher's choice. Giving the one the plan's kernel does not take is a
     ValueError (on CUDA, where the plan is made). workspace: a workspace.Workspace, or the int32
     tile counters a layer owns; None: fresh zeroed counters where the plan needs them. policy: the
-    LaunchPolicy to plan under; None: the active one (policy.launch_policy)."""
+    LaunchPolicy to plan under; None: the active one (policy.launch_policy). residual / gated: the
+    fused epilogue (validate_epilogue; reference.w4a16_epilogue is its definition)."""
     validate(x, w, bias)
+    validate_epilogue(x, w, residual, gated)
     policy = resolve_policy(policy)
     if slices is not None:
         _check_count("slices", slices)
@@ -95,11 +116,11 @@ def matmul_impl(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = Non
     if w.perm is not None:
         x2 = x2.index_select(1, w.perm)
     if x.device.type == "cpu":
-        from ...reference import dense_matmul, w4a16_matmul
+        from ...reference import dense_matmul, w4a16_epilogue, w4a16_matmul
 
-        if w.codebook == "int4":
-            return w4a16_matmul(x2, unpack(w), bias).reshape(*lead, w.n)
-        return dense_matmul(x2, w.dequantize(torch.float64), bias).reshape(*lead, w.n)
+        y = (w4a16_matmul(x2, unpack(w), bias) if w.codebook == "int4" else
+             dense_matmul(x2, w.dequantize(torch.float64), bias)).reshape(*lead, w.n)
+        return w4a16_epilogue(y, residual, gated)
     if x.device.type != "cuda":
         raise ValueError(f"W4A16 runs on CUDA or CPU tensors, not {x.device}")
     if counters is not None:
@@ -108,13 +129,20 @@ def matmul_impl(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = Non
     if bias is not None:
         bias = bias.contiguous()  # the kernel reads bias[col] by pointer: a strided view gets an explicit copy
     m = x2.shape[0]
-    out = torch.empty(m, w.n, dtype=x.dtype, device=x.device)
+    n_out = w.n // 2 if gated else w.n
+    out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     if m == 0:
-        return out.reshape(*lead, w.n)
+        return out.reshape(*lead, n_out)
     if x2.data_ptr() % 16:  # an offset view: the kernels read x in 16-byte (TMA: aligned) pieces
         x2 = x2.clone()
-    LaunchPlan.build(w, bias, m, x.device, cfg, slices, ctas, counters, policy).launch(x2.data_ptr(), out.data_ptr())
-    return out if flat else out.reshape(*lead, w.n)
+    r2 = None
+    if residual is not None:  # read by 16-byte chunks where a tile leaves shared memory
+        r2 = residual.reshape(m, w.n).contiguous()
+        if r2.data_ptr() % 16:
+            r2 = r2.clone()
+    LaunchPlan.build(w, bias, m, x.device, cfg, slices, ctas, counters, policy).launch(
+        x2.data_ptr(), out.data_ptr(), 0 if r2 is None else r2.data_ptr(), gated)
+    return out if flat else out.reshape(*lead, n_out)
 
 
 def _check_count(name: str, v) -> None:
@@ -178,25 +206,29 @@ class LaunchPlan:
         return cls(launches, (w.packed, w.scales, w.zeros, bias), m, w.k, w.dtype, torch.device("cuda", info.index),
                    geo.partial_floats, geo.tile_counters, counters, cfg, geo, policy)
 
-    def launch(self, x_ptr: int, out_ptr: int) -> None:
-        """x_ptr: x as [m, k] contiguous, 16-byte aligned, on the plan's device; out_ptr: [m, n] contiguous."""
+    def launch(self, x_ptr: int, out_ptr: int, residual_ptr: int = 0, gated: bool = False) -> None:
+        """x_ptr: x as [m, k] contiguous, 16-byte aligned, on the plan's device; out_ptr: [m, n] contiguous
+        ([m, n / 2] gated). The epilogue (kernels/w4a16/epilogue.cuh, checked by the caller: validate_epilogue):
+        residual_ptr, a [m, n] residual added to y (0: none); gated, silu(gate) * up of a GATED_BLOCK
+        interleaved weight."""
         partials = torch.empty(self.partials, dtype=torch.float32, device=self.device) if self.partials else None
         ws = 0 if partials is None else partials.data_ptr()
+        epilogue = (residual_ptr, i32(1 if gated else 0))
         if not self.tiles:
-            self._enqueue(x_ptr, out_ptr, ws, 0)
+            self._enqueue(x_ptr, out_ptr, ws, 0, epilogue)
         elif self.counters is None:
             fresh = torch.zeros(self.tiles, dtype=torch.int32, device=self.device)
-            self._enqueue(x_ptr, out_ptr, ws, fresh.data_ptr())
+            self._enqueue(x_ptr, out_ptr, ws, fresh.data_ptr(), epilogue)
         else:
             index = self.device.index
             with _workspace_lock:
                 hand_over(self.counters, index, current_stream_handle(index))
-                self._enqueue(x_ptr, out_ptr, ws, self.counters.data_ptr())
+                self._enqueue(x_ptr, out_ptr, ws, self.counters.data_ptr(), epilogue)
 
-    def _enqueue(self, x_ptr: int, out_ptr: int, ws_ptr: int, counters_ptr: int) -> None:
+    def _enqueue(self, x_ptr: int, out_ptr: int, ws_ptr: int, counters_ptr: int, epilogue: tuple) -> None:
         for kern, config, box, head, tail in self.launches:
             xa = x_ptr if box is None else tensor_map_rows(x_ptr, self.m, self.k, self.dtype, self.device.index, *box)
-            launch_prepared(kern, config, xa, *head, out_ptr, ws_ptr, counters_ptr, *tail)
+            launch_prepared(kern, config, xa, *head, out_ptr, ws_ptr, counters_ptr, *tail, *epilogue)
 
 
 def _weight_args(w: W4A16Weight, bias: torch.Tensor | None) -> tuple[int, int, int, int]:
@@ -217,7 +249,7 @@ def _mma_launches(cfg: GemmConfig, m: int, w: W4A16Weight, bias, slices: int | N
     kern = _kernel(w.dtype, cfg, w.group_size, asym, w.packed.device.index, w.codebook)
     tail = (i32(m), i32(w.n), i32(w.k), i32(geo.slices))
     head = _weight_args(w, bias)
-    return [(kern, prepare_launch(kern, launch.grid, THREADS, geo.smem), None, head, tail)
+    return [(kern, prepare_launch(kern, launch.grid, THREADS, geo.smem, pdl=policy.programmatic), None, head, tail)
             for launch in geo.launches], geo
 
 
@@ -292,8 +324,8 @@ def _hopper_launches(cfg: HopperConfig, m: int, w: W4A16Weight, bias, slices: in
     box = (cfg.mt, HOPPER_BK)
     tail = (i32(m), i32(w.n), i32(w.k), i32(geo.ctas if cfg.streamk else geo.slices), i32(int(geo.cluster > 1)))
     head = _weight_args(w, bias)
-    return [(kern, prepare_launch(kern, launch.grid, cfg.threads, geo.smem, launch.cluster), box, head,
-             tail + (i32(launch.first_tile),)) for launch in geo.launches], geo
+    return [(kern, prepare_launch(kern, launch.grid, cfg.threads, geo.smem, launch.cluster, pdl=policy.programmatic),
+             box, head, tail + (i32(launch.first_tile),)) for launch in geo.launches], geo
 
 
 def _hopper_geometry(cfg: HopperConfig, kern, slices, ctas, m, n, k, sm_count, group_size, asym, clusters,
@@ -347,5 +379,5 @@ def _skinny_launches(cfg: SkinnyConfig, m: int, w: W4A16Weight, bias, slices, ct
     kern = _kernel(w.dtype, cfg, w.group_size, asym, w.packed.device.index, w.codebook)
     tail = (i32(m), i32(w.n), i32(w.k))
     head = _weight_args(w, bias)
-    return [(kern, prepare_launch(kern, launch.grid, cfg.threads, geo.smem), (cfg.mt, 64), head, tail)
-            for launch in geo.launches], geo
+    return [(kern, prepare_launch(kern, launch.grid, cfg.threads, geo.smem, pdl=policy.programmatic), (cfg.mt, 64),
+             head, tail) for launch in geo.launches], geo

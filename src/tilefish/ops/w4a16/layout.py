@@ -183,3 +183,50 @@ def unpack(p: W4A16Weight) -> Int4Weight:
     scales = p.scales if p.group_size == -1 else _strip_unpermute(p.scales)
     zeros = None if p.zeros is None else _strip_unpermute(p.zeros).to(torch.uint8).t().contiguous()
     return Int4Weight(q.contiguous(), scales.t().contiguous(), zeros, p.group_size)
+
+
+# A gated weight (gate and up projections of a SiLU-gated MLP as one matmul whose epilogue computes
+# silu(gate) * up): its columns alternate GATED_BLOCK gate columns and the same GATED_BLOCK up columns, so
+# every kernel thread that holds a gate column holds its up column too (kernels/w4a16/epilogue.cuh).
+GATED_BLOCK = 8
+
+
+def gated_order(n: int, device=None) -> torch.Tensor:
+    """[n] int64: column p of a gated weight is column gated_order(n)[p] of [gate; up] (each n / 2 wide)."""
+    if n % (2 * GATED_BLOCK):
+        raise ValueError(f"a gated weight needs n % {2 * GATED_BLOCK} == 0, got n={n}")
+    half, block = n // 2, GATED_BLOCK
+    base = torch.arange(0, half, block, device=device).view(-1, 1, 1)  # first gate column of each block
+    within = torch.arange(block, device=device).view(1, 1, -1)
+    side = torch.tensor([0, half], device=device).view(1, 2, 1)        # gate, then up
+    return (base + side + within).reshape(n)
+
+
+def split_gated(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up columns of a gated weight's output y [..., n] (copies, each [..., n / 2])."""
+    blocks = y.reshape(*y.shape[:-1], -1, 2, GATED_BLOCK)
+    return tuple(blocks[..., i, :].reshape(*y.shape[:-1], -1) for i in (0, 1))
+
+
+def _take_columns(w: W4A16Weight, index: torch.Tensor) -> W4A16Weight:
+    """w with its output columns reordered, exactly: column p of the result is column index[p] of w."""
+    q = unpack(w)
+    packed = pack(Int4Weight(q.q[index], q.scales[index], None, q.group_size), codebook=w.codebook).packed
+
+    def columns(t: torch.Tensor | None, permuted: bool) -> torch.Tensor | None:  # a [groups, n] kernel tensor
+        if t is None:
+            return None
+        t = (_strip_unpermute(t) if permuted else t)[:, index]
+        return (_strip_permute(t) if permuted else t).contiguous()
+    return W4A16Weight(packed, columns(w.scales, w.group_size != -1), columns(w.zeros, True), w.group_size, w.n,
+                       w.k, w.perm, w.codebook)
+
+
+def interleave_gated(w: W4A16Weight) -> W4A16Weight:
+    """[gate; up] side by side (n = 2 I) -> the gated column order (gated_order)."""
+    return _take_columns(w, gated_order(w.n, w.packed.device))
+
+
+def deinterleave_gated(w: W4A16Weight) -> W4A16Weight:
+    """The inverse of interleave_gated: a gated weight -> [gate; up] side by side."""
+    return _take_columns(w, torch.argsort(gated_order(w.n, w.packed.device)))

@@ -33,14 +33,21 @@ class LaunchPolicy:
     the global workspace, and the planners plan as if the GPU had no clusters).
     separate_tail: the partial last wave of a whole-tile wgmma plan as a launch of its own
     (geometry.separate_tail): "rule" (where it was measured to help), "never", or "always" (any
-    partial wave that fits one CTA an SM)."""
+    partial wave that fits one CTA an SM).
+    programmatic: every launch under programmatic dependent launch (sm_90+): a kernel may start while
+    the one ahead of it in the stream finishes, streaming its first weights meanwhile (the kernels wait
+    for it before reading x or writing anything); the tilefish kernels around it (tilefish.norm) follow
+    the same switch. False: each launch starts once the kernel ahead has ended."""
 
     dsmem_split: bool = True
     separate_tail: str = "rule"
+    programmatic: bool = True
 
     def __post_init__(self):
         if not isinstance(self.dsmem_split, bool):
             raise ValueError(f"LaunchPolicy.dsmem_split must be True or False, got {self.dsmem_split!r}")
+        if not isinstance(self.programmatic, bool):
+            raise ValueError(f"LaunchPolicy.programmatic must be True or False, got {self.programmatic!r}")
         if not isinstance(self.separate_tail, str) or self.separate_tail not in SEPARATE_TAIL_MODES:
             raise ValueError(f"LaunchPolicy.separate_tail must be 'rule', 'never' or 'always', got "
                              f"{self.separate_tail!r}")
