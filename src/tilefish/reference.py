@@ -108,6 +108,18 @@ def w4a16_matmul(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.
     return y.to(x.dtype)
 
 
+def w4a16_epilogue(y: torch.Tensor, residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+    """The W4A16 kernels' fused epilogues (kernels/w4a16/epilogue.cuh) written as the unfused PyTorch forward,
+    in y's dtype: `residual + y`; or, for a gated weight (columns alternating ops.w4a16 GATED_BLOCK gate and up
+    columns), `silu(gate) * up`."""
+    if gated:
+        from .ops.w4a16.layout import split_gated
+
+        gate, up = split_gated(y)
+        return torch.nn.functional.silu(gate) * up
+    return y if residual is None else residual + y
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Mixture of experts (the op's definition: ops/moe.py)
 
@@ -146,3 +158,16 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
             y = y + down_bias[e].double()
         out.index_add_(0, token, y * topk_weights[token, slot].double()[:, None])
     return _round_f64_to(out, x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# RMSNorm (transformers' LlamaRMSNorm; the op in tilefish.ops.norm)
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """LlamaRMSNorm.forward's op order in plain torch, after `h = x + residual` when residual is given: bit for
+    bit transformers' on the same device, and differentiable. Returns out, or (h, out) with a residual."""
+    h = x if residual is None else x + residual
+    h32 = h.to(torch.float32)
+    variance = h32.pow(2).mean(-1, keepdim=True)
+    out = weight * (h32 * torch.rsqrt(variance + eps)).to(h.dtype)
+    return out if residual is None else (h, out)

@@ -108,6 +108,24 @@ def w4a16_matmul(x: Tensor, w, bias: Tensor | None = None, counters: Tensor | No
                            counters)
 
 
+@torch.library.custom_op("tilefish::w4a16_matmul_epilogue", mutates_args=())
+def w4a16_matmul_epilogue_op(x: Tensor, packed: Tensor, scales: Tensor, zeros: Optional[Tensor],
+                             perm: Optional[Tensor], bias: Optional[Tensor], group_size: int, n: int, k: int,
+                             codebook: str, counters: Optional[Tensor], residual: Optional[Tensor],
+                             gated: bool) -> Tensor:
+    # The matmul with a fused epilogue (ops.w4a16.validate_epilogue): inference only, no autograd (the
+    # fused forwards that call it take the unfused path where a gradient is wanted).
+    from .w4a16 import matmul_impl
+
+    return matmul_impl(x, _w4a16_weight(packed, scales, zeros, perm, group_size, n, k, codebook), bias,
+                       workspace=counters, residual=residual, gated=gated)
+
+
+@w4a16_matmul_epilogue_op.register_fake
+def _(x, packed, scales, zeros, perm, bias, group_size, n, k, codebook, counters, residual, gated):
+    return x.new_empty(*x.shape[:-1], n // 2 if gated else n)
+
+
 def _expert_weights(packed, scales, zeros, group_size, n, k, codebook):
     from .expert_weights import ExpertWeights
 
@@ -141,3 +159,30 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up, down
     return moe_experts_op(x, topk_ids, topk_weights, gate_up.packed, gate_up.scales, gate_up.zeros, down.packed,
                           down.scales, down.zeros, gate_up_bias, down_bias, gate_up.group_size, down.group_size,
                           gate_up.codebook, down.codebook, down.k, activation)
+
+
+@torch.library.custom_op("tilefish::rms_norm", mutates_args=())
+def rms_norm_op(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # No autograd registered (an inference op): tilefish.norm.rms_norm sends calls that need gradients to the
+    # pure-torch reference instead of this op.
+    from .norm import rms_norm_impl
+
+    return rms_norm_impl(x, weight, eps)
+
+
+@rms_norm_op.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("tilefish::add_rms_norm", mutates_args=())
+def add_rms_norm_op(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    # (h, out): h = x + residual (the decoder's next residual), out = RMSNorm(h); both fresh tensors.
+    from .norm import rms_norm_impl
+
+    return rms_norm_impl(x, weight, eps, residual)
+
+
+@add_rms_norm_op.register_fake
+def _(x, residual, weight, eps):
+    return x.new_empty(x.shape), x.new_empty(x.shape)
