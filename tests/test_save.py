@@ -63,17 +63,16 @@ def parts(model: nn.Module) -> dict[str, dict]:
     out = {}
     for parent_name, parent in model.named_modules():
         for name, child in parent.named_children():
-            if isinstance(child, W4A16Slice):
-                layer, (a, b) = child.fused, child.fused.bounds[child.index]
+            if isinstance(child, W4A16Slice):  # a fused layer's part as a layer of its own would hold it
+                w, bias = child.fused.part_weight(child.index)
             elif type(child) in (W4A16Linear, NF4Linear):
-                layer, (a, b) = child, (0, child.out_features)
+                w, bias = child.weight4, child.bias
             else:
                 continue
-            zeros = layer.zeros if layer.zeros is not None else torch.full_like(layer.scales, 8)
+            zeros = w.zeros if w.zeros is not None else torch.full_like(w.scales, 8)
             out[f"{parent_name}.{name}" if parent_name else name] = {
-                "packed": layer.packed[a // 64: b // 64], "scales": layer.scales[:, a:b], "zeros": zeros[:, a:b],
-                "perm": layer.perm, "bias": None if layer.bias is None else layer.bias.detach()[a:b],
-                "codebook": layer.codebook,
+                "packed": w.packed, "scales": w.scales, "zeros": zeros, "perm": w.perm,
+                "bias": None if bias is None else bias.detach(), "codebook": w.codebook,
                 "bnb": child.state_dict() if isinstance(child, NF4Linear) else None}
     return out
 

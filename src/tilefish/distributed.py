@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .nn import FusedW4A16Linear, NF4Linear, W4A16Linear, W4A16Slice
+from .nn import FusedW4A16Linear, GatedW4A16Linear, NF4Linear, W4A16Linear, W4A16Slice
 from .ops.w4a16 import W4A16Weight, check_shape
 
 COLUMN_NAMES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "gate_up_proj")
@@ -215,7 +215,7 @@ class RowParallelLinear(nn.Module):
 
 
 def _check_layer(layer: nn.Module, name: str) -> None:
-    if type(layer) not in (nn.Linear, W4A16Linear, NF4Linear, FusedW4A16Linear):
+    if type(layer) not in (nn.Linear, W4A16Linear, NF4Linear, FusedW4A16Linear, GatedW4A16Linear):
         raise ShardError(f"{name}: cannot shard a {type(layer).__name__} (nn.Linear, W4A16Linear, NF4Linear and "
                          f"FusedW4A16Linear can be)")
 
@@ -223,6 +223,8 @@ def _check_layer(layer: nn.Module, name: str) -> None:
 def shard_columns(layer: nn.Module, rank: int, world: int, name: str = "layer") -> nn.Module:
     """The plain layer holding `rank`'s output columns of `layer` (fused parts split separately)."""
     _check_layer(layer, name)
+    if isinstance(layer, GatedW4A16Linear):  # its parts side by side (each rank's shard is a FusedW4A16Linear)
+        layer = layer.ungated()
     parts = list(layer.split_sizes) if isinstance(layer, FusedW4A16Linear) else [layer.out_features]
     if type(layer) is nn.Linear:
         return _dense_columns(layer, _part_ranges(parts, rank, world, name, 1))
@@ -354,7 +356,11 @@ def shard_model(model: nn.Module, group=None, *, device=None, lm_head: bool = Tr
     for parent, name, full in row:
         check_row_shard(getattr(parent, name), world, full)
 
-    # Apply.
+    # Apply. The fused decoder forward's residual epilogue would add the residual on every rank before the
+    # all-reduce: the sharded layers run transformers' forward.
+    from .decoder import restore_forward
+
+    restore_forward(model)
     for parent, name, full in column:
         layer = getattr(parent, name)
         # The decoder's own modules take the local columns (attention runs on this rank's heads, the MLP on its

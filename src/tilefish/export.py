@@ -40,7 +40,7 @@ from torch import nn
 
 from . import __version__
 from .checkpoint import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, QuantFormat
-from .nn import FusedW4A16Linear, NF4Linear, W4A16Linear, W4A16Slice
+from .nn import FusedW4A16Linear, GatedW4A16Linear, NF4Linear, W4A16Linear, W4A16Slice
 from .ops.w4a16 import W4A16Weight, unpack
 from .quant.int4 import to_gptq
 from .quant.nf4 import NF4Weight, to_state_dict
@@ -49,7 +49,7 @@ __all__ = ["save_quantized"]
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 QUANTIZE_CONFIG_FILE = "quantize_config.json"  # AutoGPTQ-era readers look for the GPTQ config here too
-KNOWN_LAYERS = (W4A16Linear, NF4Linear, FusedW4A16Linear, W4A16Slice)
+KNOWN_LAYERS = (W4A16Linear, NF4Linear, FusedW4A16Linear, GatedW4A16Linear, W4A16Slice)
 # Layers whose weights are in a format of their own (their packages save them), and tilefish's tensor-parallel
 # wrappers, which hold one rank's shard: writing their tensors as dense ones would make a wrong checkpoint.
 FOREIGN_LAYER_PACKAGES = ("bitsandbytes", "auto_gptq", "gptqmodel", "awq", "optimum", "hqq", "torchao", "quanto",
@@ -71,19 +71,17 @@ class _Part:
         return "bitsandbytes" if self.layer.codebook == "nf4" else "gptq"
 
     def kernel_weight(self) -> W4A16Weight:
-        """Its columns of the layer's kernel tensors: whole 64-column strips of packed rows and of scale /
-        zero columns (the strip permutation stays inside a strip), so the slice is exact."""
-        a, b = self.columns
+        """Its columns of the layer's kernel tensors (a fused layer's part: FusedW4A16Linear.part_weight, exact)."""
         layer = self.layer
-        if (a, b) == (0, layer.out_features):
-            return layer.weight4
-        zeros = None if layer.zeros is None else layer.zeros[:, a:b].contiguous()
-        return W4A16Weight(layer.packed[a // 64: b // 64], layer.scales[:, a:b].contiguous(), zeros,
-                           layer.group_size, b - a, layer.in_features, layer.perm, layer.codebook)
+        if isinstance(layer, FusedW4A16Linear):
+            return layer.part_weight(layer.bounds.index(self.columns))[0]
+        return layer.weight4
 
     def bias(self) -> torch.Tensor | None:
-        a, b = self.columns
-        return None if self.layer.bias is None else self.layer.bias.detach()[a:b]
+        layer = self.layer
+        if isinstance(layer, FusedW4A16Linear):
+            return layer.part_weight(layer.bounds.index(self.columns))[1]
+        return None if layer.bias is None else layer.bias.detach()
 
     def tensors(self, zero_convention: str) -> dict[str, torch.Tensor]:
         """The checkpoint tensors of this Linear, on the layer's device."""

@@ -1,5 +1,5 @@
 """nn.Module layers over tilefish ops: W4A16Linear, NF4Linear (a bitsandbytes NF4 weight on the W4A16
-kernels), and the fused projection layers of quantize_model."""
+kernels), and the fused projection layers of quantize_model (FusedW4A16Linear, GatedW4A16Linear, W4A16Slice)."""
 from __future__ import annotations
 
 import torch
@@ -9,7 +9,8 @@ from . import nf4 as _nf4
 from . import w4a16 as _w4a16
 from .ops.nf4 import MATMUL_DTYPES, NF4MatmulWeight, check_matmul_shape, prepare
 from .ops.w4a16.policy import active_policy_key
-from .ops.w4a16 import W4A16Weight, check_perm, check_shape, layer_counters, make_layer_counters
+from .ops.w4a16 import (W4A16Weight, check_perm, check_shape, deinterleave_gated, gated_order, interleave_gated,
+                        layer_counters, make_layer_counters, split_gated)
 from .quant import nf4 as _nf4_format
 from .quant.nf4 import NF4Weight
 from .runtime import current_stream_handle
@@ -57,7 +58,7 @@ class WeightInfo:
         if perm is not None:
             w = w.index_select(1, torch.argsort(perm))  # back to the checkpoint's input order
         a, b = self._columns or (0, self._layer.out_features)
-        return w[a:b]
+        return self._layer._parts_order(w, 0)[a:b]
 
     def __repr__(self) -> str:
         return f"WeightInfo(packed 4-bit, shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
@@ -66,7 +67,7 @@ class WeightInfo:
 class _LayerPlan:
     """One input shape's eager call of a W4A16Linear, decided once (ops.w4a16.LaunchPlan)."""
 
-    __slots__ = ("plan", "out_shape", "dtype", "device", "perm", "m", "k")
+    __slots__ = ("plan", "out_shape", "gated_shape", "dtype", "device", "perm", "m", "k")
 
     def __init__(self, layer: "W4A16Linear", x: torch.Tensor):
         from .ops.w4a16 import LaunchPlan, validate
@@ -75,17 +76,25 @@ class _LayerPlan:
         validate(x, w, layer.bias)
         self.m, self.k = x.numel() // w.k, w.k
         self.out_shape = x.shape[:-1] + (w.n,)
+        self.gated_shape = x.shape[:-1] + (w.n // 2,)
         self.dtype, self.device, self.perm = x.dtype, x.device, w.perm
         bias = None if layer.bias is None else layer.bias.detach().contiguous()
         self.plan = LaunchPlan.build(w, bias, self.m, x.device, counters=layer_counters(x.device)) if self.m else None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+        """residual: checked by the caller (_fits); gated: the layer is a GatedW4A16Linear."""
+        out = torch.empty(self.gated_shape if gated else self.out_shape, dtype=self.dtype, device=self.device)
         if self.plan is not None:
             if self.perm is not None:
                 x = x.view(self.m, self.k).index_select(1, self.perm)
-            self.plan.launch(x.data_ptr(), out.data_ptr())
+            self.plan.launch(x.data_ptr(), out.data_ptr(), 0 if residual is None else residual.data_ptr(), gated)
         return out
+
+    def fits(self, residual: torch.Tensor) -> bool:
+        """Whether the launch can read `residual` as it is: the output's shape, dtype and device, contiguous,
+        16-byte aligned."""
+        return (residual.shape == self.out_shape and residual.dtype == self.dtype and residual.device == self.device
+                and residual.is_contiguous() and residual.data_ptr() % 16 == 0)
 
 
 class W4A16Linear(nn.Module):
@@ -242,6 +251,23 @@ class W4A16Linear(nn.Module):
 
     # -- forward ------------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        plan = self._eager_plan(x)
+        if plan is not None:
+            return plan(x)
+        return self._forward_any(x)
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """`residual + self(x)` with the add in the kernel's epilogue (one launch, the same bits: the product is
+        rounded to the dtype, then added as a 16-bit sum). residual: shaped like the output, the layer's dtype.
+        Where a gradient is wanted, or x is of another dtype, it is the unfused expression."""
+        plan = self._eager_plan(x)
+        if plan is not None and isinstance(residual, torch.Tensor) and plan.fits(residual):
+            return plan(x, residual)
+        return self._epilogue_any(x, residual, False)
+
+    def _eager_plan(self, x) -> "_LayerPlan | None":
+        """The launch plan of an eager CUDA call on x as it is (contiguous, aligned, the layer's dtype), or None:
+        the call then takes the op's general path."""
         if (isinstance(x, torch.Tensor) and x.is_cuda and not torch.compiler.is_compiling()
                 and not (x.requires_grad and torch.is_grad_enabled())):
             dev = x.get_device()
@@ -252,8 +278,31 @@ class W4A16Linear(nn.Module):
                     self._plans = {}
                 plan = self._plans[key] = _LayerPlan(self, x)
             if plan is not None and x.data_ptr() % 16 == 0 and x.is_contiguous():
-                return plan(x)
-        return self._forward_any(x)
+                return plan
+        return None
+
+    def _epilogue_any(self, x: torch.Tensor, residual: torch.Tensor | None, gated: bool) -> torch.Tensor:
+        """The fused epilogues' general path (ops.w4a16.validate_epilogue): the custom op under torch.compile, the
+        op eagerly, and the unfused expression where autograd must record the call or x is of another dtype."""
+        from .reference import w4a16_epilogue
+
+        dtype = self.scales.dtype
+        grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (x, self.bias, residual))
+        if grad or not isinstance(x, torch.Tensor) or x.dtype != dtype:
+            y = self._forward_any(x)
+            return w4a16_epilogue(y, None if residual is None else residual.to(y.dtype), gated)
+        counters = layer_counters(self.packed.device)
+        if torch.compiler.is_compiling():
+            from .ops.library import w4a16_matmul_epilogue_op
+
+            group_size, n, k, codebook = self._kernel_constants
+            return w4a16_matmul_epilogue_op(x, self.packed, self.scales, self.zeros, self.perm, self.bias, group_size,
+                                            n, k, codebook, counters, residual, gated)
+        return _w4a16.matmul_epilogue(x, self.weight4, self.bias, counters, residual, gated)
+
+    def _parts_order(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """t's entries along `dim` (one per output column) in the order of the layer's parts: as they are."""
+        return t
 
     def _forward_any(self, x: torch.Tensor) -> torch.Tensor:
         """Any input, and every call under torch.compile (the custom op): other float dtypes are cast
@@ -579,17 +628,107 @@ class FusedW4A16Linear(W4A16Linear):
         shared = self._shared
         compiling = torch.compiler.is_compiling()
         if not shared.left or shared.x is not x or (not compiling and shared.version != x._version):
-            shared.x, shared.version, shared.y = x, 0 if compiling else x._version, self(x)
+            shared.x, shared.version, shared.y = x, 0 if compiling else x._version, self._shared_forward(x)
             shared.left = len(self.split_sizes)
         y = shared.y
         shared.left -= 1
         if not shared.left:
             shared.clear()
         a, b = columns
+        return self._part_of(y, a, b)
+
+    def _shared_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """What the parts take their columns from (_part_of): the layer's output."""
+        return self(x)
+
+    def _part_of(self, y: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        """Columns [a, b) (the parts' order) of the shared output y."""
         return y[..., a:b]
+
+    def part_weight(self, index: int) -> tuple[W4A16Weight, torch.Tensor | None]:
+        """Part `index` as a layer of its own would hold it: its kernel weight and bias (exact copies of its
+        columns: whole 64-column strips of the packed rows and of the scale / zero-point columns, since the
+        strip permutation stays inside a strip)."""
+        a, b = self.bounds[index]
+        return self._columns_weight(self.weight4, a, b), None if self.bias is None else self.bias.detach()[a:b]
+
+    def _columns_weight(self, w: W4A16Weight, a: int, b: int) -> W4A16Weight:
+        zeros = None if w.zeros is None else w.zeros[:, a:b].contiguous()
+        return W4A16Weight(w.packed[a // 64: b // 64], w.scales[:, a:b].contiguous(), zeros, w.group_size, b - a,
+                           w.k, w.perm, w.codebook)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", split_sizes={self.split_sizes}"
+
+
+class GatedW4A16Linear(FusedW4A16Linear):
+    """The gate and up projections of a SiLU-gated MLP (Llama's `down(silu(gate(x)) * up(x))`) as one W4A16
+    matmul whose kernel epilogue computes the activation: forward_gated(x) = silu(gate_proj(x)) * up_proj(x) in
+    one launch, writing half of what the two projections would. For that its weight's columns alternate 8 gate
+    columns and their 8 up columns (ops.w4a16 GATED_BLOCK, interleave_gated), so each kernel thread holds both
+    halves of what it multiplies. Everything else sees the parts' order, as for a FusedW4A16Linear: forward(x)
+    returns [gate | up], the W4A16Slices gate_proj / up_proj their columns, `.weight` and part_weight the
+    parts' rows. Its state dict is the interleaved kernel layout, marked by its extra state, so it loads only
+    into a GatedW4A16Linear (and a FusedW4A16Linear's only into one of those)."""
+
+    COLUMN_ORDER = "gated8"
+
+    def __init__(self, in_features: int, intermediate: int, **kwargs):
+        super().__init__(in_features, [intermediate, intermediate], **kwargs)
+
+    @classmethod
+    def from_fused(cls, fused: FusedW4A16Linear) -> "GatedW4A16Linear":
+        """The gated form of a [gate, up] FusedW4A16Linear (the same weights, columns interleaved)."""
+        if type(fused) is not FusedW4A16Linear or len(fused.split_sizes) != 2 or \
+                fused.split_sizes[0] != fused.split_sizes[1]:
+            raise ValueError("GatedW4A16Linear.from_fused takes a FusedW4A16Linear of two parts of one width "
+                             f"(gate, up); got {type(fused).__name__} with parts {getattr(fused, 'split_sizes', None)}")
+        w = fused.weight4
+        gated = cls(w.k, w.n // 2, group_size=w.group_size, bias=fused.bias is not None, symmetric=w.zeros is None,
+                    dtype=w.dtype, device="meta", act_order=w.perm is not None, codebook=w.codebook)
+        bias = None if fused.bias is None else fused.bias.detach()[gated_order(w.n, w.packed.device)]
+        return gated._set(interleave_gated(w), bias)
+
+    def ungated(self) -> FusedW4A16Linear:
+        """The [gate, up] FusedW4A16Linear of the same weights (for what needs the parts side by side)."""
+        w = self.weight4
+        fused = FusedW4A16Linear(w.k, list(self.split_sizes), group_size=w.group_size, bias=self.bias is not None,
+                                 symmetric=w.zeros is None, dtype=w.dtype, device="meta",
+                                 act_order=w.perm is not None, codebook=w.codebook)
+        return fused._set(deinterleave_gated(w), None if self.bias is None else self._parts_order(self.bias.detach(), 0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat(split_gated(super().forward(x)), -1)
+
+    def forward_gated(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate_proj(x)) * up_proj(x), the activation in the kernel's epilogue ([..., intermediate])."""
+        plan = self._eager_plan(x)
+        if plan is not None:
+            return plan(x, gated=True)
+        return self._epilogue_any(x, None, True)
+
+    def _shared_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return W4A16Linear.forward(self, x)  # the interleaved kernel output; _part_of picks the columns
+
+    def _part_of(self, y: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        return torch.cat(split_gated(y), -1)[..., a:b]
+
+    def _parts_order(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return t.index_select(dim, torch.argsort(gated_order(self.out_features, t.device)))
+
+    def part_weight(self, index: int) -> tuple[W4A16Weight, torch.Tensor | None]:
+        a, b = self.bounds[index]
+        bias = None if self.bias is None else self._parts_order(self.bias.detach(), 0)[a:b]
+        return self._columns_weight(deinterleave_gated(self.weight4), a, b), bias
+
+    def get_extra_state(self):
+        return {"column_order": self.COLUMN_ORDER}
+
+    def set_extra_state(self, state) -> None:
+        if not isinstance(state, dict) or state.get("column_order") != self.COLUMN_ORDER:
+            raise ValueError(f"a GatedW4A16Linear's state dict has extra state {{'column_order': "
+                             f"{self.COLUMN_ORDER!r}}}; got {state!r} (a FusedW4A16Linear's tensors are in another "
+                             "column order)")
 
 
 class _SharedResult:
