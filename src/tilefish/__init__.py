@@ -8,10 +8,11 @@ import importlib as _importlib
 
 # sgemm / hgemm: modules that are called as the op (tilefish.hgemm(a, b)) and hold its plan (tilefish.hgemm.plan)
 _LAZY = ("nf4", "w4a16", "sgemm", "hgemm", "nn", "reference", "runtime", "ops", "quant", "bench", "convert",
-         "checkpoint", "models", "moe", "experts", "attention")
+         "checkpoint", "models", "moe", "experts", "attention", "decoder", "norm")
 # Functions re-exported lazily: name -> submodule.
 _FUNCTIONS = {"quantize_model": "convert", "ConversionReport": "convert", "load_quantized": "checkpoint",
-              "save_quantized": "export", "use_gqa_attention": "attention"}
+              "save_quantized": "export", "use_gqa_attention": "attention", "use_fused_forward": "decoder",
+              "restore_forward": "decoder"}
 
 
 def __getattr__(name):  # submodules load on first use: `import tilefish` stays light
@@ -27,4 +28,4 @@ def __getattr__(name):  # submodules load on first use: `import tilefish` stays 
 
 
 __all__ = ["__version__", "GpuSpec", "nf4", "w4a16", "nn", "sgemm", "hgemm", "quantize_model", "load_quantized",
-           "save_quantized", "ConversionReport", "use_gqa_attention"]
+           "save_quantized", "ConversionReport", "use_gqa_attention", "use_fused_forward", "restore_forward"]

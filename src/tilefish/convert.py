@@ -21,14 +21,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .decoder import is_gated_mlp, restore_forward, use_fused_forward
 from .experts import QuantizedExperts, dense_layout, is_dense_experts
-from .nn import FusedW4A16Linear, NF4Linear, W4A16Linear, W4A16Slice
+from .nn import FusedW4A16Linear, GatedW4A16Linear, NF4Linear, W4A16Linear, W4A16Slice
 
 # Sibling projections fused by default: (parts, in the fused output's column order) -> fused name.
 FUSE_GROUPS: dict[tuple[str, ...], str] = {
     ("q_proj", "k_proj", "v_proj"): "qkv_proj",
     ("gate_proj", "up_proj"): "gate_up_proj",
 }
+GATED_PARTS = ("gate_proj", "up_proj")  # fused as a GatedW4A16Linear in a SiLU-gated MLP (fuse_projections(gated=True))
 METHODS = ("w4a16", "nf4", "mxfp4")
 CODEBOOK_OF_METHOD = {"w4a16": "int4", "nf4": "nf4", "mxfp4": "mxfp4"}
 # each method's own keywords, at their defaults: a non-default value for another method is an error
@@ -54,6 +56,7 @@ class ConversionReport:
     experts_bytes_after: int = 0    # ... and after
     lm_head: str = ""       # what became of the output projection, and why (empty: the model has none)
     attention: str = ""     # the attention implementation fuse_model switched to (empty: none switched)
+    forward: str = ""       # the fused forward fuse_model gave the decoder layers / MLPs (empty: none)
 
     def __str__(self) -> str:
         lines = [f"converted {len(self.converted)} module(s), skipped {len(self.skipped)}, "
@@ -75,6 +78,8 @@ class ConversionReport:
             lines.append(f"  lm_head: {self.lm_head}")
         if self.attention:
             lines.append(f"  attention: {self.attention}")
+        if self.forward:
+            lines.append(f"  forward: {self.forward}")
         return "\n".join(lines)
 
 
@@ -217,9 +222,11 @@ def quantize_model(model: nn.Module, method: str = "w4a16", *, group_size: int =
       dense, with both errors in report.lm_head. "quantize": always (where tileable); "dense": never.
       A name in skip stays dense whatever lm_head says. A tied lm_head (the embedding's tensor) gets
       its own 4-bit copy; the embedding keeps the dense tensor.
-    - fuse: the model's fused forward (fuse_model): q/k/v and gate/up siblings become one matmul each, and a
-      transformers model with grouped-query "sdpa" attention switches to "tilefish_sdpa" (the same math
-      without repeating K/V; model.set_attn_implementation("sdpa") switches back). A fused nf4 layer is
+    - fuse: the model's fused forward (fuse_model): q/k/v and gate/up siblings become one matmul each (gate/up
+      with the SiLU-mul in its epilogue), Llama-family decoder layers run tilefish.decoder's fused forward (norm
+      kernels, residual adds in the epilogues; restore_forward switches back), and a transformers model with
+      grouped-query "sdpa" attention switches to "tilefish_sdpa" (the same math without repeating K/V;
+      model.set_attn_implementation("sdpa") switches back). A fused nf4 layer is
       a FusedW4A16Linear with codebook "nf4": its state dict is tilefish's kernel layout (packed,
       scales), not bitsandbytes' (fuse=False keeps bitsandbytes-exportable NF4Linears).
     - dtype: the activation dtype (the scales'); default the weight's if fp16/bf16, else fp16.
@@ -424,22 +431,27 @@ def fuse(parts: list[W4A16Linear]) -> FusedW4A16Linear:
 
 
 def fuse_model(model: nn.Module, report: ConversionReport | None = None) -> ConversionReport:
-    """A model's fused forward: fuse_projections (q/k/v, gate/up as one W4A16 matmul each), and a transformers
-    model's grouped-query "sdpa" attention switched to tilefish.attention's "tilefish_sdpa" (K/V read in
-    place instead of repeated for every query head: at batch 16 that copy outweighs a layer's GEMMs).
-    Anything else is left as it is; report.attention says what was switched."""
+    """A model's fused forward: fuse_projections (q/k/v, gate/up as one W4A16 matmul each; gate/up of a SiLU-gated
+    MLP as a GatedW4A16Linear), tilefish.decoder's fused forward for the Llama-family decoder layers and gated MLPs
+    (restore_forward undoes it), and a transformers model's grouped-query "sdpa" attention switched to
+    tilefish.attention's "tilefish_sdpa" (K/V read in place instead of repeated for every query head: at batch
+    16 that copy outweighs a layer's GEMMs). Anything else is left as it is; report.attention and
+    report.forward say what was switched."""
     from .attention import use_gqa_attention
 
-    report = fuse_projections(model, report)
+    report = fuse_projections(model, report, gated=True)
+    report.forward = use_fused_forward(model) or report.forward
     report.attention = use_gqa_attention(model) or report.attention
     return report
 
 
 def fuse_projections(model: nn.Module, report: ConversionReport | None = None,
-                     groups: dict[tuple[str, ...], str] | None = None) -> ConversionReport:
+                     groups: dict[tuple[str, ...], str] | None = None, gated: bool = False) -> ConversionReport:
     """In every module that holds all the parts of a group (default FUSE_GROUPS: q/k/v, gate/up) as
     W4A16Linears, put one FusedW4A16Linear under the group's fused name and a W4A16Slice in each
-    part's place. Groups that cannot fuse stay as they are, with the reason in the report."""
+    part's place. gated: gate/up of a SiLU-gated MLP (decoder.is_gated_mlp) become a GatedW4A16Linear,
+    whose kernel can apply the activation (the fused MLP forward's; transformers' own forward reads its
+    parts through a reordering copy). Groups that cannot fuse stay as they are, with the reason in the report."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     report = report if report is not None else ConversionReport()
@@ -458,6 +470,8 @@ def fuse_projections(model: nn.Module, report: ConversionReport | None = None,
                 report.unfused[", ".join(full)] = why
                 continue
             fused = fuse(parts)
+            if gated and part_names == GATED_PARTS and is_gated_mlp(parent) and fused.split_sizes[0] == fused.split_sizes[1]:
+                fused = GatedW4A16Linear.from_fused(fused)
             setattr(parent, fused_name, fused)
             for i, p in enumerate(part_names):
                 setattr(parent, p, W4A16Slice(fused, i))
@@ -484,22 +498,23 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> int:
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
     dtype = dtype or _dense_dtype(model)
+    restore_forward(model)  # the fused forwards run on the 4-bit layers
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, W4A16Slice):
-                owner, (a, b) = child.fused, child.fused.bounds[child.index]
+                bias = child.fused.part_weight(child.index)[1]
             elif type(child) in (W4A16Linear, NF4Linear):
-                owner, (a, b) = child, (0, child.out_features)
+                bias = child.bias
             else:
                 continue
             weight = child.weight.dequantize()
-            linear = nn.Linear(child.in_features, child.out_features, bias=owner.bias is not None,
+            linear = nn.Linear(child.in_features, child.out_features, bias=bias is not None,
                                device=weight.device, dtype=dtype or weight.dtype)
             with torch.no_grad():
                 linear.weight.copy_(weight)
-                if owner.bias is not None:
-                    linear.bias.copy_(owner.bias[a:b])
+                if bias is not None:
+                    linear.bias.copy_(bias)
             setattr(parent, name, linear)
             replaced += 1
     for parent in list(model.modules()):

@@ -1,0 +1,191 @@
+"""The fused forward of Llama-family decoder layers (transformers' Llama, Mistral, Qwen2, Qwen3) and of their
+SiLU-gated MLPs: fewer kernels a layer, the same rounding as transformers' forward.
+
+transformers runs a decoder layer as
+    h = x + attn(norm1(x));   out = h + mlp(norm2(h));   mlp(y) = down(silu(gate(y)) * up(y))
+and the fused forward as
+    x1 = rms_norm(x)                   one tilefish kernel (tilefish.norm)
+    a = attn(x1)                       transformers' attention, its q/k/v one W4A16 launch (fuse_projections)
+    h, x2 = rms_norm(x + a)            one kernel: the residual add and the norm
+    g = silu(gate(x2)) * up(x2)        one W4A16 launch with the activation in its epilogue (GatedW4A16Linear)
+    out = h + down(g)                  one W4A16 launch with the residual add in its epilogue
+Five tilefish launches besides the attention's own kernels, where transformers' forward (compiled) adds two
+norm kernels, a SiLU-mul and a residual add around the four GEMMs; and under programmatic dependent launch
+(sm_90, ops.w4a16.LaunchPolicy.programmatic) each of them starts streaming its weights while the kernel ahead
+of it in the stream finishes. A fused MLP alone (an MoE model's shared expert) is `down(gated(x))`.
+
+Rounding: each step rounds to the activation dtype where transformers does (the norm: fp32 normalise, round,
+times the weight; the adds, the silu and the product: 16-bit results), so on the CPU (the reference ops) the
+fused forward equals transformers' bit for bit; on the GPU the norms' fp32 sums run in another order.
+
+The switch is a class swap per module: FusedLlamaDecoderLayer is a LlamaDecoderLayer whose forward is the one
+above, so isinstance checks, hooks (output_hidden_states), state dicts and save_pretrained see the same modules
+(and pickling finds the class here: see __getattr__). use_fused_forward installs it where every piece is in
+place; restore_forward undoes it. A call that wants a gradient, or whose pieces were swapped afterwards, runs
+transformers' own forward.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from .nn import FusedW4A16Linear, GatedW4A16Linear, W4A16Linear, W4A16Slice
+
+# The transformers classes whose forward is the one the module docstring spells out (their module is
+# transformers.models.<family>.modeling_<family>); an exact class, never a subclass, since a subclass may have
+# a forward of its own.
+DECODER_LAYERS = {"LlamaDecoderLayer": "llama", "MistralDecoderLayer": "mistral", "Qwen2DecoderLayer": "qwen2",
+                  "Qwen3DecoderLayer": "qwen3"}
+GATED_MLPS = {"LlamaMLP": "llama", "MistralMLP": "mistral", "Qwen2MLP": "qwen2", "Qwen3MLP": "qwen3",
+              "Qwen2MoeMLP": "qwen2_moe", "Qwen3MoeMLP": "qwen3_moe"}
+RMS_NORMS = {"LlamaRMSNorm": "llama", "MistralRMSNorm": "mistral", "Qwen2RMSNorm": "qwen2", "Qwen3RMSNorm": "qwen3"}
+SILU = ("SiLUActivation", "SiLU")  # transformers' ACT2FN["silu"] and torch's nn.SiLU
+NORM_MULTIPLE = 8  # the norm kernel reads 16-byte vectors of the hidden size
+DESCRIPTION = "fused decoder forward: {layers} layer(s), {mlps} gated MLP(s)"
+
+
+def _known(module, table: dict[str, str]) -> bool:
+    """module is exactly one of the transformers classes named in table."""
+    cls = type(module)
+    family = table.get(cls.__name__)
+    return family is not None and cls.__module__ == f"transformers.models.{family}.modeling_{family}"
+
+
+def is_gated_mlp(module) -> bool:
+    """A transformers SiLU-gated MLP whose forward is down(silu(gate(x)) * up(x)) and whose down projection is a
+    W4A16Linear: its gate / up pair fuses as a GatedW4A16Linear (convert.fuse_projections) and the MLP then takes
+    the fused forward."""
+    return (_known(module, GATED_MLPS) and type(getattr(module, "act_fn", None)).__name__ in SILU
+            and _plain_layer(getattr(module, "down_proj", None)))
+
+
+def _fusable_mlp(module) -> bool:
+    if not (is_gated_mlp(module) or isinstance(module, FusedGatedMLP)):
+        return False
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    parts = (getattr(module, "gate_proj", None), getattr(module, "up_proj", None))
+    return (isinstance(gate_up, GatedW4A16Linear) and _plain_layer(down)
+            and all(isinstance(p, W4A16Slice) and p.fused is gate_up for p in parts))
+
+
+def _plain_layer(layer) -> bool:
+    return isinstance(layer, W4A16Linear) and not isinstance(layer, FusedW4A16Linear)
+
+
+def _norm_fits(norm, dtype: torch.dtype, hidden: int) -> bool:
+    weight = getattr(norm, "weight", None)
+    return (_known(norm, RMS_NORMS) and isinstance(getattr(norm, "variance_epsilon", None), float)
+            and isinstance(weight, torch.Tensor) and weight.dtype == dtype and weight.shape == (hidden,))
+
+
+def _fusable_layer(layer) -> bool:
+    if not (_known(layer, DECODER_LAYERS) or isinstance(layer, FusedDecoderLayer)):
+        return False
+    mlp = getattr(layer, "mlp", None)
+    if not isinstance(mlp, FusedGatedMLP) or not _fusable_mlp(mlp):
+        return False
+    dtype, hidden = mlp.gate_up_proj.scales.dtype, mlp.gate_up_proj.in_features
+    return hidden % NORM_MULTIPLE == 0 and all(
+        _norm_fits(getattr(layer, name, None), dtype, hidden) for name in ("input_layernorm", "post_attention_layernorm"))
+
+
+def _wants_grad(x: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and x.requires_grad
+
+
+class FusedGatedMLP:
+    """The fused forward of a SiLU-gated MLP (mixed in before the transformers class): down(gated(x))."""
+
+    _tilefish_base: type
+
+    def _fused_ready(self, x) -> bool:
+        gate_up = self.gate_up_proj
+        return (isinstance(x, torch.Tensor) and not _wants_grad(x) and isinstance(gate_up, GatedW4A16Linear)
+                and x.dtype == gate_up.scales.dtype and _plain_layer(self.down_proj))
+
+    def forward(self, x):
+        if not self._fused_ready(x):
+            return super().forward(x)
+        return self.down_proj(self.gate_up_proj.forward_gated(x))
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + self(x), the add in the down projection's epilogue."""
+        if not self._fused_ready(x):
+            return residual + super().forward(x)
+        return self.down_proj.forward_residual(self.gate_up_proj.forward_gated(x), residual)
+
+
+class FusedDecoderLayer:
+    """The fused forward of a Llama-family decoder layer (mixed in before the transformers class)."""
+
+    _tilefish_base: type
+
+    def _fused_ready(self, x) -> bool:
+        mlp, norm1, norm2 = self.mlp, self.input_layernorm, self.post_attention_layernorm
+        return (isinstance(mlp, FusedGatedMLP) and mlp._fused_ready(x) and norm1.weight.dtype == x.dtype
+                and not (torch.is_grad_enabled() and (norm1.weight.requires_grad or norm2.weight.requires_grad)))
+
+    def forward(self, hidden_states, attention_mask=None, *args, **kwargs):
+        from .norm import rms_norm
+
+        if args or not self._fused_ready(hidden_states):
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+        mlp, norm1, norm2 = self.mlp, self.input_layernorm, self.post_attention_layernorm
+        x = rms_norm(hidden_states, norm1.weight, norm1.variance_epsilon)
+        attn, _ = self.self_attn(hidden_states=x, attention_mask=attention_mask, **kwargs)
+        h, x = rms_norm(attn, norm2.weight, norm2.variance_epsilon, residual=hidden_states)
+        return mlp.forward_residual(x, h)
+
+
+def _fused_class(base: type) -> type:
+    """The class whose forward is the fused one over `base` (made once, kept in this module by name)."""
+    name = "Fused" + base.__name__
+    cls = globals().get(name)
+    if cls is None:
+        mixin = FusedDecoderLayer if base.__name__ in DECODER_LAYERS else FusedGatedMLP
+        cls = type(name, (mixin, base), {"__module__": __name__, "__qualname__": name, "_tilefish_base": base,
+                                         "__doc__": f"{base.__name__} with tilefish's fused forward ({mixin.__name__})."})
+        globals()[name] = cls
+    return cls
+
+
+def __getattr__(name: str):
+    """Fused<transformers class> on demand (unpickling a model saved with the fused forward)."""
+    base = name[len("Fused"):] if name.startswith("Fused") else ""
+    family = DECODER_LAYERS.get(base) or GATED_MLPS.get(base)
+    if family is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    return _fused_class(getattr(module, base))
+
+
+def use_fused_forward(model: torch.nn.Module) -> str | None:
+    """Give every fusable SiLU-gated MLP and Llama-family decoder layer of `model` its fused forward (in place):
+    an MLP whose gate / up are a GatedW4A16Linear (quantize_model / load_quantized with fuse=True) and whose down
+    is a W4A16Linear; a layer whose MLP is such and whose two norms are the family's RMSNorm in the layers'
+    dtype. Returns a one-line description, or None (nothing changed). Idempotent."""
+    if not isinstance(model, torch.nn.Module):
+        return None
+    mlps = [m for m in model.modules() if _fusable_mlp(m)]
+    for m in mlps:
+        if not isinstance(m, FusedGatedMLP):
+            m.__class__ = _fused_class(type(m))
+    layers = [m for m in model.modules() if _fusable_layer(m)]
+    for m in layers:
+        if not isinstance(m, FusedDecoderLayer):
+            m.__class__ = _fused_class(type(m))
+    if not mlps:
+        return None
+    return DESCRIPTION.format(layers=len(layers), mlps=len(mlps))
+
+
+def restore_forward(model: torch.nn.Module) -> int:
+    """Give every module use_fused_forward changed its transformers class back; returns how many."""
+    restored = 0
+    for m in model.modules():
+        if isinstance(m, (FusedDecoderLayer, FusedGatedMLP)):
+            m.__class__ = m._tilefish_base
+            restored += 1
+    return restored
+

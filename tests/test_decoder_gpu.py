@@ -1,0 +1,80 @@
+"""tilefish.decoder's fused forward on the GPU kernels: the same logits as transformers' forward over the same
+4-bit layers (within the norms' reordered fp32 sums and the fast silu), eagerly and compiled; the same bits with
+programmatic dependent launch on and off; and the kernels a layer launches. The user's loops (generate with
+the static cache, every compile mode, CUDA graphs) run the fused forward in test_user_loops.py."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tilefish
+from tilefish.decoder import FusedDecoderLayer
+from tilefish.ops import w4a16 as ops
+
+from hf_families import build, rel
+
+pytestmark = pytest.mark.gpu
+transformers = pytest.importorskip("transformers")
+
+TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2}  # two layers of 16-bit activations, an ulp here and there
+
+
+def _models(family, dtype, seed=0):
+    model = build(family, dtype, "cuda", seed=seed)
+    tilefish.quantize_model(model, clip_search=False)
+    assert isinstance(model.model.layers[0], FusedDecoderLayer)
+    twin = copy.deepcopy(model)
+    tilefish.restore_forward(twin)
+    return model, twin
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fused_forward_against_transformers_forward(family, dtype):
+    model, twin = _models(family, dtype)
+    for seed, (batch, length) in enumerate(((1, 1), (3, 9), (16, 33))):
+        torch.manual_seed(seed)
+        ids = torch.randint(3, 512, (batch, length), device="cuda")
+        with torch.no_grad():
+            err = rel(model(ids).logits, twin(ids).logits)
+        assert err < TOL[dtype], f"seed {seed}, batch {batch}, length {length}: {err:.2e}"
+
+
+def test_compiled_fused_forward_and_programmatic_launch_bits():
+    """torch.compile (reduce-overhead: CUDA graph trees) of the fused model equals its eager forward within
+    the compiled rest's reordering, and with programmatic dependent launch off the bits are the same."""
+    model, twin = _models("llama", torch.float16)
+    torch.manual_seed(5)
+    ids = torch.randint(3, 512, (2, 7), device="cuda")
+    with torch.no_grad():
+        eager = model(ids).logits
+        with ops.launch_policy(ops.LaunchPolicy(programmatic=False)):
+            assert torch.equal(model(ids).logits, eager)
+        compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+        for _ in range(3):
+            got = compiled(ids).logits.clone()
+        assert rel(got, eager) < TOL[torch.float16]
+        assert rel(got, twin(ids).logits) < TOL[torch.float16]
+    torch._dynamo.reset()
+
+
+def test_a_fused_layer_launches_five_tilefish_kernels_around_its_attention():
+    """One decode step of a fused layer: two norm kernels and three W4A16 GEMMs (q/k/v, gate/up with the
+    activation, down with the residual add) besides the attention's own and o's GEMM: no SiLU kernel."""
+    model, _ = _models("llama", torch.float16)
+    layer = model.model.layers[0]
+    hidden = torch.randn(1, 1, 256, device="cuda", dtype=torch.float16)
+    position = torch.zeros(1, 1, dtype=torch.long, device="cuda")
+    emb = model.model.rotary_emb(hidden, position)
+    with torch.no_grad():
+        layer(hidden, attention_mask=None, position_embeddings=emb, position_ids=position)  # plans, kernels loaded
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            layer(hidden, attention_mask=None, position_embeddings=emb, position_ids=position)
+            torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert sum("rms_norm" in n for n in names) == 2, names
+    assert sum("w4a16" in n for n in names) == 4, names  # q/k/v, o, gate/up, down
+    assert not any("silu" in n.lower() for n in names), names
