@@ -3,8 +3,11 @@ profiler, kernel time summed by kind (W4A16 GEMMs, cuBLAS GEMMs, attention, Trit
 fp16 and W4A16, per layer and in total.
 
 Usage (device): python scripts/profile_e2e.py [layers] [batch ...]   (default 8 layers, batch 1 16;
-MODEL=hf|builtin, KERNELS=1 lists every kernel, IMPLS=fp16,fp16-gqa,w4a16 (default), LM_HEAD=auto|quantize|dense: quantize_model's lm_head, default auto)
+MODEL=hf|builtin, KERNELS=1 lists every kernel, IMPLS=fp16,fp16-gqa,w4a16 (default; also bench e2e's w4a16-hf, and
+w4a16-nopdl: w4a16 captured under LaunchPolicy(programmatic=False)), LM_HEAD=auto|quantize|dense: quantize_model's
+lm_head, default auto)
 """
+import contextlib
 import os
 import sys
 from collections import defaultdict
@@ -13,6 +16,7 @@ import torch
 
 from tilefish.bench import e2e
 from tilefish.models.llama import LlamaConfig
+from tilefish.ops import w4a16 as ops
 
 
 def kind(name: str) -> str:
@@ -21,6 +25,8 @@ def kind(name: str) -> str:
         return "triton (fused elementwise, norms, rope)"
     if "w4a16" in n:
         return "W4A16 GEMM"
+    if "rms_norm" in n:
+        return "tilefish norm"
     if "gemv" in n or "gemm" in n or "xmma" in n or "cutlass" in n or "nvjet" in n:
         return "cuBLAS GEMM"
     if "attention" in n or "fmha" in n or "flash" in n or "sdpa" in n:
@@ -63,8 +69,11 @@ def main():
     for impl in os.environ.get("IMPLS", "fp16,fp16-gqa,w4a16").split(","):
         torch.manual_seed(0)
         runner = Runner(cfg, dev)
-        with torch.no_grad():
-            e2e._convert(runner, impl, os.environ.get("LM_HEAD", "auto"))
+        # the launches made while a step is captured keep the policy active then
+        policy = ops.launch_policy(ops.LaunchPolicy(programmatic=False)) if impl.endswith("-nopdl") else \
+            contextlib.nullcontext()
+        with torch.no_grad(), policy:
+            e2e._convert(runner, impl.removesuffix("-nopdl"), os.environ.get("LM_HEAD", "auto"))
             for layer in runner.model.model.layers:
                 layer.compile(fullgraph=True, dynamic=False)
             for b in batches:

@@ -199,10 +199,12 @@ def test_run_on_cpu(kind, modes, tmp_path):
     rep = e2e.run(batches=(2,), prefill=(8,), context=8, modes=modes, impls=e2e.IMPLS, model=kind,
                   reps=1, config=TINY, device="cpu", backend="eager")
     dense = ["fp16"] + (["fp16 + tilefish attention"] if kind == "hf" else [])   # builtin: no K/V repeat to remove
-    impls = (dense + ["tilefish w4a16"] + (["bitsandbytes nf4"] if e2e._bnb_problem() is None else [])
+    impls = (dense + ["tilefish w4a16"] + (["tilefish w4a16, transformers' layer forward"] if kind == "hf" else [])
+             + (["bitsandbytes nf4"] if e2e._bnb_problem() is None else [])
              + (["tilefish nf4"] if e2e._tilefish_nf4_problem() is None else []))
-    if kind == "builtin":
+    if kind == "builtin":  # no K/V repeat to remove, no transformers layer forward
         assert any(n.startswith("fp16-gqa skipped: ") for n in rep.notes), rep.notes
+        assert any(n.startswith("w4a16-hf skipped: ") for n in rep.notes), rep.notes
     if e2e._tilefish_nf4_problem() is not None:  # tilefish.quantize_model(method="nf4") not in this build
         assert any(n.startswith("tilefish-nf4 skipped: ") for n in rep.notes), rep.notes
     assert len(rep.rows) == len(modes) * 2 * len(impls)
@@ -343,6 +345,7 @@ def test_run_on_gpu(kind):
         pytest.importorskip("transformers")
     rep = e2e.run(batches=(1, 4), prefill=(64,), context=64, model=kind, reps=5, config=TINY)
     impls = len(e2e.IMPLS) - (0 if e2e._bnb_problem() is None else 1)  # "nf4" is bitsandbytes'
+    impls -= 2 if kind == "builtin" else 0  # fp16-gqa and w4a16-hf need transformers' model
     assert len(rep.rows) == 2 * 3 * impls, rep.notes
     assert not [n for n in rep.notes if "FAILED" in n or "LARGE" in n], rep.notes
     assert all(r.time_us > 0 and r.metric > 0 for r in rep.rows)

@@ -35,12 +35,15 @@ MODES = ("eager", "compiled")  # run in this order: compiling changes the layers
 # Built in this order (bitsandbytes' nf4 before tilefish's, whose logits are checked against it). The CLI's
 # bench/families/e2e.py HARNESS_IMPLS repeats this tuple (tests/test_e2e.py checks it).
 # "fp16-gqa": the dense model with the attention quantize_model's fused forward gives the tilefish variants
-# (tilefish.use_gqa_attention: K/V not repeated), so a ratio can be read without the attention's share
-IMPLS = ("fp16", "fp16-gqa", "w4a16", "nf4", "tilefish-nf4")
+# (tilefish.use_gqa_attention: K/V not repeated), so a ratio can be read without the attention's share;
+# "w4a16-hf": tilefish w4a16 with transformers' own layer forward (tilefish.restore_forward), so the fused
+# decoder forward's share can be read too
+IMPLS = ("fp16", "fp16-gqa", "w4a16", "w4a16-hf", "nf4", "tilefish-nf4")
 LABELS = {"fp16": "fp16", "fp16-gqa": "fp16 + tilefish attention", "w4a16": "tilefish w4a16",
-          "nf4": "bitsandbytes nf4", "tilefish-nf4": "tilefish nf4"}
+          "w4a16-hf": "tilefish w4a16, transformers' layer forward", "nf4": "bitsandbytes nf4",
+          "tilefish-nf4": "tilefish nf4"}
 # tilefish's variants (both archs): checked against their dense twin (dequantize_model)
-QUANTIZED = ("w4a16", "tilefish-nf4") + MOE_QUANTIZED
+QUANTIZED = ("w4a16", "w4a16-hf", "tilefish-nf4") + MOE_QUANTIZED
 CHECK_TOKENS = 64       # prompt length of the logits checks
 # The W4A16 model's logits against its dense twin (the same model with every W4A16 layer replaced
 # by its exactly dequantized weight: the kernels' error alone) further apart than this are flagged.
@@ -191,11 +194,16 @@ def _convert(runner, impl: str, lm_head: str) -> str:
         from ..attention import use_gqa_attention
 
         return f"dense, attention {use_gqa_attention(runner.model)}"
-    if impl == "w4a16":
+    if impl in ("w4a16", "w4a16-hf"):
         from ..convert import quantize_model
+        from ..decoder import restore_forward
 
         rep = quantize_model(runner.model, group_size=128, lm_head=lm_head)
-        return f"{len(rep.converted)} linears -> W4A16 g128, {len(rep.fused)} fused groups, lm_head {rep.lm_head}"
+        if impl == "w4a16-hf":
+            restore_forward(runner.model)
+        forward = "transformers' layer forward" if impl == "w4a16-hf" else rep.forward or "transformers' layer forward"
+        return (f"{len(rep.converted)} linears -> W4A16 g128, {len(rep.fused)} fused groups, lm_head {rep.lm_head}, "
+                f"{forward}")
     if impl == "nf4":
         _to_nf4(runner.model.model.layers)
         return "decoder-layer linears -> bnb Linear4bit (nf4, blocksize 64, double quant)"
@@ -507,6 +515,9 @@ def run(layers: int | None = None, batches=DEFAULT_BATCHES, prefill=DEFAULT_PREF
     if "fp16-gqa" in timed and model == "builtin":
         timed.remove("fp16-gqa")
         notes.append("fp16-gqa skipped: the built-in model's attention reads K/V in place already")
+    if "w4a16-hf" in timed and model == "builtin":
+        timed.remove("w4a16-hf")
+        notes.append("w4a16-hf skipped: the built-in model has no transformers layer forward")
     if "tilefish-nf4" in timed and (why := _tilefish_nf4_problem()):
         timed.remove("tilefish-nf4")
         notes.append(f"tilefish-nf4 skipped: {why}")

@@ -41,15 +41,18 @@ from .e2e_models import MOE_GENERATE_DENSE, MOE_GENERATE_IMPLS, MOE_GENERATE_LAB
 from .report import Report, Row
 
 # "fp16-gqa": fp16 with the attention the tilefish variants get (tilefish.use_gqa_attention, K/V not repeated)
-IMPLS = ("fp16", "fp16-gqa", "bf16", "w4a16", "w4a16-bf16", "tilefish-nf4", "nf4", "tinygemm")
+# "w4a16-hf": tilefish w4a16 with transformers' own layer forward (tilefish.restore_forward)
+IMPLS = ("fp16", "fp16-gqa", "bf16", "w4a16", "w4a16-hf", "w4a16-bf16", "tilefish-nf4", "nf4", "tinygemm")
 LABELS = {"fp16": "fp16", "fp16-gqa": "fp16 + tilefish attention", "bf16": "bf16", "w4a16": "tilefish w4a16",
-          "w4a16-bf16": "tilefish w4a16 bf16", "tilefish-nf4": "tilefish nf4", "nf4": "bitsandbytes nf4",
-          "tinygemm": "torch int4 (tinygemm) bf16"}
+          "w4a16-hf": "tilefish w4a16, transformers' layer forward", "w4a16-bf16": "tilefish w4a16 bf16",
+          "tilefish-nf4": "tilefish nf4", "nf4": "bitsandbytes nf4", "tinygemm": "torch int4 (tinygemm) bf16"}
 DTYPES = {"fp16": torch.float16, "fp16-gqa": torch.float16, "bf16": torch.bfloat16, "w4a16": torch.float16,
-          "w4a16-bf16": torch.bfloat16, "tilefish-nf4": torch.float16, "nf4": torch.float16, "tinygemm": torch.bfloat16}
+          "w4a16-hf": torch.float16, "w4a16-bf16": torch.bfloat16, "tilefish-nf4": torch.float16,
+          "nf4": torch.float16, "tinygemm": torch.bfloat16}
 DENSE = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 # Each variant's ratios: against the dense model of its dtype, and these peers where they ran.
-PEERS = {"w4a16-bf16": ("tinygemm",), "tilefish-nf4": ("nf4", "fp16-gqa"), "w4a16": ("fp16-gqa", "tilefish-nf4", "nf4")}
+PEERS = {"w4a16-bf16": ("tinygemm",), "tilefish-nf4": ("nf4", "fp16-gqa"),
+         "w4a16": ("fp16-gqa", "w4a16-hf", "tilefish-nf4", "nf4")}
 BATCHES = (1, 16)
 NEW_TOKENS = 128
 PROMPT = 32
@@ -89,14 +92,18 @@ def _build(cfg: LlamaConfig | MoEConfig, impl: str, device: torch.device, seed: 
         from ..attention import use_gqa_attention
 
         return model, f"dense, attention {use_gqa_attention(model)}"
-    if impl in ("w4a16", "w4a16-bf16", "tilefish-nf4"):
+    if impl in ("w4a16", "w4a16-hf", "w4a16-bf16", "tilefish-nf4"):
         from ..convert import quantize_model
+        from ..decoder import restore_forward
 
         method = "nf4" if impl == "tilefish-nf4" else "w4a16"
         extra = {} if method == "nf4" else {"clip_search": False}  # the speed does not depend on the values
         rep = quantize_model(model, method=method, lm_head=lm_head, **extra)
+        if impl == "w4a16-hf":
+            restore_forward(model)
+        forward = "transformers' layer forward" if impl == "w4a16-hf" else rep.forward or "transformers' layer forward"
         return model, (f"{len(rep.converted)} linears -> tilefish {method}, {len(rep.fused)} fused groups, "
-                       f"lm_head {rep.lm_head}")
+                       f"lm_head {rep.lm_head}, {forward}")
     if impl == "nf4":
         _to_nf4(model.model.layers)
         return model, "decoder linears -> bitsandbytes Linear4bit nf4 (blocksize 64, double quant)"

@@ -12,8 +12,8 @@ from ..progress import Case, samples_s
 
 # The variants of each loop (bench/e2e.py IMPLS, bench/e2e_generate.py IMPLS; tests check that they agree): kept
 # here too, so that the command line is built without torch.
-HARNESS_IMPLS = ("fp16", "fp16-gqa", "w4a16", "nf4", "tilefish-nf4")
-GENERATE_IMPLS = ("fp16", "fp16-gqa", "bf16", "w4a16", "w4a16-bf16", "tilefish-nf4", "nf4", "tinygemm")
+HARNESS_IMPLS = ("fp16", "fp16-gqa", "w4a16", "w4a16-hf", "nf4", "tilefish-nf4")
+GENERATE_IMPLS = ("fp16", "fp16-gqa", "bf16", "w4a16", "w4a16-hf", "w4a16-bf16", "tilefish-nf4", "nf4", "tinygemm")
 LOOPS = ("harness", "generate")
 # The quick plan: the decoder at 8 layers, fp16 against tilefish W4A16, compiled (torch.compile per layer + CUDA
 # graph), decode batch 1; and the same model through HF's generate() (static cache, its own compile: the user's
@@ -66,8 +66,10 @@ class E2E(BenchFamily):
                        help="transformers' LlamaForCausalLM or tilefish.models.llama (default: hf when importable)")
         p.add_argument("--impls", type=choice_list(tuple(dict.fromkeys(HARNESS_IMPLS + GENERATE_IMPLS + MOE_IMPLS
                                                                       + MOE_GENERATE_IMPLS))),
-                       help="variants to time: fp16, bf16 (dense), w4a16 / w4a16-bf16 (tilefish), nf4 (bitsandbytes "
-                       "Linear4bit), tilefish-nf4 (tilefish NF4, fused), tinygemm (torch's int4 kernel, bf16); each "
+                       help="variants to time: fp16, bf16 (dense), fp16-gqa (fp16 with tilefish's attention), w4a16 / "
+                       "w4a16-bf16 (tilefish), w4a16-hf (tilefish w4a16 with transformers' layer forward), nf4 "
+                       "(bitsandbytes Linear4bit), tilefish-nf4 (tilefish NF4, fused), tinygemm (torch's int4 kernel, "
+                       "bf16); each "
                        f"loop runs the ones it has (default: all; harness {','.join(HARNESS_IMPLS)}, generate "
                        f"{','.join(GENERATE_IMPLS)}; --arch qwen3-moe: harness {','.join(MOE_IMPLS)}, generate "
                        f"{','.join(MOE_GENERATE_IMPLS)})")
