@@ -2,7 +2,7 @@
 
 Each fused epilogue rounds the product to the dtype first, as the unfused PyTorch expression does, so under a
 forced plan (the same sums in the same order) the residual epilogue must give `residual + y`'s bits from the
-same kernel's plain output y, and the gated one `silu(gate) * up`'s within an ulp (its silu is fast fp32). Every kernel family and every place
+same kernel's plain output y, and the gated one `silu(gate) * up`'s within two ulps (its silu is fast fp32). Every kernel family and every place
 a tile's final value is stored is covered: the mma.sync kernel (plain and swapped operands, k split fixup),
 the skinny stream-K kernel (whole tiles, the finisher's and the consumers' fixups, the staged fixup), the wgmma
 kernel (tiles, the global-workspace split, the DSMEM cluster split, stream-K). Outputs are poisoned, inputs
@@ -27,8 +27,10 @@ hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_devi
 
 
 def _case(k, n, group, sym, dtype, seed):
+    """A weight scaled as a model's (outputs of unit-scale x about unit scale: silu(gate) * up and a chain of
+    layers stay inside fp16's range)."""
     torch.manual_seed(seed)
-    w = torch.randn(n, k, device="cuda") * (0.5 + torch.rand(()).item())
+    w = torch.randn(n, k, device="cuda") * (0.5 + torch.rand(()).item()) / k ** 0.5
     q = quantize_rtn(w, group, sym, scale_dtype=dtype, clip_search=False)
     return q, ops.pack(q)
 
@@ -59,10 +61,11 @@ def _check_epilogues(x, q, p, seed, bias=None, **plan):
     got = ops.matmul_impl(x, p, bias, gated=True, **plan)
     want = w4a16_epilogue(y, gated=True)
     assert got.shape == (m, p.n // 2)
-    # the kernel's silu is fast fp32 (epilogue.cuh): its 16-bit result may sit an ulp from torch's
+    # the kernel's silu is fast fp32 (epilogue.cuh): its 16-bit silu may sit an ulp from torch's, and the
+    # product then up to two (an ulp at the bottom of the silu's binade is two at the top of the product's)
     ulps = (_ordered(got) - _ordered(want)).abs()
     assert not torch.isnan(got).any(), f"gated epilogue: unwritten outputs ({where})"
-    assert ulps.max() <= 1 and (ulps > 0).float().mean() < 0.01, \
+    assert ulps.max() <= 2 and (ulps > 0).float().mean() < 0.01, \
         f"gated epilogue: {(ulps > 0).sum().item()} of {got.numel()} outputs differ from silu(gate) * up, " \
         f"at most {ulps.max().item()} ulp ({where})"
     assert rel_err(got, w4a16_epilogue(ref, gated=True)) < 2 * TOLERANCE[dtype], where
