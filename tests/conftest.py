@@ -154,6 +154,20 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (ordered(a) - ordered(b)).abs()
 
 
+def capture(fn):
+    """fn() run once on a side stream (kernels loaded, plans made) and then captured in a CUDA graph there:
+    (the graph, what the captured call returned, its tensors the graph's outputs)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            out = fn()
+    torch.cuda.current_stream().wait_stream(s)
+    return graph, out
+
+
 @pytest.fixture
 def cuda():
     if not HAS_CUDA:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from conftest import TOLERANCE, poison, rel_err, ulp_distance
+from conftest import TOLERANCE, capture, poison, rel_err, ulp_distance
 from tilefish import norm
 from tilefish.ops import library
 from tilefish.ops import norm as norm_ops
@@ -293,14 +293,7 @@ def test_rows_zero_on_cuda(cuda):
 @pytest.mark.parametrize("residual", [False, True], ids=["norm", "add-norm"])
 def test_cuda_graph_replayed_with_new_inputs(residual, seed, cuda):
     x, w, r = _inputs((3, 5120), torch.bfloat16, cuda, residual)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        norm.rms_norm(x, w, EPS, r)                   # load the kernel outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=s):
-            got = norm.rms_norm(x, w, EPS, r)
-    torch.cuda.current_stream().wait_stream(s)
+    graph, got = capture(lambda: norm.rms_norm(x, w, EPS, r))
     for _ in range(2):
         nx, _, nr = _inputs((3, 5120), torch.bfloat16, cuda, residual)
         x.copy_(nx)

@@ -19,7 +19,7 @@ from tilefish.ops import w4a16 as ops
 from tilefish.quant.int4 import quantize_rtn
 from tilefish.reference import w4a16_epilogue, w4a16_matmul as ref_matmul
 
-from conftest import TOLERANCE, rel_err
+from conftest import TOLERANCE, capture, rel_err, ulp_distance
 
 pytestmark = pytest.mark.gpu
 hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
@@ -37,12 +37,6 @@ def _case(k, n, group, sym, dtype, seed):
 
 def _poison(rows, cols, dtype):
     torch.full((rows, cols), float("nan"), device="cuda", dtype=dtype)
-
-
-def _ordered(t: torch.Tensor) -> torch.Tensor:
-    """16-bit floats as integers in value order (+0 and -0 both 0): a difference of 1 is one ulp."""
-    bits = t.view(torch.int16).int()
-    return torch.where(bits < 0, -(bits & 0x7FFF), bits)
 
 
 def _check_epilogues(x, q, p, seed, bias=None, **plan):
@@ -63,7 +57,7 @@ def _check_epilogues(x, q, p, seed, bias=None, **plan):
     assert got.shape == (m, p.n // 2)
     # the kernel's silu is fast fp32 (epilogue.cuh): its 16-bit silu may sit an ulp from torch's, and the
     # product then up to two (an ulp at the bottom of the silu's binade is two at the top of the product's)
-    ulps = (_ordered(got) - _ordered(want)).abs()
+    ulps = ulp_distance(got, want)
     assert not torch.isnan(got).any(), f"gated epilogue: unwritten outputs ({where})"
     assert ulps.max() <= 2 and (ulps > 0).float().mean() < 0.01, \
         f"gated epilogue: {(ulps > 0).sum().item()} of {got.numel()} outputs differ from silu(gate) * up, " \
@@ -146,14 +140,7 @@ def test_programmatic_launch_chain_same_bits_eager_and_graph():
         for pdl in (False, True):
             with ops.launch_policy(ops.LaunchPolicy(programmatic=pdl)):
                 outs[pdl] = chain(x)
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    chain(x)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, stream=s):
-                        captured = chain(x)
-                torch.cuda.current_stream().wait_stream(s)
+                graph, captured = capture(lambda: chain(x))
                 for _ in range(3):
                     graph.replay()
                 torch.cuda.synchronize()

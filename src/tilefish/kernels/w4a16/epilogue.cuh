@@ -40,34 +40,19 @@ struct Epilogue {
 // The output column of gate column c of a gated weight (c % 16 < 8).
 __device__ __forceinline__ int gated_column(int c) { return ((c >> 4) << 3) | (c & 7); }
 
-// 16-byte chunks (8 values) of y already rounded to T (a staged tile): y + residual, and the gated
-// values of 8 gate columns and their 8 up columns.
-template <typename T>
-__device__ __forceinline__ uint4 residual_chunk(uint4 y, uint4 r) {
+// Two 16-byte chunks (8 values each) of T combined value by value in fp32 by f, rounded to T: a staged tile's
+// y (already rounded) with its residual (y + r), or 8 gate columns with their 8 up columns (silu_mul).
+template <typename T, typename F>
+__device__ __forceinline__ uint4 combine_chunks(uint4 a, uint4 b, F f) {
     using V2 = Vec2<T>;
-    const auto* a = reinterpret_cast<const typename V2::type*>(&y);
-    const auto* b = reinterpret_cast<const typename V2::type*>(&r);
+    const auto* pa = reinterpret_cast<const typename V2::type*>(&a);
+    const auto* pb = reinterpret_cast<const typename V2::type*>(&b);
     uint4 out;
     auto* o = reinterpret_cast<typename V2::type*>(&out);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const float2 fa = V2::to_float2(a[i]), fb = V2::to_float2(b[i]);
-        o[i] = V2::make(fa.x + fb.x, fa.y + fb.y);
-    }
-    return out;
-}
-
-template <typename T>
-__device__ __forceinline__ uint4 gated_chunk(uint4 gate, uint4 up) {
-    using V2 = Vec2<T>;
-    const auto* g = reinterpret_cast<const typename V2::type*>(&gate);
-    const auto* u = reinterpret_cast<const typename V2::type*>(&up);
-    uint4 out;
-    auto* o = reinterpret_cast<typename V2::type*>(&out);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 fg = V2::to_float2(g[i]), fu = V2::to_float2(u[i]);
-        o[i] = V2::make(Epilogue<T>::silu_mul(fg.x, fu.x), Epilogue<T>::silu_mul(fg.y, fu.y));
+        const float2 fa = V2::to_float2(pa[i]), fb = V2::to_float2(pb[i]);
+        o[i] = V2::make(f(fa.x, fb.x), f(fa.y, fb.y));
     }
     return out;
 }

@@ -609,11 +609,14 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
             uint4 v = *reinterpret_cast<const uint4*>(st);
             size_t at;
             if (gated) {
-                v = gated_chunk<T>(v, *reinterpret_cast<const uint4*>(st + 16));
+                v = combine_chunks<T>(v, *reinterpret_cast<const uint4*>(st + 16),
+                                      [](float g, float u) { return epilogue_t::silu_mul(g, u); });
                 at = (size_t)(m0 + row) * (n / 2) + (n0 + col8 * 8) / 2;
             } else {
                 at = (size_t)(m0 + row) * n + n0 + col8 * 8;
-                if (residual != nullptr) v = residual_chunk<T>(v, *reinterpret_cast<const uint4*>(residual + at));
+                if (residual != nullptr)
+                    v = combine_chunks<T>(v, *reinterpret_cast<const uint4*>(residual + at),
+                                          [](float y, float r) { return y + r; });
             }
             *reinterpret_cast<uint4*>(out + at) = v;
         }
