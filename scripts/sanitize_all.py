@@ -14,6 +14,8 @@ One script for every kernel family (issue 30 item 3; it replaces sanitize_w4a16_
   nf4-matmul   the same kernels built with codebook "nf4" (-D TF_W4A16_NF4): groups 32/64/128, both
                dtypes, forced configurations and the dispatcher's picks (NF4_TALL_TILE included)
   nf4-dequant  kernels/nf4/dequantize.cu: every dispatched build (bf16/fp16/fp32, single/double quant)
+  norm         kernels/norm/rmsnorm.cu: every dispatched build (fp16/bf16 x the chunks a thread holds), the plain
+               norm and the residual add + norm, under programmatic dependent launch
   sgemm        every ladder step's TUNED and TUNED_SMALL configuration (what kernel="auto" / a step
                name can launch), edge tiles, alpha / beta with c
   hgemm        every dispatched configuration (TUNED, TUNED_SMALL, TUNED_LOW_SMEM, step 07's MID /
@@ -128,10 +130,10 @@ except ImportError:  # run from a checkout that is not installed
     sys.path.insert(0, str(REPO / "src"))
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
-FAMILIES = ("w4a16", "nf4-matmul", "nf4-dequant", "sgemm", "hgemm", "moe")
+FAMILIES = ("w4a16", "nf4-matmul", "nf4-dequant", "norm", "sgemm", "hgemm", "moe")
 ALL = frozenset(TOOLS)
 NO_RACE = frozenset(("memcheck", "synccheck", "initcheck"))
-KERNEL_FILTERS = ("w4a16_", "nf4_dequantize", "sgemm_", "hgemm_", "moe_")  # substrings of our kernels' mangled names
+KERNEL_FILTERS = ("w4a16_", "nf4_dequantize", "rms_norm", "sgemm_", "hgemm_", "moe_")  # substrings of our kernels' mangled names
 TOLERANCE = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 1.6e-2}  # tests/conftest.py's, by output dtype
 LINEINFO_ENV = "TILEFISH_SANITIZE_LINEINFO"
 FAKE_DEVICE_ENV = "TILEFISH_SANITIZE_FAKE_DEVICE"  # tests: a device description; workers run the CPU path
@@ -241,6 +243,17 @@ def nf4_dequant_builds() -> dict:
     return {nf4.kernel_spec(dt, dq): (dt, dq) for dt in nf4.OUT_DTYPES for dq in (False, True)}
 
 
+def norm_builds() -> dict:
+    """{KernelSpec: (dtype, chunks a thread)} of every RMSNorm build ops.norm.dispatch_specs lists."""
+    from tilefish.ops import norm
+
+    return {norm.kernel_spec(dt, v): (dt, v) for dt in norm.DTYPES for v in norm.VPTS}
+
+
+# A row width whose block (ops.norm.block_config) takes each chunk count: 17, 513 and 1025 chunks of 8.
+NORM_COLS = {1: 136, 2: 4104, 4: 8200}
+
+
 def spec_config(family: str, spec, builds: dict | None = None):
     """A dispatch KernelSpec -> (family, config, format) with format a dict. W4A16 / NF4 specs are
     looked up among the builds their ops module names (w4a16_builds, nf4_dequant_builds); SGEMM and
@@ -260,6 +273,11 @@ def spec_config(family: str, spec, builds: dict | None = None):
         if dt_dq is None:
             raise ValueError(f"{spec} is not a dispatched NF4 dequantize build")
         return "nf4-dequant", None, {"dt": _dtname(dt_dq[0]), "dq": int(dt_dq[1])}
+    if family == "norm":
+        dt_v = norm_builds().get(spec)
+        if dt_v is None:
+            raise ValueError(f"{spec} is not a dispatched RMSNorm build")
+        return "norm", None, {"dt": _dtname(dt_v[0]), "vpt": dt_v[1]}
     head, a = _targs(spec.name)
     if family == "sgemm":
         step = Path(spec.source).stem
@@ -1011,12 +1029,15 @@ def enumerate_plans(sm_count: int = 132, cc: int = 90, exhaustive: bool = False,
     # NF4 dequantize, SGEMM, HGEMM: every dispatched spec
     hg_seen: dict = {}
     for fam, spec, pfam, cfg, fmt in universe:
-        if cfg is None and pfam != "nf4-dequant":
+        if cfg is None and pfam not in ("nf4-dequant", "norm"):
             continue
         if pfam == "nf4-dequant":
             i = DT_NAMES.index(fmt["dt"]) * 2 + fmt["dq"]
             add(make_plan("nf4-dequant", ALL, 0, "67 x 1030 (a partial last block and vector), every dispatched build",
                           dt=fmt["dt"], dq=fmt["dq"], rows=67, cols=1030, bs=(64, 4096, 256)[i % 3]))
+        elif pfam == "norm":
+            add(make_plan("norm", ALL, 0, "67 rows, the residual add + norm and the plain norm, programmatic launch",
+                          dt=fmt["dt"], vpt=fmt["vpt"], rows=67, cols=NORM_COLS[fmt["vpt"]]))
         elif pfam == "sgemm":
             bm, bn = cfg.tile
             vec = cfg.info.vectorized
@@ -1079,6 +1100,10 @@ def plan_specs(p: Plan) -> list:
         return [w4.kernel_spec(_dtype(a["dt"]), cfg, int(a["g"]), bool(int(a["zp"])), a["cb"])]
     if p.family == "nf4-dequant":
         return [nf4.kernel_spec(_dtype(a["dt"]), bool(int(a["dq"])))]
+    if p.family == "norm":
+        from tilefish.ops import norm
+
+        return [norm.kernel_spec(_dtype(a["dt"]), int(a["vpt"]))]
     if p.family == "sgemm":
         return [sgemm.SgemmConfig(*_sg_parse(a["cfg"])).spec]
     if p.family == "hgemm":
@@ -1311,6 +1336,32 @@ def _run_nf4_dequant(pid: str, a: dict, dev) -> dict:
     return info
 
 
+def _run_norm(pid: str, a: dict, dev) -> dict:
+    import torch
+
+    from tilefish import norm
+    from tilefish.reference import rms_norm
+
+    gen = torch.Generator().manual_seed(_seed(pid))
+    dt, rows, cols = _dtype(a["dt"]), int(a["rows"]), int(a["cols"])
+    x, r = (torch.randn(rows, cols, generator=gen).to(dt) for _ in range(2))
+    w = (torch.rand(cols, generator=gen) + 0.5).to(dt)
+    t0 = time.perf_counter()
+    xg, rg, wg = x.to(dev), r.to(dev), w.to(dev)
+    h, out = norm.rms_norm(xg, wg, 1e-6, rg)       # the add + norm, then the norm of its sum: a launch reading
+    again = norm.rms_norm(h, wg, 1e-6)             # what the one ahead wrote (programmatic launch)
+    h, out, again = h.cpu(), out.cpu(), again.cpu()
+    info = {"gpu_s": time.perf_counter() - t0}
+    if not torch.equal(h, x + r):
+        raise AssertionError("h differs from x + residual")
+    ref = rms_norm(h.float(), w.float(), 1e-6)  # both normalise h
+    for got in (out, again):
+        err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+        if not err < TOLERANCE[a["dt"]]:
+            raise AssertionError(f"relative error {err:.2e} against the fp32 reference")
+    return info
+
+
 def _run_sgemm(pid: str, a: dict, dev) -> dict:
     import torch
 
@@ -1536,7 +1587,8 @@ def _run_moe(pid: str, a: dict, dev) -> dict:
     return info
 
 
-RUNNERS = {"w4a16": _run_w4a16, "nf4-matmul": _run_w4a16, "nf4-dequant": _run_nf4_dequant, "sgemm": _run_sgemm,
+RUNNERS = {"w4a16": _run_w4a16, "nf4-matmul": _run_w4a16, "nf4-dequant": _run_nf4_dequant, "norm": _run_norm,
+           "sgemm": _run_sgemm,
            "hgemm": _run_hgemm, "moe": _run_moe}
 
 
