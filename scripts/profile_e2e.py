@@ -4,8 +4,7 @@ fp16 and W4A16, per layer and in total.
 
 Usage (device): python scripts/profile_e2e.py [layers] [batch ...]   (default 8 layers, batch 1 16;
 MODEL=hf|builtin, KERNELS=1 lists every kernel, IMPLS=fp16,fp16-gqa,w4a16 (default; also bench e2e's w4a16-hf, and
-w4a16-nopdl: w4a16 captured under LaunchPolicy(programmatic=False); a -sdpa suffix, as w4a16-sdpa: decode steps
-attention through SDPA, tilefish.attention.DECODE_KERNEL = False), LM_HEAD=auto|quantize|dense: quantize_model's
+w4a16-nopdl: w4a16 captured under LaunchPolicy(programmatic=False)), LM_HEAD=auto|quantize|dense: quantize_model's
 lm_head, default auto)
 """
 import contextlib
@@ -15,7 +14,6 @@ from collections import defaultdict
 
 import torch
 
-from tilefish import attention
 from tilefish.bench import e2e
 from tilefish.models.llama import LlamaConfig
 from tilefish.ops import w4a16 as ops
@@ -31,7 +29,7 @@ def kind(name: str) -> str:
         return "tilefish norm"
     if "gemv" in n or "gemm" in n or "xmma" in n or "cutlass" in n or "nvjet" in n:
         return "cuBLAS GEMM"
-    if "attention" in n or "fmha" in n or "flash" in n or "sdpa" in n or "lean_reduction" in n:
+    if "attention" in n or "fmha" in n or "flash" in n or "sdpa" in n or "lean_reduction" in n:  # cuDNN's reduction too
         return "attention"
     return "other"
 
@@ -72,11 +70,10 @@ def main():
         torch.manual_seed(0)
         runner = Runner(cfg, dev)
         # the launches made while a step is captured keep the policy active then
-        policy = ops.launch_policy(ops.LaunchPolicy(programmatic=False)) if "-nopdl" in impl else \
+        policy = ops.launch_policy(ops.LaunchPolicy(programmatic=False)) if impl.endswith("-nopdl") else \
             contextlib.nullcontext()
-        attention.DECODE_KERNEL = "-sdpa" not in impl  # read when the layers are traced, at the first replay
         with torch.no_grad(), policy:
-            e2e._convert(runner, impl.replace("-nopdl", "").replace("-sdpa", ""), os.environ.get("LM_HEAD", "auto"))
+            e2e._convert(runner, impl.removesuffix("-nopdl"), os.environ.get("LM_HEAD", "auto"))
             for layer in runner.model.model.layers:
                 layer.compile(fullgraph=True, dynamic=False)
             for b in batches:
@@ -94,7 +91,6 @@ def main():
                     print(f"    {k:42s} {us:9,.1f} us  {us / layers:7.1f} us a layer  ({count[k]} kernels a step)")
                 runner.free()
         del runner
-        attention.DECODE_KERNEL = True
         torch._dynamo.reset()
         torch.cuda.empty_cache()
 

@@ -4,8 +4,7 @@ over a static cache), four ways, each compiled (fullgraph) and replayed in a CUD
   repeat     transformers' sdpa: K/V repeated to 32 heads, then SDPA
   fold-sdpa  the query heads of a KV head folded into rows, one SDPA call (tilefish_sdpa before the decode path)
   fold-math  the same fold, written as transformers' eager attention: matmul, scale, mask, fp32 softmax, matmul
-  gqa-flag   SDPA's own enable_gqa=True with the mask (tilefish_sdpa's compiled decode step before the kernel)
-  tilefish   tilefish.attention.decode_attention (kernels/attention/decode.cu on sm_90: one launch)
+  gqa-flag   SDPA's own enable_gqa=True with the mask
 
 Usage (device): python scripts/experiments/gqa_attention_paths.py
 """
@@ -41,12 +40,6 @@ def gqa_flag(q, k, v, mask):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
-def tilefish_kernel(q, k, v, mask):
-    from tilefish.attention import decode_attention
-
-    return decode_attention(q, k, v, mask).transpose(1, 2)
-
-
 def timed(fn, args, reps=200):
     for _ in range(3):
         fn(*args)
@@ -70,7 +63,7 @@ def timed(fn, args, reps=200):
 def main():
     torch.manual_seed(0)
     torch._dynamo.config.recompile_limit = 64  # one graph a shape, 12 shapes
-    paths = {"repeat": repeat, "fold-sdpa": fold_sdpa, "fold-math": fold_math, "gqa-flag": gqa_flag, "tilefish": tilefish_kernel}
+    paths = {"repeat": repeat, "fold-sdpa": fold_sdpa, "fold-math": fold_math, "gqa-flag": gqa_flag}
     compiled = {n: torch.compile(f, fullgraph=True, dynamic=False) for n, f in paths.items()}
     print(f"GPU {torch.cuda.get_device_name()}; fp16, 32 query heads on 8 KV heads, d 128, one query token, "
           "additive mask with the last half of the cache hidden; us per call (median, CUDA graph, L2 flushed)")

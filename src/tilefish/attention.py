@@ -12,13 +12,6 @@ Under torch.compile a decode step (one query token) instead calls SDPA with `ena
 lowers without copying K/V either and which measured fastest there; eager, that form would fall back to a
 math kernel that repeats K/V, so eager decode steps take the folded path.
 
-A decode step on CUDA (one query token, a mask that broadcasts over heads, fp16 / bf16, head dim 64 or 128,
-at most 8 query heads a KV head) goes to `decode_attention` instead, in eager and compiled calls alike:
-tilefish's kernel (ops/decode_attention.py) on sm_90, one launch that reads each KV head's cache once for its
-query heads, where SDPA took two kernels and about 8.6 us a layer at batch 1 on the H200; torch's SDPA
-(enable_gqa) on other GPUs. `DECODE_KERNEL = False` sends decode steps down the SDPA paths above (an A/B
-switch, read when a call is traced).
-
 `gqa_sdpa_attention_forward` is a drop-in for transformers' `sdpa_attention_forward`: it takes that path
 only when the mask broadcasts over heads and nothing else changes the math, and hands every other case
 to transformers' function unchanged. It only checks shapes, dtypes, devices and None, so it traces under
@@ -36,65 +29,6 @@ DESCRIPTION = f"{NAME}: grouped-query attention without repeating K/V"
 # Any other keyword with a value other than None / False (position_bias, s_aux sinks, softcap,
 # output_attentions=True, ...) sends the call to transformers' function.
 _IGNORED_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "sliding_window"})
-
-
-DECODE_KERNEL = True
-
-
-def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
-    """Attention of one query token against a KV cache: query [b, heads, 1, d], key / value
-    [b, kv_heads, S, d] (read in place), mask None, bool (True = attend) or additive in query's dtype, shaped
-    [b or 1, 1, 1, S]; scale None: 1 / sqrt(d). Returns [b, 1, heads, d] contiguous (transformers' layout).
-
-    fp16 / bf16, d 64 or 128, heads a multiple of kv_heads with at most 8 query heads a kv head; anything else
-    raises a TypeError / ValueError naming the rule. CUDA: tilefish's kernel on sm_90, torch's SDPA on other
-    GPUs (and for tensors whose rows are not 16-byte aligned); CPU: the fp32 reference. A row whose every
-    position is masked gives zeros. Works in CUDA graphs and under torch.compile (tilefish::decode_attention);
-    with grad enabled and an input requiring grad, runs the differentiable reference instead."""
-    from .ops import decode_attention as ops
-
-    if scale is None and isinstance(query, torch.Tensor) and query.dim() == 4:
-        scale = 1.0 / (query.shape[-1] ** 0.5)
-    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (query, key, value, mask)):
-        if not torch.compiler.is_compiling():
-            ops.check_inputs(query, key, value, mask, scale)
-        return ops.decode_attention_reference(query, key, value, mask, float(scale))
-    if torch.compiler.is_compiling():
-        from .ops import library
-
-        return library.decode_attention_op(query, key, value, mask, float(scale))
-    return ops.decode_attention_impl(query, key, value, mask, scale)
-
-
-def _decodes(module, query, key, value, attention_mask, dropout, is_causal, kwargs) -> bool:
-    """Whether the call is a decode step decode_attention takes: shapes, dtypes, devices and None only."""
-    from .ops.decode_attention import HEAD_DIMS, MAX_GROUPS
-
-    if not DECODE_KERNEL or torch.jit.is_tracing() or not isinstance(query, torch.Tensor) or not query.is_cuda:
-        return False
-    if query.dim() != 4 or query.shape[2] != 1 or not isinstance(key, torch.Tensor) or key.dim() != 4:
-        return False
-    if not isinstance(value, torch.Tensor) or value.shape != key.shape or dropout or is_causal:
-        return False
-    b, heads, _, d = query.shape
-    kv_heads = key.shape[1]
-    if kv_heads < 1 or key.device != query.device or value.device != query.device:
-        return False
-    if query.dtype not in (torch.float16, torch.bfloat16) or key.dtype != query.dtype or value.dtype != query.dtype:
-        return False
-    if d not in HEAD_DIMS or key.shape[0] != b or key.shape[3] != d or heads % kv_heads or heads // kv_heads > MAX_GROUPS:
-        return False
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-        return False
-    if attention_mask is not None:
-        m = attention_mask
-        if not isinstance(m, torch.Tensor) or m.dim() != 4 or m.dtype not in (torch.bool, query.dtype) \
-                or m.device != query.device:
-            return False
-        if m.shape[0] not in (1, b) or m.shape[1] != 1 or m.shape[2] != 1 or m.shape[3] != key.shape[2]:
-            return False
-    return all(k in _IGNORED_KWARGS or v is None or v is False for k, v in kwargs.items())
 
 
 def _hf_sdpa(*args, **kwargs):
@@ -124,8 +58,6 @@ def gqa_sdpa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     """transformers' `sdpa_attention_forward`, without repeating K/V for a masked grouped-query call.
 
     query [b, heads, t, d], key / value [b, kv_heads, S, d]; returns ([b, t, heads, d] contiguous, None)."""
-    if _decodes(module, query, key, value, attention_mask, dropout, is_causal, kwargs):
-        return decode_attention(query, key, value, attention_mask, scaling), None
     if not _folds(module, query, key, attention_mask, kwargs):
         return _hf_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                         is_causal=is_causal, **kwargs)

@@ -186,17 +186,3 @@ def add_rms_norm_op(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> 
 @add_rms_norm_op.register_fake
 def _(x, residual, weight, eps):
     return x.new_empty(x.shape), x.new_empty(x.shape)
-
-
-@torch.library.custom_op("tilefish::decode_attention", mutates_args=())
-def decode_attention_op(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], scale: float) -> Tensor:
-    # [b, 1, heads, d]: one query token against the cache (ops/decode_attention.py); an inference op.
-    from .decode_attention import decode_attention_impl
-
-    return decode_attention_impl(query, key, value, mask, scale)
-
-
-@decode_attention_op.register_fake
-def _(query, key, value, mask, scale):
-    b, heads, _, d = query.shape
-    return query.new_empty(b, 1, heads, d)
