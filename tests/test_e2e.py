@@ -170,6 +170,22 @@ def test_weight_bytes_counts_shared_storage_once_and_quant_state():
     assert e2e.weight_bytes(holder) == 1024 + 32 + 16 * 4 + 4 + 16 * 4
 
 
+@pytest.mark.parametrize("impl", ["fp16", "w4a16"])
+def test_decode_bytes_are_the_layers_the_lm_head_and_the_cache_slots(impl):
+    """decode_bytes against the tensors themselves: the decoder layers' and lm_head's storage, and the KV cache a
+    decode step over `context` cached tokens allocates (every slot is read)."""
+    torch.manual_seed(0)
+    runner = e2e._Builtin(TINY, torch.device("cpu"))
+    with torch.no_grad():
+        e2e._convert(runner, impl, "quantize")
+    batch, context = 3, 70
+    runner.setup(batch, e2e._round_up(context + 1, e2e.CACHE_ALIGN))
+    cache = sum(t.numel() * t.element_size() for t in runner.kv_tensors())
+    layers, head = e2e.weight_bytes(runner.model.model.layers), e2e.weight_bytes(runner.model.lm_head)
+    assert e2e.decode_bytes(TINY, layers, head, batch, context) == layers + head + cache
+    runner.free()
+
+
 def test_progress_without_rich_prints_a_line_per_step(monkeypatch, capsys):
     from tilefish.bench.progress import InnerProgress  # the bench functions' own steps (bench e2e, bench nf4's matmul)
 
@@ -213,6 +229,8 @@ def test_run_on_cpu(kind, modes, tmp_path):
     for r in rep.rows:
         assert r.unit == "tok/s" and r.time_us > 0 and r.extra["model"] == kind and r.extra["mode"] in modes
         assert r.metric == pytest.approx((2 if r.extra["phase"] == "decode" else 8) / (r.extra["ms_per_step"] * 1e-3))
+        assert r.pct_ceiling is None and r.extra["copy_gbps"] is None   # no copy ceiling off the GPU
+        assert (r.extra["bytes_per_step"] is not None) == (r.extra["phase"] == "decode")
         if r.impl == "fp16":
             assert r.ratios == {} and r.extra["logits_rel_err"] == 0.0
         elif r.impl == "fp16 + tilefish attention":   # the same weights; attention's rounding only

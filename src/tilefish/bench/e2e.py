@@ -245,6 +245,15 @@ def weight_bytes(module: nn.Module) -> int:
     return sum(storages.values())
 
 
+def decode_bytes(cfg: LlamaConfig, layer_bytes: int, lm_head_bytes: int, batch: int, context: int) -> int:
+    """Bytes one decode step of `batch` sequences reads at least: the decoder layers' weights and the lm_head's
+    once, and every sequence's KV cache slots (the step's cache holds round_up(context + 1, CACHE_ALIGN) of them,
+    16-bit; attention reads them all, the mask hiding the empty ones). The embedding's few rows are left out."""
+    slots = _round_up(context + 1, CACHE_ALIGN)
+    kv = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * slots * batch * 2
+    return layer_bytes + lm_head_bytes + kv
+
+
 # -- measurement ------------------------------------------------------------------------------------------------
 
 def _round_up(n: int, m: int) -> int:
@@ -362,7 +371,9 @@ def _variant(plan: _Plan, impl: str, reference: torch.Tensor | None, timed: bool
     summary = _convert(runner, impl, plan.lm_head)
     logits = _logits(runner, plan.cfg.vocab_size, plan.device)
     err = 0.0 if reference is None else _rel(logits, reference)
+    lm_head = getattr(runner.model, "lm_head", None)
     info[impl] = {"layer_bytes": weight_bytes(runner.model.model.layers), "model_bytes": weight_bytes(runner.model),
+                  "lm_head_bytes": 0 if lm_head is None else weight_bytes(lm_head),
                   "experts_bytes": experts_bytes(runner.model), "logits_rel_err": err}
     skipped = []
     for mode in plan.modes if timed else ():
@@ -438,7 +449,9 @@ def _ratios(arch: e2e_models.Arch, impl: str, ms: float, by_impl: dict) -> dict[
     return ratios
 
 
-def _add_rows(report: Report, plan: _Plan, model: str, times: dict, info: dict) -> None:
+def _add_rows(report: Report, plan: _Plan, model: str, times: dict, info: dict, copy_gbps: float | None) -> None:
+    """copy_gbps: the copy ceiling measured in this process (None: not measured); a Llama decode row's % of it
+    is decode_bytes over the step time."""
     arch, names = plan.arch, labels(plan.arch)
     ref = info[arch.reference]
     for impl, i in info.items():
@@ -454,8 +467,13 @@ def _add_rows(report: Report, plan: _Plan, model: str, times: dict, info: dict) 
         case = f"{mode} decode b{size} ctx{plan.context}" if phase == "decode" else f"{mode} prefill {size}"
         for impl, (ms, setup_s) in by_impl.items():
             i = info[impl]
-            report.add(Row("e2e", arch.case_prefix + case, names[impl], ms * 1e3, size / (ms * 1e-3), "tok/s", None,
+            read = None  # bytes a decode step reads (the dense Llama only: an MoE step's experts depend on routing)
+            if phase == "decode" and arch is e2e_models.LLAMA:
+                read = decode_bytes(plan.cfg, i["layer_bytes"], i["lm_head_bytes"], size, plan.context)
+            pct = 100 * read / (ms * 1e-3) / (copy_gbps * 1e9) if read and copy_gbps else None
+            report.add(Row("e2e", arch.case_prefix + case, names[impl], ms * 1e3, size / (ms * 1e-3), "tok/s", pct,
                            _ratios(arch, impl, ms, by_impl), {
+                "bytes_per_step": read, "copy_gbps": copy_gbps,
                 "mode": mode, "phase": phase, "batch": size if phase == "decode" else 1,
                 "tokens": size if phase == "prefill" else 1, "context": plan.context if phase == "decode" else 0,
                 "ms_per_step": ms, "setup_s": setup_s, "model": model, "arch": arch.name, "dtype": arch.dtype,
@@ -539,6 +557,15 @@ def run(layers: int | None = None, batches=DEFAULT_BATCHES, prefill=DEFAULT_PREF
     if spec is not e2e_models.LLAMA:
         report.notes += e2e_models.MOE_NOTES
 
+    copy_gbps = None
+    if device.type == "cuda" and spec is e2e_models.LLAMA:  # before any model: 4 GiB of copy buffers
+        from .ceilings import copy_bandwidth_gbps
+
+        copy_gbps = copy_bandwidth_gbps()
+        report.notes.append(f"% of ceiling (decode): the bytes a step reads (decoder weights and lm_head once, every "
+                            f"sequence's KV cache slots) over the step time, against the device-to-device copy rate "
+                            f"measured in this process, {copy_gbps:,.0f} GB/s")
+
     ref = spec.reference  # always built: the reference of the logits checks
     build = [ref] + [i for i in timed if i != ref]
     times: dict[tuple, dict[str, tuple[float, float]]] = {}
@@ -567,5 +594,5 @@ def run(layers: int | None = None, batches=DEFAULT_BATCHES, prefill=DEFAULT_PREF
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    _add_rows(report, plan, model, times, info)
+    _add_rows(report, plan, model, times, info, copy_gbps)
     return report
