@@ -245,13 +245,17 @@ def weight_bytes(module: nn.Module) -> int:
     return sum(storages.values())
 
 
+def _kv_bytes_per_token(cfg: LlamaConfig | MoEConfig) -> int:
+    """A layer's 16-bit K and V of one cached token."""
+    return 2 * 2 * cfg.num_key_value_heads * cfg.head_dim
+
+
 def decode_bytes(cfg: LlamaConfig, layer_bytes: int, lm_head_bytes: int, batch: int, context: int) -> int:
     """Bytes one decode step of `batch` sequences reads at least: the decoder layers' weights and the lm_head's
     once, and every sequence's KV cache slots (the step's cache holds round_up(context + 1, CACHE_ALIGN) of them,
     16-bit; attention reads them all, the mask hiding the empty ones). The embedding's few rows are left out."""
     slots = _round_up(context + 1, CACHE_ALIGN)
-    kv = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * slots * batch * 2
-    return layer_bytes + lm_head_bytes + kv
+    return layer_bytes + lm_head_bytes + cfg.num_hidden_layers * _kv_bytes_per_token(cfg) * slots * batch
 
 
 # -- measurement ------------------------------------------------------------------------------------------------
@@ -331,7 +335,7 @@ def _fit_layers(cfg: LlamaConfig | MoEConfig, kv_tokens: int, free_bytes: int) -
     experts, is 1.25 GB; a Llama-3-8B one 0.44 GB), a KV cache of `kv_tokens` tokens (batch x length) per
     layer, embedding + lm_head, and HEADROOM."""
     layer = 2 * e2e_models.layer_params(cfg)
-    kv = 2 * 2 * cfg.num_key_value_heads * cfg.head_dim * kv_tokens
+    kv = _kv_bytes_per_token(cfg) * kv_tokens
     fixed = 2 * e2e_models.fixed_params(cfg) + HEADROOM
     return max(0, (free_bytes - fixed) // (layer + kv))
 
