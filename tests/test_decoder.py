@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tilefish
-from tilefish.decoder import FusedDecoderLayer, FusedGatedMLP, restore_forward, use_fused_forward
+from tilefish.decoder import FusedAttention, FusedDecoderLayer, FusedGatedMLP, restore_forward, use_fused_forward
 from tilefish.nn import FusedW4A16Linear, GatedW4A16Linear, W4A16Linear, W4A16Slice
 
 from hf_families import build
@@ -46,8 +46,11 @@ def _transformers_forward(model):
 def test_fused_forward_is_transformers_forward_bit_for_bit(family, dtype):
     model, report = _quantized(family, dtype)
     layers = model.model.layers
-    assert report.forward == f"fused decoder forward: {len(layers)} layer(s), {len(layers)} gated MLP(s)"
+    attentions = 0 if family == "qwen3" else len(layers)  # Qwen3's q / k norms: transformers' attention forward
+    assert report.forward == (f"fused decoder forward: {len(layers)} layer(s), {len(layers)} gated MLP(s), "
+                              f"{attentions} attention(s)")
     assert all(isinstance(m, FusedDecoderLayer) and isinstance(m.mlp, FusedGatedMLP) for m in layers)
+    assert sum(isinstance(m.self_attn, FusedAttention) for m in layers) == attentions
     assert isinstance(layers[0].mlp.gate_up_proj, GatedW4A16Linear)
     plain, _ = _quantized(family, dtype, fuse=False)  # the same dense weights, every projection its own layer
     twin = _transformers_forward(model)
@@ -103,21 +106,26 @@ def test_what_is_not_covered_keeps_transformers_forward():
         model, report = _quantized(family, torch.float16)
         assert report.forward == ""
         assert not any(isinstance(m, (FusedDecoderLayer, FusedGatedMLP)) for m in model.modules())
-    # a dense down projection: neither the MLP nor its layer is fused, gate/up stay a plain fused pair
+    # a dense down projection: neither the MLP nor its layer is fused, gate/up stay a plain fused pair (the
+    # attention, whose q / k / v are one fused layer, is)
     model, report = _quantized("llama", torch.float16, skip=("down_proj",))
-    assert report.forward == ""
+    assert report.forward == "fused decoder forward: 0 layer(s), 0 gated MLP(s), 2 attention(s)"
     assert type(model.model.layers[0].mlp.gate_up_proj) is FusedW4A16Linear
     # norms in another dtype than the layers: the MLP is fused, the layer is not
     model = build("llama", torch.float16)
     for layer in model.model.layers:
         layer.input_layernorm.float()
     report = tilefish.quantize_model(model, clip_search=False)
-    assert report.forward == "fused decoder forward: 0 layer(s), 2 gated MLP(s)"
+    assert report.forward == "fused decoder forward: 0 layer(s), 2 gated MLP(s), 2 attention(s)"
     # fuse_projections alone keeps gate/up side by side (transformers' MLP forward reads its parts as they are)
     model = build("llama", torch.float16)
     tilefish.quantize_model(model, clip_search=False, fuse=False)
     tilefish.convert.fuse_projections(model)
     assert type(model.model.layers[0].mlp.gate_up_proj) is FusedW4A16Linear
+    assert use_fused_forward(model) == "fused decoder forward: 0 layer(s), 0 gated MLP(s), 2 attention(s)"
+    # q / k / v left apart: nothing to fuse at all
+    model = build("llama", torch.float16)
+    tilefish.quantize_model(model, clip_search=False, fuse=False)
     assert use_fused_forward(model) is None
 
 
@@ -126,7 +134,7 @@ def test_restore_and_install_again():
     ids = _ids(6)
     with torch.no_grad():
         fused = model(ids).logits
-    assert restore_forward(model) == 2 * len(model.model.layers)
+    assert restore_forward(model) == 3 * len(model.model.layers)
     assert type(model.model.layers[0]) is transformers.MistralForCausalLM(model.config).model.layers[0].__class__
     assert use_fused_forward(model) == use_fused_forward(model)  # idempotent
     with torch.no_grad():

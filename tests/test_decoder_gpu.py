@@ -78,3 +78,36 @@ def test_a_fused_layer_launches_five_tilefish_kernels_around_its_attention():
     assert sum("rms_norm" in n for n in names) == 2, names
     assert sum("w4a16" in n for n in names) == 4, names  # q/k/v, o, gate/up, down
     assert not any("silu" in n.lower() for n in names), names
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_static_cache_steps_write_the_cache_with_one_kernel_a_layer(dtype):
+    """With a StaticCache, a decode step of the fused model runs the rotary embedding and the cache write as one
+    rope_cache kernel a layer (no index_copy, no separate rotary or length kernels), and its logits and cache
+    follow transformers' forward over the same 4-bit layers step after step."""
+    from transformers import StaticCache
+
+    model, twin = _models("llama", dtype)
+    torch.manual_seed(11)
+    prompt = torch.randint(3, 512, (2, 5), device="cuda")
+    caches = [StaticCache(config=m.config, max_cache_len=24) for m in (model, twin)]
+    with torch.no_grad():
+        outs = [m(prompt, past_key_values=c, use_cache=True).logits for m, c in zip((model, twin), caches)]
+        for step in range(6):
+            ids = outs[1][:, -1:].argmax(-1)  # both models take the same next token
+            if step == 5:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    outs[0] = model(ids, past_key_values=caches[0], use_cache=True).logits
+                    torch.cuda.synchronize()
+                outs[1] = twin(ids, past_key_values=caches[1], use_cache=True).logits
+            else:
+                outs = [m(ids, past_key_values=c, use_cache=True).logits for m, c in zip((model, twin), caches)]
+            err = rel(outs[0], outs[1])
+            assert err < TOL[dtype], f"step {step}: {err:.2e}"
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert torch.equal(a.cumulative_length, b.cumulative_length)
+        assert rel(a.keys, b.keys) < TOL[dtype] and rel(a.values, b.values) < TOL[dtype]
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    layers = len(model.model.layers)
+    assert sum("rope_cache" in n for n in names) == layers, names
+    assert not any("index_copy" in n.lower() or "indexcopy" in n.lower() for n in names), names

@@ -5,12 +5,15 @@ transformers runs a decoder layer as
     h = x + attn(norm1(x));   out = h + mlp(norm2(h));   mlp(y) = down(silu(gate(y)) * up(y))
 and the fused forward as
     x1 = rms_norm(x)                   one tilefish kernel (tilefish.norm)
-    a = attn(x1)                       transformers' attention, its q/k/v one W4A16 launch (fuse_projections)
+    a = attn(x1)                       q/k/v one W4A16 launch (fuse_projections); with a StaticCache the rotary
+                                       embedding and the cache write one more (tilefish.ops.rope_cache), then
+                                       the model's attention function and o
     h, x2 = rms_norm(x + a)            one kernel: the residual add and the norm
     g = silu(gate(x2)) * up(x2)        one W4A16 launch with the activation in its epilogue (GatedW4A16Linear)
     out = h + down(g)                  one W4A16 launch with the residual add in its epilogue
-Five tilefish launches besides the attention's own kernels, where transformers' forward (compiled) adds two
-norm kernels, a SiLU-mul and a residual add around the four GEMMs; and under programmatic dependent launch
+Six tilefish launches besides the attention's own kernels and o's GEMM, where transformers' forward (compiled)
+adds two norm kernels, a SiLU-mul, a residual add and four rotary / cache kernels around the four GEMMs; and under
+programmatic dependent launch
 (sm_90, ops.w4a16.LaunchPolicy.programmatic) each of them starts streaming its weights while the kernel ahead
 of it in the stream finishes. A fused MLP alone (an MoE model's shared expert) is `down(gated(x))`.
 
@@ -19,7 +22,8 @@ times the weight; the adds, the silu and the product: 16-bit results), so on the
 fused forward equals transformers' bit for bit; on the GPU the norms' fp32 sums run in another order.
 
 The switch is a class swap per module: FusedLlamaDecoderLayer is a LlamaDecoderLayer whose forward is the one
-above, so isinstance checks, hooks (output_hidden_states), state dicts and save_pretrained see the same modules
+above, FusedLlamaAttention a LlamaAttention whose forward writes the cache with the one kernel (only a
+StaticCache's plain layers, once initialized: any other cache, or its first fill, takes transformers' forward), so isinstance checks, hooks (output_hidden_states), state dicts and save_pretrained see the same modules
 (and pickling finds the class here: see __getattr__). use_fused_forward installs it where every piece is in
 place; restore_forward undoes it. A call that wants a gradient, or whose pieces were swapped afterwards, runs
 transformers' own forward.
@@ -31,6 +35,7 @@ import importlib
 import torch
 
 from .nn import FusedW4A16Linear, GatedW4A16Linear, W4A16Linear, W4A16Slice
+from .ops import rope_cache as rope_cache_ops
 
 # The transformers classes whose forward is the one the module docstring spells out (their module is
 # transformers.models.<family>.modeling_<family>); an exact class, never a subclass, since a subclass may have
@@ -39,10 +44,11 @@ DECODER_LAYERS = {"LlamaDecoderLayer": "llama", "MistralDecoderLayer": "mistral"
                   "Qwen3DecoderLayer": "qwen3"}
 GATED_MLPS = {"LlamaMLP": "llama", "MistralMLP": "mistral", "Qwen2MLP": "qwen2", "Qwen3MLP": "qwen3",
               "Qwen2MoeMLP": "qwen2_moe", "Qwen3MoeMLP": "qwen3_moe"}
+ATTENTIONS = {"LlamaAttention": "llama", "MistralAttention": "mistral", "Qwen2Attention": "qwen2"}
 RMS_NORMS = {"LlamaRMSNorm": "llama", "MistralRMSNorm": "mistral", "Qwen2RMSNorm": "qwen2", "Qwen3RMSNorm": "qwen3"}
 SILU = ("SiLUActivation", "SiLU")  # transformers' ACT2FN["silu"] and torch's nn.SiLU
 NORM_MULTIPLE = 8  # the norm kernel reads 16-byte vectors of the hidden size
-DESCRIPTION = "fused decoder forward: {layers} layer(s), {mlps} gated MLP(s)"
+DESCRIPTION = "fused decoder forward: {layers} layer(s), {mlps} gated MLP(s), {attentions} attention(s)"
 
 
 def _known(module, table: dict[str, str]) -> bool:
@@ -116,6 +122,101 @@ class FusedGatedMLP:
         return self.down_proj.forward_residual(self.gate_up_proj.forward_gated(x), residual)
 
 
+def _fusable_attention(module) -> bool:
+    """An attention of ATTENTIONS whose q / k / v are the three parts, in order, of one FusedW4A16Linear
+    (quantize_model / load_quantized with fuse=True) and whose head dim the rope_cache kernel takes."""
+    if not (_known(module, ATTENTIONS) or isinstance(module, FusedAttention)):
+        return False
+    parts = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj")]
+    if not all(isinstance(p, W4A16Slice) for p in parts):
+        return False
+    fused, d = parts[0].fused, getattr(module, "head_dim", None)
+    return (type(fused) is FusedW4A16Linear and len(fused.split_sizes) == 3
+            and all(p.fused is fused and p.index == i for i, p in enumerate(parts))
+            and isinstance(d, int) and d > 0 and d % rope_cache_ops.HEAD_DIM_MULTIPLE == 0
+            and fused.split_sizes[0] % d == 0 and fused.split_sizes[1] == fused.split_sizes[2]
+            and fused.split_sizes[1] % d == 0)
+
+
+def _is_static_layer(layer) -> bool:
+    cls = type(layer)
+    return cls.__name__ == "StaticLayer" and cls.__module__ == "transformers.cache_utils"
+
+
+def _static_layer(cache, attention):
+    """The cache's layer of `attention` (its layer_idx) if it is transformers' plain StaticLayer (or the cache is
+    one such layer, whose update takes it as well; layer_idx is then not read, so layers compiled one at a time
+    share one graph), filled once (so its tensors exist), of no offloading cache; else None."""
+    if _is_static_layer(cache):
+        layer = cache
+    else:
+        layers, index = getattr(cache, "layers", None), getattr(attention, "layer_idx", None)
+        if getattr(cache, "offloading", False) or not isinstance(layers, list) or not isinstance(index, int) \
+                or not 0 <= index < len(layers) or not _is_static_layer(layers[index]):
+            return None
+        layer = layers[index]
+    return layer if getattr(layer, "is_initialized", False) is True else None
+
+
+# attention class name -> (transformers' ALL_ATTENTION_FUNCTIONS, the family's eager_attention_forward): looked
+# up when the fused class is made, since an import inside a forward breaks torch.compile's graph
+_ATTENTION_FUNCTIONS: dict[str, tuple] = {}
+
+
+class FusedAttention:
+    """The attention forward of ATTENTIONS' families with a StaticCache (mixed in before the transformers class):
+    transformers' steps, with the rotary embedding and the cache write one kernel on the fused q/k/v output."""
+
+    _tilefish_base: type
+
+    def _cache_layer(self, x, kwargs):
+        """The StaticLayer the fused forward writes, or None (transformers' forward then)."""
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))
+        emb = kwargs.get("position_embeddings")
+        if cache is None or not isinstance(x, torch.Tensor) or x.dim() != 3 or _wants_grad(x) \
+                or not _fusable_attention(self) or not isinstance(emb, (tuple, list)) or len(emb) != 2:
+            return None
+        layer = _static_layer(cache, self)
+        if layer is None:
+            return None
+        cos, sin = emb
+        keys, values, length = (getattr(layer, n, None) for n in ("keys", "values", "cumulative_length"))
+        fused = self.q_proj.fused
+        kv_heads = fused.split_sizes[1] // self.head_dim
+        tensors = (cos, sin, keys, values, length)
+        if not all(isinstance(t, torch.Tensor) and t.device == x.device for t in tensors):
+            return None
+        if x.dtype != fused.scales.dtype or any(t.dtype != x.dtype for t in (cos, sin, keys, values)):
+            return None
+        if keys.shape != values.shape or keys.shape[:2] != (x.shape[0], kv_heads) or keys.shape[3] != self.head_dim:
+            return None
+        return layer
+
+    def forward(self, hidden_states, *args, **kwargs):
+        layer = None if args else self._cache_layer(hidden_states, kwargs)
+        if layer is None:
+            return super().forward(hidden_states, *args, **kwargs)
+        kwargs = dict(kwargs)
+        cos, sin = kwargs.pop("position_embeddings")
+        kwargs.pop("past_key_values", None)
+        kwargs.pop("cache", None)
+        attention_mask = kwargs.pop("attention_mask", None)
+        fused, d = self.q_proj.fused, self.head_dim
+        b, t = hidden_states.shape[:2]
+        q = rope_cache_ops.rope_cache(fused(hidden_states), cos, sin, layer.keys, layer.values,
+                                      layer.cumulative_length, fused.split_sizes[0] // d, fused.split_sizes[1] // d)
+        functions, eager = _ATTENTION_FUNCTIONS[self._tilefish_base.__name__]
+        attention = functions.get_interface(self.config._attn_implementation, eager)
+        if ATTENTIONS[self._tilefish_base.__name__] == "mistral":  # what each family's forward adds
+            kwargs["sliding_window"] = getattr(self.config, "sliding_window", None)
+        elif ATTENTIONS[self._tilefish_base.__name__] == "qwen2":
+            kwargs["sliding_window"] = self.sliding_window
+        out, weights = attention(self, q.transpose(1, 2), layer.keys, layer.values, attention_mask,
+                                 dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
+                                 **kwargs)
+        return self.o_proj(out.reshape(b, t, -1).contiguous()), weights
+
+
 class FusedDecoderLayer:
     """The fused forward of a Llama-family decoder layer (mixed in before the transformers class)."""
 
@@ -143,7 +244,13 @@ def _fused_class(base: type) -> type:
     name = "Fused" + base.__name__
     cls = globals().get(name)
     if cls is None:
-        mixin = FusedDecoderLayer if base.__name__ in DECODER_LAYERS else FusedGatedMLP
+        mixin = FusedDecoderLayer if base.__name__ in DECODER_LAYERS else \
+            FusedAttention if base.__name__ in ATTENTIONS else FusedGatedMLP
+        if mixin is FusedAttention:
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+            eager = importlib.import_module(base.__module__).eager_attention_forward
+            _ATTENTION_FUNCTIONS[base.__name__] = (ALL_ATTENTION_FUNCTIONS, eager)
         cls = type(name, (mixin, base), {"__module__": __name__, "__qualname__": name, "_tilefish_base": base,
                                          "__doc__": f"{base.__name__} with tilefish's fused forward ({mixin.__name__})."})
         globals()[name] = cls
@@ -153,7 +260,7 @@ def _fused_class(base: type) -> type:
 def __getattr__(name: str):
     """Fused<transformers class> on demand (unpickling a model saved with the fused forward)."""
     base = name[len("Fused"):] if name.startswith("Fused") else ""
-    family = DECODER_LAYERS.get(base) or GATED_MLPS.get(base)
+    family = DECODER_LAYERS.get(base) or GATED_MLPS.get(base) or ATTENTIONS.get(base)
     if family is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
@@ -164,7 +271,8 @@ def use_fused_forward(model: torch.nn.Module) -> str | None:
     """Give every fusable SiLU-gated MLP and Llama-family decoder layer of `model` its fused forward (in place):
     an MLP whose gate / up are a GatedW4A16Linear (quantize_model / load_quantized with fuse=True) and whose down
     is a W4A16Linear; a layer whose MLP is such and whose two norms are the family's RMSNorm in the layers'
-    dtype. Returns a one-line description, or None (nothing changed). Idempotent."""
+    dtype; an attention (Llama / Mistral / Qwen2) whose q / k / v are one FusedW4A16Linear. Returns a one-line
+    description, or None (nothing changed). Idempotent."""
     if not isinstance(model, torch.nn.Module):
         return None
     mlps = [m for m in model.modules() if _fusable_mlp(m)]
@@ -175,16 +283,20 @@ def use_fused_forward(model: torch.nn.Module) -> str | None:
     for m in layers:
         if not isinstance(m, FusedDecoderLayer):
             m.__class__ = _fused_class(type(m))
-    if not mlps:
+    attentions = [m for m in model.modules() if _fusable_attention(m)]
+    for m in attentions:
+        if not isinstance(m, FusedAttention):
+            m.__class__ = _fused_class(type(m))
+    if not (mlps or attentions):
         return None
-    return DESCRIPTION.format(layers=len(layers), mlps=len(mlps))
+    return DESCRIPTION.format(layers=len(layers), mlps=len(mlps), attentions=len(attentions))
 
 
 def restore_forward(model: torch.nn.Module) -> int:
     """Give every module use_fused_forward changed its transformers class back; returns how many."""
     restored = 0
     for m in model.modules():
-        if isinstance(m, (FusedDecoderLayer, FusedGatedMLP)):
+        if isinstance(m, (FusedDecoderLayer, FusedGatedMLP, FusedAttention)):
             m.__class__ = m._tilefish_base
             restored += 1
     return restored

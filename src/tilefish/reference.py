@@ -171,3 +171,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     variance = h32.pow(2).mean(-1, keepdim=True)
     out = weight * (h32 * torch.rsqrt(variance + eps)).to(h.dtype)
     return out if residual is None else (h, out)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rotary embedding + KV-cache write of a Llama-family attention step (the op in tilefish.ops.rope_cache)
+
+def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               length: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+    """transformers' attention step between the q/k/v projection and the attention, on the fused projection's
+    output qkv [B, T, (heads + 2 kv_heads) D]: apply_rotary_pos_emb's op order on q and k (bit for bit on the
+    same device), then StaticLayer.update's write of k and v into keys / values [B, kv_heads, S, D] at positions
+    length + arange(T) and length += T; positions >= S are not written. Returns q as [B, T, heads, D] (transpose
+    dims 1 and 2 for transformers' query)."""
+    b, t, _ = qkv.shape
+    d = keys.shape[-1]
+    q, k, v = qkv.view(b, t, heads + 2 * kv_heads, d).split([heads, kv_heads, kv_heads], dim=2)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def rotate_half(x):
+        return torch.cat((-x[..., d // 2:], x[..., : d // 2]), dim=-1)
+
+    q = (q * c) + (rotate_half(q) * s)
+    k = (k * c) + (rotate_half(k) * s)
+    positions = torch.arange(t, device=keys.device) + length
+    length.add_(t)
+    kept = positions < keys.shape[2]
+    keys[:, :, positions[kept]] = k[:, :, kept]
+    values[:, :, positions[kept]] = v[:, :, kept]
+    return q.transpose(1, 2).contiguous()

@@ -186,3 +186,18 @@ def add_rms_norm_op(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> 
 @add_rms_norm_op.register_fake
 def _(x, residual, weight, eps):
     return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+@torch.library.custom_op("tilefish::rope_cache", mutates_args=("keys", "values", "length"))
+def rope_cache_op(qkv: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, length: Tensor, heads: int,
+                  kv_heads: int, counters: Optional[Tensor] = None) -> Tensor:
+    # q [B, T, heads, D]; keys / values / length written in place. counters: scratch the kernel leaves at zero
+    # (the W4A16 convention), so not declared mutated.
+    from .rope_cache import rope_cache_impl
+
+    return rope_cache_impl(qkv, cos, sin, keys, values, length, heads, kv_heads, counters)
+
+
+@rope_cache_op.register_fake
+def _(qkv, cos, sin, keys, values, length, heads, kv_heads, counters=None):
+    return qkv.new_empty((qkv.shape[0], qkv.shape[1], heads, keys.shape[-1]))
