@@ -4,7 +4,8 @@ fp16 and W4A16, per layer and in total.
 
 Usage (device): python scripts/profile_e2e.py [layers] [batch ...]   (default 8 layers, batch 1 16;
 MODEL=hf|builtin, KERNELS=1 lists every kernel, IMPLS=fp16,fp16-gqa,w4a16 (default; also bench e2e's w4a16-hf, and
-w4a16-nopdl: w4a16 captured under LaunchPolicy(programmatic=False)), LM_HEAD=auto|quantize|dense: quantize_model's
+w4a16-nopdl: w4a16 captured under LaunchPolicy(programmatic=False), w4a16-norope: w4a16 with transformers'
+attention forward, i.e. no rope_cache kernel), LM_HEAD=auto|quantize|dense: quantize_model's
 lm_head, default auto)
 """
 import contextlib
@@ -27,6 +28,8 @@ def kind(name: str) -> str:
         return "W4A16 GEMM"
     if "rms_norm" in n:
         return "tilefish norm"
+    if "rope_cache" in n:
+        return "tilefish rope + cache write"
     if "gemv" in n or "gemm" in n or "xmma" in n or "cutlass" in n or "nvjet" in n:
         return "cuBLAS GEMM"
     if "attention" in n or "fmha" in n or "flash" in n or "sdpa" in n or "lean_reduction" in n:  # cuDNN's reduction too
@@ -73,7 +76,10 @@ def main():
         policy = ops.launch_policy(ops.LaunchPolicy(programmatic=False)) if impl.endswith("-nopdl") else \
             contextlib.nullcontext()
         with torch.no_grad(), policy:
-            e2e._convert(runner, impl.removesuffix("-nopdl"), os.environ.get("LM_HEAD", "auto"))
+            e2e._convert(runner, impl.removesuffix("-nopdl").removesuffix("-norope"), os.environ.get("LM_HEAD", "auto"))
+            if impl.endswith("-norope"):
+                for layer in runner.model.model.layers:
+                    layer.self_attn.__class__ = layer.self_attn._tilefish_base
             for layer in runner.model.model.layers:
                 layer.compile(fullgraph=True, dynamic=False)
             for b in batches:

@@ -16,6 +16,8 @@ One script for every kernel family (issue 30 item 3; it replaces sanitize_w4a16_
   nf4-dequant  kernels/nf4/dequantize.cu: every dispatched build (bf16/fp16/fp32, single/double quant)
   norm         kernels/norm/rmsnorm.cu: every dispatched build (fp16/bf16 x the chunks a thread holds), the plain
                norm and the residual add + norm, under programmatic dependent launch
+  rope_cache   kernels/attention/rope_cache.cu: both builds (fp16/bf16), a decode step over many CTAs meeting at
+               the cache length and a prompt whose last positions fall past the cache, under programmatic launch
   sgemm        every ladder step's TUNED and TUNED_SMALL configuration (what kernel="auto" / a step
                name can launch), edge tiles, alpha / beta with c
   hgemm        every dispatched configuration (TUNED, TUNED_SMALL, TUNED_LOW_SMEM, step 07's MID /
@@ -130,10 +132,10 @@ except ImportError:  # run from a checkout that is not installed
     sys.path.insert(0, str(REPO / "src"))
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
-FAMILIES = ("w4a16", "nf4-matmul", "nf4-dequant", "norm", "sgemm", "hgemm", "moe")
+FAMILIES = ("w4a16", "nf4-matmul", "nf4-dequant", "norm", "rope_cache", "sgemm", "hgemm", "moe")
 ALL = frozenset(TOOLS)
 NO_RACE = frozenset(("memcheck", "synccheck", "initcheck"))
-KERNEL_FILTERS = ("w4a16_", "nf4_dequantize", "rms_norm", "sgemm_", "hgemm_", "moe_")  # substrings of our kernels' mangled names
+KERNEL_FILTERS = ("w4a16_", "nf4_dequantize", "rms_norm", "rope_cache", "sgemm_", "hgemm_", "moe_")  # substrings of our kernels' mangled names
 TOLERANCE = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 1.6e-2}  # tests/conftest.py's, by output dtype
 LINEINFO_ENV = "TILEFISH_SANITIZE_LINEINFO"
 FAKE_DEVICE_ENV = "TILEFISH_SANITIZE_FAKE_DEVICE"  # tests: a device description; workers run the CPU path
@@ -250,6 +252,13 @@ def norm_builds() -> dict:
     return {norm.kernel_spec(dt, v): (dt, v) for dt in norm.DTYPES for v in norm.VPTS}
 
 
+def rope_cache_builds() -> dict:
+    """{KernelSpec: dtype} of both rope_cache builds."""
+    from tilefish.ops import rope_cache
+
+    return {rope_cache.kernel_spec(dt): dt for dt in rope_cache.DTYPES}
+
+
 # A row width whose block (ops.norm.block_config) takes each chunk count: 17, 513 and 1025 chunks of 8.
 NORM_COLS = {1: 136, 2: 4104, 4: 8200}
 
@@ -278,6 +287,11 @@ def spec_config(family: str, spec, builds: dict | None = None):
         if dt_v is None:
             raise ValueError(f"{spec} is not a dispatched RMSNorm build")
         return "norm", None, {"dt": _dtname(dt_v[0]), "vpt": dt_v[1]}
+    if family == "rope_cache":
+        dt = rope_cache_builds().get(spec)
+        if dt is None:
+            raise ValueError(f"{spec} is not a dispatched rope_cache build")
+        return "rope_cache", None, {"dt": _dtname(dt)}
     head, a = _targs(spec.name)
     if family == "sgemm":
         step = Path(spec.source).stem
@@ -1029,7 +1043,7 @@ def enumerate_plans(sm_count: int = 132, cc: int = 90, exhaustive: bool = False,
     # NF4 dequantize, SGEMM, HGEMM: every dispatched spec
     hg_seen: dict = {}
     for fam, spec, pfam, cfg, fmt in universe:
-        if cfg is None and pfam not in ("nf4-dequant", "norm"):
+        if cfg is None and pfam not in ("nf4-dequant", "norm", "rope_cache"):
             continue
         if pfam == "nf4-dequant":
             i = DT_NAMES.index(fmt["dt"]) * 2 + fmt["dq"]
@@ -1038,6 +1052,9 @@ def enumerate_plans(sm_count: int = 132, cc: int = 90, exhaustive: bool = False,
         elif pfam == "norm":
             add(make_plan("norm", ALL, 0, "67 rows, the residual add + norm and the plain norm, programmatic launch",
                           dt=fmt["dt"], vpt=fmt["vpt"], rows=67, cols=NORM_COLS[fmt["vpt"]]))
+        elif pfam == "rope_cache":
+            add(make_plan("rope_cache", ALL, 0, "a 64-sequence decode step (112 CTAs meet at the length), then a "
+                          "33-token prompt whose last 5 positions fall past the cache", dt=fmt["dt"]))
         elif pfam == "sgemm":
             bm, bn = cfg.tile
             vec = cfg.info.vectorized
@@ -1104,6 +1121,10 @@ def plan_specs(p: Plan) -> list:
         from tilefish.ops import norm
 
         return [norm.kernel_spec(_dtype(a["dt"]), int(a["vpt"]))]
+    if p.family == "rope_cache":
+        from tilefish.ops import rope_cache
+
+        return [rope_cache.kernel_spec(_dtype(a["dt"]))]
     if p.family == "sgemm":
         return [sgemm.SgemmConfig(*_sg_parse(a["cfg"])).spec]
     if p.family == "hgemm":
@@ -1362,6 +1383,31 @@ def _run_norm(pid: str, a: dict, dev) -> dict:
     return info
 
 
+def _run_rope_cache(pid: str, a: dict, dev) -> dict:
+    import torch
+
+    from tilefish.ops import rope_cache
+    from tilefish.reference import rope_cache as reference
+
+    gen = torch.Generator().manual_seed(_seed(pid))
+    dt = _dtype(a["dt"])
+    info = {"gpu_s": 0.0}
+    for b, t, slots, start in ((64, 1, 40, 17), (2, 33, 60, 32)):  # heads 32 on 8 kv heads, head dim 128
+        qkv = torch.randn(b, t, 48 * 128, generator=gen).to(dt)
+        cos, sin = (torch.rand(b, t, 128, generator=gen).to(dt) for _ in range(2))
+        keys, values = (torch.randn(b, 8, slots, 128, generator=gen).to(dt) for _ in range(2))
+        length = torch.tensor(start)
+        t0 = time.perf_counter()
+        got = [x.to(dev) for x in (keys, values, length)]
+        q = rope_cache.rope_cache_impl(qkv.to(dev), cos.to(dev), sin.to(dev), *got, 32, 8).cpu()
+        got = [x.cpu() for x in got]
+        info["gpu_s"] += time.perf_counter() - t0
+        want_q = reference(qkv, cos, sin, keys, values, length, 32, 8)
+        if not (torch.equal(q, want_q) and all(torch.equal(x, y) for x, y in zip(got, (keys, values, length)))):
+            raise AssertionError(f"b {b}, t {t}: differs from the reference bitwise")
+    return info
+
+
 def _run_sgemm(pid: str, a: dict, dev) -> dict:
     import torch
 
@@ -1588,6 +1634,7 @@ def _run_moe(pid: str, a: dict, dev) -> dict:
 
 
 RUNNERS = {"w4a16": _run_w4a16, "nf4-matmul": _run_w4a16, "nf4-dequant": _run_nf4_dequant, "norm": _run_norm,
+           "rope_cache": _run_rope_cache,
            "sgemm": _run_sgemm,
            "hgemm": _run_hgemm, "moe": _run_moe}
 
