@@ -205,3 +205,32 @@ def test_gated_layer_parts_weight_and_bias_are_the_parts_order():
         gated.load_state_dict(fused.state_dict())
     with pytest.raises(ValueError, match="two parts of one width"):
         GatedW4A16Linear.from_fused(tilefish.convert.fuse(parts + [W4A16Linear.from_linear(gate)]))
+
+
+@pytest.mark.parametrize("family", ("llama", "qwen2", "mistral"))
+def test_static_cache_decode_steps_take_the_rope_cache_op(family, monkeypatch):
+    """The fused attention writes the cache with tilefish.ops.rope_cache exactly when the cache is a StaticCache's
+    plain StaticLayer already filled (decode steps after the prompt), and transformers' forward writes it
+    otherwise (the prompt, a DynamicCache, Mistral's sliding-window layers); logits bit for bit either way."""
+    from transformers import DynamicCache, StaticCache
+
+    from tilefish.ops import rope_cache as rope_ops
+
+    calls = []
+    impl = rope_ops.rope_cache_impl
+    monkeypatch.setattr(rope_ops, "rope_cache_impl", lambda *a, **k: calls.append(a[0].shape) or impl(*a, **k))
+    model, _ = _quantized(family, torch.float16)
+    twin = _transformers_forward(model)
+    sliding = getattr(model.config, "sliding_window", None) is not None and family == "mistral"
+    for make in (lambda m: StaticCache(config=m.config, max_cache_len=20), lambda m: DynamicCache()):
+        calls.clear()
+        caches = [make(m) for m in (model, twin)]
+        ids = _ids(8, length=6)
+        with torch.no_grad():
+            for step in range(4):
+                got, want = (m(ids, past_key_values=c, use_cache=True).logits for m, c in zip((model, twin), caches))
+                assert torch.equal(got, want), f"step {step}"
+                ids = want[:, -1:].argmax(-1)
+        static = isinstance(caches[0], StaticCache) and not sliding
+        assert len(calls) == (3 * len(model.model.layers) if static else 0), (family, type(caches[0]).__name__)
+        assert all(shape[1] == 1 for shape in calls)  # decode steps only: the prompt filled the cache
