@@ -23,7 +23,8 @@ fused forward equals transformers' bit for bit; on the GPU the norms' fp32 sums 
 
 The switch is a class swap per module: FusedLlamaDecoderLayer is a LlamaDecoderLayer whose forward is the one
 above, FusedLlamaAttention a LlamaAttention whose forward writes the cache with the one kernel (only a
-StaticCache's plain layers, once initialized: any other cache, or its first fill, takes transformers' forward), so isinstance checks, hooks (output_hidden_states), state dicts and save_pretrained see the same modules
+StaticCache's plain layers, once initialized: any other cache, or its first fill, takes transformers' forward),
+so isinstance checks, hooks (output_hidden_states), state dicts and save_pretrained see the same modules
 (and pickling finds the class here: see __getattr__). use_fused_forward installs it where every piece is in
 place; restore_forward undoes it. A call that wants a gradient, or whose pieces were swapped afterwards, runs
 transformers' own forward.

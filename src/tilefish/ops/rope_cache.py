@@ -72,8 +72,9 @@ def check_inputs(qkv, cos, sin, keys, values, length, heads, kv_heads) -> tuple[
     if d % HEAD_DIM_MULTIPLE or d == 0:
         raise ValueError(f"rope_cache: the head dim ({d}) must be a positive multiple of {HEAD_DIM_MULTIPLE}")
     if qkv.dim() != 3 or qkv.shape[0] != b or qkv.shape[2] != (heads + 2 * kv_heads) * d:
-        raise ValueError(f"rope_cache: qkv must be [B = {b}, T, (heads + 2 kv_heads) x D = {(heads + 2 * kv_heads) * d}]"
-                         f" (the caches' batch and head dim), got {tuple(qkv.shape)}")
+        width = (heads + 2 * kv_heads) * d
+        raise ValueError(f"rope_cache: qkv must be [B = {b}, T, (heads + 2 kv_heads) x D = {width}] (the caches' "
+                         f"batch and head dim), got {tuple(qkv.shape)}")
     t = qkv.shape[1]
     for name, c in (("cos", cos), ("sin", sin)):
         if c.dtype != qkv.dtype:
