@@ -224,7 +224,8 @@ def quantize_model(model: nn.Module, method: str = "w4a16", *, group_size: int =
       its own 4-bit copy; the embedding keeps the dense tensor.
     - fuse: the model's fused forward (fuse_model): q/k/v and gate/up siblings become one matmul each (gate/up
       with the SiLU-mul in its epilogue), Llama-family decoder layers run tilefish.decoder's fused forward (norm
-      kernels, residual adds in the epilogues; restore_forward switches back), and a transformers model with
+      kernels, residual adds in the epilogues, with a StaticCache the rotary embedding and the cache write as one
+      kernel; restore_forward switches back), and a transformers model with
       grouped-query "sdpa" attention switches to "tilefish_sdpa" (the same math without repeating K/V;
       model.set_attn_implementation("sdpa") switches back). A fused nf4 layer is
       a FusedW4A16Linear with codebook "nf4": its state dict is tilefish's kernel layout (packed,
@@ -432,8 +433,8 @@ def fuse(parts: list[W4A16Linear]) -> FusedW4A16Linear:
 
 def fuse_model(model: nn.Module, report: ConversionReport | None = None) -> ConversionReport:
     """A model's fused forward: fuse_projections (q/k/v, gate/up as one W4A16 matmul each; gate/up of a SiLU-gated
-    MLP as a GatedW4A16Linear), tilefish.decoder's fused forward for the Llama-family decoder layers and gated MLPs
-    (restore_forward undoes it), and a transformers model's grouped-query "sdpa" attention switched to
+    MLP as a GatedW4A16Linear), tilefish.decoder's fused forward for the Llama-family decoder layers, gated MLPs and
+    attentions (restore_forward undoes it), and a transformers model's grouped-query "sdpa" attention switched to
     tilefish.attention's "tilefish_sdpa" (K/V read in place instead of repeated for every query head: at batch
     16 that copy outweighs a layer's GEMMs). Anything else is left as it is; report.attention and
     report.forward say what was switched."""
