@@ -601,7 +601,8 @@ class FusedW4A16Linear(W4A16Linear):
     is dropped; the forward of the module holding the parts also drops whatever is left when it
     returns (W4A16Slice.share_within), so no tensor is carried from one forward to the next (CUDA
     graph trees and torch.compile see none). A part called on another tensor (or on the same one after
-    an in-place change, in eager mode) recomputes, so the answer never depends on call order."""
+    an in-place change, in eager mode outside torch.inference_mode, whose tensors keep no version counter)
+    recomputes, so the answer never depends on call order."""
 
     def __init__(self, in_features: int, split_sizes: list[int], **kwargs):
         super().__init__(in_features, sum(split_sizes), **kwargs)
@@ -626,9 +627,11 @@ class FusedW4A16Linear(W4A16Linear):
     def part(self, x: torch.Tensor, columns: tuple[int, int]) -> torch.Tensor:
         """Columns [a, b) of this layer's output for x, computed once for all parts."""
         shared = self._shared
-        compiling = torch.compiler.is_compiling()
-        if not shared.left or shared.x is not x or (not compiling and shared.version != x._version):
-            shared.x, shared.version, shared.y = x, 0 if compiling else x._version, self._shared_forward(x)
+        # an inference tensor (torch.inference_mode) keeps no version counter: as under torch.compile, an in-place
+        # change to x between two parts' calls is then not seen
+        tracked = not torch.compiler.is_compiling() and not x.is_inference()
+        if not shared.left or shared.x is not x or (tracked and shared.version != x._version):
+            shared.x, shared.version, shared.y = x, x._version if tracked else 0, self._shared_forward(x)
             shared.left = len(self.split_sizes)
         y = shared.y
         shared.left -= 1
