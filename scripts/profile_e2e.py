@@ -61,6 +61,34 @@ def profile_step(replay, steps=5):
     return by, {k: v // steps for k, v in count.items()}
 
 
+def launch_policy_for(impl: str):
+    """The launch-policy context a variant's steps are converted and captured under (-nopdl: no programmatic
+    launch; the launches made while a step is captured keep the policy active then)."""
+    if impl.endswith("-nopdl"):
+        return ops.launch_policy(ops.LaunchPolicy(programmatic=False))
+    return contextlib.nullcontext()
+
+
+def convert_variant(runner, impl: str) -> None:
+    """runner's model as `impl` (bench e2e's variants, with the -nopdl / -norope suffixes), each layer compiled."""
+    e2e._convert(runner, impl.removesuffix("-nopdl").removesuffix("-norope"), os.environ.get("LM_HEAD", "auto"))
+    if impl.endswith("-norope"):  # transformers' attention forward: no rope_cache kernel
+        for layer in runner.model.model.layers:
+            layer.self_attn.__class__ = layer.self_attn._tilefish_base
+    for layer in runner.model.model.layers:
+        layer.compile(fullgraph=True, dynamic=False)
+
+
+def captured_step(runner, cfg, batch: int, dev):
+    """One decode step at position 512 over a cache of random K/V, captured in a CUDA graph: its replay."""
+    runner.setup(batch, e2e._round_up(513, e2e.CACHE_ALIGN))
+    for t in runner.kv_tensors():
+        t.normal_()
+    ids = torch.randint(cfg.vocab_size, (batch, 1), device=dev)
+    pos = torch.arange(512, 513, device=dev)
+    return e2e._captured(lambda: runner.step(ids, pos))
+
+
 def main():
     layers = int(sys.argv[1]) if len(sys.argv) > 1 else 8
     batches = [int(v) for v in sys.argv[2:]] or [1, 16]
@@ -72,23 +100,10 @@ def main():
     for impl in os.environ.get("IMPLS", "fp16,fp16-gqa,w4a16").split(","):
         torch.manual_seed(0)
         runner = Runner(cfg, dev)
-        # the launches made while a step is captured keep the policy active then
-        policy = ops.launch_policy(ops.LaunchPolicy(programmatic=False)) if impl.endswith("-nopdl") else \
-            contextlib.nullcontext()
-        with torch.no_grad(), policy:
-            e2e._convert(runner, impl.removesuffix("-nopdl").removesuffix("-norope"), os.environ.get("LM_HEAD", "auto"))
-            if impl.endswith("-norope"):
-                for layer in runner.model.model.layers:
-                    layer.self_attn.__class__ = layer.self_attn._tilefish_base
-            for layer in runner.model.model.layers:
-                layer.compile(fullgraph=True, dynamic=False)
+        with torch.no_grad(), launch_policy_for(impl):
+            convert_variant(runner, impl)
             for b in batches:
-                runner.setup(b, e2e._round_up(513, e2e.CACHE_ALIGN))
-                for t in runner.kv_tensors():
-                    t.normal_()
-                ids = torch.randint(cfg.vocab_size, (b, 1), device=dev)
-                pos = torch.arange(512, 513, device=dev)
-                replay = e2e._captured(lambda: runner.step(ids, pos))
+                replay = captured_step(runner, cfg, b, dev)
                 wall = e2e._time_ms(replay, dev, 30)
                 by, count = profile_step(replay)
                 total = sum(by.values())

@@ -5,16 +5,18 @@ Usage (device): python scripts/experiments/trace_e2e_step.py OUT.csv [layers] [b
 (IMPLS=w4a16 by default, comma list as profile_e2e, plus w4a16-norope: the fused forward with transformers'
 attention forward, i.e. without the rope_cache kernel; writes one CSV per impl: OUT.csv with the impl before .csv)
 """
-import contextlib
 import csv
 import os
 import sys
+from pathlib import Path
 
 import torch
 
 from tilefish.bench import e2e
 from tilefish.models.llama import LlamaConfig
-from tilefish.ops import w4a16 as ops
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import profile_e2e  # noqa: E402  (scripts/profile_e2e.py: the variants and the captured step)
 
 
 def main():
@@ -26,21 +28,9 @@ def main():
     for impl in os.environ.get("IMPLS", "w4a16").split(","):
         torch.manual_seed(0)
         runner = e2e._HF(cfg, dev)
-        policy = ops.launch_policy(ops.LaunchPolicy(programmatic=False)) if impl.endswith("-nopdl") else \
-            contextlib.nullcontext()
-        with torch.no_grad(), policy:
-            e2e._convert(runner, impl.removesuffix("-nopdl").removesuffix("-norope"), os.environ.get("LM_HEAD", "auto"))
-            if impl.endswith("-norope"):
-                for layer in runner.model.model.layers:
-                    layer.self_attn.__class__ = layer.self_attn._tilefish_base
-            for layer in runner.model.model.layers:
-                layer.compile(fullgraph=True, dynamic=False)
-            runner.setup(batch, e2e._round_up(513, e2e.CACHE_ALIGN))
-            for t in runner.kv_tensors():
-                t.normal_()
-            ids = torch.randint(cfg.vocab_size, (batch, 1), device=dev)
-            pos = torch.arange(512, 513, device=dev)
-            replay = e2e._captured(lambda: runner.step(ids, pos))
+        with torch.no_grad(), profile_e2e.launch_policy_for(impl):
+            profile_e2e.convert_variant(runner, impl)
+            replay = profile_e2e.captured_step(runner, cfg, batch, dev)
             wall = e2e._time_ms(replay, dev, 30)
             for _ in range(3):
                 replay()
