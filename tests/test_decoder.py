@@ -64,15 +64,20 @@ def test_fused_forward_is_transformers_forward_bit_for_bit(family, dtype):
             assert all(torch.equal(a, b) for a, b in zip(got.hidden_states, want.hidden_states))
 
 
+@pytest.mark.parametrize("inference_mode", (False, True), ids=("no_grad", "inference_mode"))
 @pytest.mark.parametrize("family", ("llama", "qwen3"))
-def test_generate_with_the_cache_is_unchanged(family):
+def test_generate_with_the_cache_is_unchanged(family, inference_mode):
+    """generate (its own no_grad, or inside torch.inference_mode, whose tensors keep no version counter) gives
+    transformers' tokens and logits, dynamic and static cache."""
     model, _ = _quantized(family, torch.float16)
     twin = _transformers_forward(model)
     ids = _ids(3, length=7)
     for cache in (None, "static"):
         kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
                   output_logits=True, cache_implementation=cache)
-        got, want = model.generate(ids, **kw), twin.generate(ids, **kw)
+        with torch.inference_mode(inference_mode):
+            got = model.generate(ids, **kw)
+        want = twin.generate(ids, **kw)
         assert torch.equal(got.sequences, want.sequences), cache
         assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits)), cache
 
@@ -235,20 +240,3 @@ def test_static_cache_decode_steps_take_the_rope_cache_op(family, monkeypatch):
         assert len(calls) == (3 * len(model.model.layers) if static else 0), (family, type(caches[0]).__name__)
         assert all(shape[1] == 1 for shape in calls)  # decode steps only: the prompt filled the cache
 
-
-@pytest.mark.parametrize("family", ("llama", "qwen3"))
-def test_generate_under_inference_mode(family):
-    """torch.inference_mode (whose tensors keep no version counter) runs the fused q/k/v and the fused forward as
-    torch.no_grad does: the same tokens and logits as transformers' forward, static and dynamic cache."""
-    model, _ = _quantized(family, torch.float16)
-    twin = _transformers_forward(model)
-    ids = _ids(9, length=6)
-    for cache in (None, "static"):
-        kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
-                  output_logits=True, cache_implementation=cache)
-        with torch.inference_mode():
-            got = model.generate(ids, **kw)
-        with torch.no_grad():
-            want = twin.generate(ids, **kw)
-        assert torch.equal(got.sequences, want.sequences), cache
-        assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits)), cache
