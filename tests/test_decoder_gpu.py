@@ -81,10 +81,11 @@ def test_a_fused_layer_launches_five_tilefish_kernels_around_its_attention():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_static_cache_steps_write_the_cache_with_one_kernel_a_layer(dtype):
-    """With a StaticCache, a decode step of the fused model runs the rotary embedding and the cache write as one
-    rope_cache kernel a layer (no index_copy, no separate rotary or length kernels), and its logits and cache
-    follow transformers' forward over the same 4-bit layers step after step."""
+def test_static_cache_decode_steps_run_rotary_cache_write_and_attention_as_one_kernel_a_layer(dtype):
+    """With a StaticCache, a decode step of the fused model runs the rotary embedding, the cache write and the
+    attention as one rope_attention kernel a layer (no index_copy, no rotary, length or SDPA kernels), the
+    prompt's fill takes transformers' attention forward, and logits and cache follow transformers' forward over
+    the same 4-bit layers step after step."""
     from transformers import StaticCache
 
     model, twin = _models("llama", dtype)
@@ -109,5 +110,6 @@ def test_static_cache_steps_write_the_cache_with_one_kernel_a_layer(dtype):
         assert rel(a.keys, b.keys) < TOL[dtype] and rel(a.values, b.values) < TOL[dtype]
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     layers = len(model.model.layers)
-    assert sum("rope_cache" in n for n in names) == layers, names
-    assert not any("index_copy" in n.lower() or "indexcopy" in n.lower() for n in names), names
+    assert sum("rope_attention" in n for n in names) == layers, names
+    assert not any("rope_cache" in n or "index_copy" in n.lower() or "indexcopy" in n.lower() for n in names), names
+    assert not any(k in n.lower() for n in names for k in ("sdpa", "fmha", "flash")), names

@@ -28,7 +28,7 @@ DESCRIPTION = f"{NAME}: grouped-query attention without repeating K/V"
 # Keyword arguments HF decoders pass that transformers' sdpa path ignores (the mask already encodes them).
 # Any other keyword with a value other than None / False (position_bias, s_aux sinks, softcap,
 # output_attentions=True, ...) sends the call to transformers' function.
-_IGNORED_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "sliding_window"})
+SDPA_IGNORED_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "sliding_window"})
 
 
 def _hf_sdpa(*args, **kwargs):
@@ -48,7 +48,7 @@ def _folds(module, query, key, attention_mask, kwargs) -> bool:
         return False  # a per-head mask, or rows that do not broadcast to the queries
     if query.dim() != 4 or query.shape[1] != key.shape[1] * groups:
         return False
-    return all(k in _IGNORED_KWARGS or v is None or v is False for k, v in kwargs.items())
+    return all(k in SDPA_IGNORED_KWARGS or v is None or v is False for k, v in kwargs.items())
 
 
 def gqa_sdpa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,

@@ -36,6 +36,8 @@ import importlib
 import torch
 
 from .nn import FusedW4A16Linear, GatedW4A16Linear, W4A16Linear, W4A16Slice
+from .attention import NAME as TILEFISH_SDPA, SDPA_IGNORED_KWARGS
+from .ops import rope_attention as rope_attention_ops
 from .ops import rope_cache as rope_cache_ops
 
 # The transformers classes whose forward is the one the module docstring spells out (their module is
@@ -193,6 +195,26 @@ class FusedAttention:
             return None
         return layer
 
+    def _one_kernel_step(self, x, mask, layer, kwargs) -> bool:
+        """Whether this step's rotary, cache write and attention are one rope_attention launch: a CUDA decode
+        step (one token, at most MAX_FUSED_BATCH sequences) of SDPA attention (what "sdpa" / "tilefish_sdpa"
+        compute: no dropout, a mask of one row per sequence or none, no keyword that changes the math) of a shape
+        the kernel takes."""
+        if not x.is_cuda or x.shape[1] != 1 or x.shape[0] > rope_attention_ops.MAX_FUSED_BATCH \
+                or (self.training and self.attention_dropout > 0):
+            return False
+        if self.config._attn_implementation not in ("sdpa", TILEFISH_SDPA):
+            return False
+        keys, d = layer.keys, self.head_dim
+        fused = self.q_proj.fused
+        if not rope_attention_ops.supports(d, fused.split_sizes[0] // d, fused.split_sizes[1] // d):
+            return False
+        if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 4
+                                     and mask.dtype in (torch.bool, x.dtype) and mask.shape[0] in (1, x.shape[0])
+                                     and tuple(mask.shape[1:]) == (1, 1, keys.shape[2])):
+            return False
+        return all(k in SDPA_IGNORED_KWARGS or v is None or v is False for k, v in kwargs.items())
+
     def forward(self, hidden_states, *args, **kwargs):
         layer = None if args else self._cache_layer(hidden_states, kwargs)
         if layer is None:
@@ -204,8 +226,15 @@ class FusedAttention:
         attention_mask = kwargs.pop("attention_mask", None)
         fused, d = self.q_proj.fused, self.head_dim
         b, t = hidden_states.shape[:2]
+        heads, kv_heads = fused.split_sizes[0] // d, fused.split_sizes[1] // d
+        if self._one_kernel_step(hidden_states, attention_mask, layer, kwargs):
+            # early_kv: a model's decode step (module docstring of ops.rope_attention)
+            out = rope_attention_ops.rope_attention(fused(hidden_states), cos, sin, layer.keys, layer.values,
+                                                    layer.cumulative_length, attention_mask, self.scaling, heads,
+                                                    kv_heads, early_kv=True)
+            return self.o_proj(out.reshape(b, t, -1)), None
         q = rope_cache_ops.rope_cache(fused(hidden_states), cos, sin, layer.keys, layer.values,
-                                      layer.cumulative_length, fused.split_sizes[0] // d, fused.split_sizes[1] // d)
+                                      layer.cumulative_length, heads, kv_heads)
         functions, eager = _ATTENTION_FUNCTIONS[self._tilefish_base.__name__]
         attention = functions.get_interface(self.config._attn_implementation, eager)
         if ATTENTIONS[self._tilefish_base.__name__] == "mistral":  # what each family's forward adds

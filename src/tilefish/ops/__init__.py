@@ -18,6 +18,7 @@ def kernel_specs(include_variants: bool = False, arch: str | None = None):
     moe = importlib.import_module(".moe_kernels", __name__)
     norm = importlib.import_module(".norm", __name__)
     rope = importlib.import_module(".rope_cache", __name__)
+    rope_attention = importlib.import_module(".rope_attention", __name__)
 
     # W4A16's dispatch_specs may not take arch: then its specs are filtered by supports(arch) below
     w4_arch = {"arch": arch} if "arch" in inspect.signature(w4a16.dispatch_specs).parameters else {}
@@ -28,6 +29,7 @@ def kernel_specs(include_variants: bool = False, arch: str | None = None):
     specs += [("moe", s) for s in moe.kernel_specs(arch=arch)]
     specs += [("norm", s) for s in norm.dispatch_specs(arch=arch)]
     specs += [("rope_cache", s) for s in rope.dispatch_specs(arch=arch)]
+    specs += [("rope_attention", s) for s in rope_attention.dispatch_specs(arch=arch)]
     if include_variants:
         import torch
 

@@ -201,3 +201,19 @@ def rope_cache_op(qkv: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: T
 @rope_cache_op.register_fake
 def _(qkv, cos, sin, keys, values, length, heads, kv_heads, counters=None):
     return qkv.new_empty((qkv.shape[0], qkv.shape[1], heads, keys.shape[-1]))
+
+
+@torch.library.custom_op("tilefish::rope_attention", mutates_args=("keys", "values", "length"))
+def rope_attention_op(qkv: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, length: Tensor,
+                      mask: Optional[Tensor], scale: float, heads: int, kv_heads: int,
+                      counters: Optional[Tensor] = None, early_kv: bool = False) -> Tensor:
+    # out [B, 1, heads, D]; keys / values / length written in place; counters left at zero (not mutated).
+    from .rope_attention import rope_attention_impl
+
+    return rope_attention_impl(qkv, cos, sin, keys, values, length, mask, scale, heads, kv_heads, counters,
+                               early_kv=early_kv)
+
+
+@rope_attention_op.register_fake
+def _(qkv, cos, sin, keys, values, length, mask, scale, heads, kv_heads, counters=None, early_kv=False):
+    return qkv.new_empty((qkv.shape[0], 1, heads, keys.shape[-1]))

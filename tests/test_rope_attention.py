@@ -1,0 +1,284 @@
+"""tilefish.ops.rope_attention: a decode step's rotary embedding, StaticCache write and attention in one op.
+
+CPU: the op (its reference) writes the cache and the length as rope_cache does (bit for bit) and its output is
+transformers' eager attention (SDPA over the whole cache with the mask) of the rotated query, in fp32; every
+validation error names its rule and leaves the cache and length as they were; the plan's chunks are whole
+tiles that keep the grid near two CTAs an SM; the custom op passes opcheck and traces with fullgraph.
+GPU (skipped without one): the kernel against the float64 attention of the rotated query over the cache written
+by transformers' eager steps (keys, values and length bit for bit), output poisoned, fp16 / bf16, head dims 64 /
+128, 1-16 query heads a kv head, batch 1-33, caches of 64-2048 slots, bool / additive / no mask with padded and
+fully masked rows, the new position at the first and last slot and past the cache, chunks from one tile (many
+CTAs combining) to the whole cache, the early K/V copies on and off, many steps in a row leaving the counters
+at zero, a manual CUDA graph replayed, torch.compile (default, reduce-overhead).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import capture, poison
+from test_rope_cache import _copy, _step, _transformers
+from tilefish.reference import rope_cache as rope_cache_reference
+from tilefish.ops import library
+from tilefish.ops import rope_attention as ops
+from tilefish.ops.w4a16 import layer_counters, make_layer_counters
+
+DTYPES = (torch.float16, torch.bfloat16)
+TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2}  # P rounded to the dtype before P V, out rounded once
+
+
+def _mask(kind, b, slots, length, dtype, device, generator):
+    """None, or a [b, 1, 1, S] mask attending positions <= length with ~20% of them masked (a padded prompt),
+    bool or additive (0 / -inf, and small finite biases)."""
+    if kind == "none":
+        return None
+    keep = torch.arange(slots)[None, :] <= length
+    keep = keep & (torch.rand(b, slots, generator=generator) > 0.2)
+    keep[:, min(length, slots - 1)] = True
+    if kind == "bool":
+        return keep[:, None, None, :].to(device)
+    bias = torch.randn(b, slots, generator=generator) * 0.5
+    add = torch.where(keep, bias, torch.tensor(float("-inf")))
+    return add[:, None, None, :].to(dtype).to(device)
+
+
+def _want(qkv, cos, sin, layer, heads, kv_heads, mask, scale):
+    """The reference rotary and cache write (transformers' eager ops, positions past the cache not written) on a
+    copy, then the attention in float64: (out [b, 1, heads, d] float64, the copy)."""
+    twin = _copy(layer)
+    q = rope_cache_reference(qkv, cos, sin, twin.keys, twin.values, twin.cumulative_length, heads, kv_heads)
+    keys, values = twin.keys, twin.values
+    b, _, _, d = q.shape
+    groups = heads // kv_heads
+    qd = q.double().reshape(b, kv_heads, groups, d)
+    scores = torch.einsum("bkgd,bksd->bkgs", qd, keys.double()) * scale
+    if mask is not None:
+        m = mask.reshape(mask.shape[0], 1, 1, -1)
+        scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.double()
+    empty = torch.isneginf(scores).all(-1, keepdim=True)
+    w = torch.softmax(scores.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0)
+    return torch.einsum("bkgs,bksd->bkgd", w, values.double()).reshape(b, 1, heads, d), twin
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+# -------------------------------------------------------------------------------------------------------- CPU
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
+def test_cpu_reference_is_rope_cache_then_sdpa(dtype, mask_kind):
+    seed = 3
+    torch.manual_seed(seed)
+    b, heads, kv_heads, d, slots = 2, 8, 2, 64, 40
+    qkv, cos, sin, layer = _step(b, 1, heads, kv_heads, d, slots, dtype)
+    length = int(layer.cumulative_length)
+    mask = _mask(mask_kind, b, slots, length, dtype, "cpu", torch.Generator().manual_seed(seed))
+    scale = 1 / math.sqrt(d)
+    want, _ = _want(qkv, cos, sin, layer, heads, kv_heads, mask, scale)
+    twin = _copy(layer)
+    _transformers(qkv, cos, sin, twin, heads, kv_heads)
+    got = ops.rope_attention(qkv, cos, sin, layer.keys, layer.values, layer.cumulative_length, mask, scale,
+                             heads, kv_heads)
+    assert torch.equal(layer.keys, twin.keys) and torch.equal(layer.values, twin.values), f"seed {seed}"
+    assert torch.equal(layer.cumulative_length, twin.cumulative_length)
+    assert _rel(got, want) < TOL[dtype] / 4, f"seed {seed}"  # rounded once from fp32
+
+
+def test_validation_names_the_rule_and_writes_nothing():
+    torch.manual_seed(0)
+    qkv, cos, sin, layer = _step(2, 1, 8, 2, 64, 32, torch.float16)
+    mask = torch.ones(2, 1, 1, 32, dtype=torch.bool)
+    cases = [
+        (dict(qkv=torch.cat([qkv, qkv], 1)), ValueError, "one new token"),
+        (dict(mask=torch.ones(2, 1, 2, 32, dtype=torch.bool)), ValueError, "mask must be"),
+        (dict(mask=torch.ones(2, 1, 1, 32, dtype=torch.float32)), TypeError, "mask must be bool"),
+        (dict(mask=[1, 2]), TypeError, "mask must be a torch.Tensor"),
+        (dict(scale=float("inf")), TypeError, "scale must be a finite float"),
+        (dict(heads=8, kv_heads=3), ValueError, "kv_heads"),
+        (dict(cos=cos.float()), TypeError, "cos must have qkv's dtype"),
+    ]
+    for change, error, words in cases:
+        args = dict(qkv=qkv, cos=cos, sin=sin, keys=layer.keys, values=layer.values, length=layer.cumulative_length,
+                    mask=mask, scale=0.125, heads=8, kv_heads=2)
+        args.update(change)
+        keys, values, length = layer.keys.clone(), layer.values.clone(), layer.cumulative_length.clone()
+        with pytest.raises(error, match=words):
+            ops.rope_attention(**args)
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+        assert torch.equal(layer.cumulative_length, length)
+    odd = _step(1, 1, 4, 2, 80, 16, torch.float16)
+    with pytest.raises(ValueError, match="head dim must be one of"):
+        ops.rope_attention(*odd[:3], odd[3].keys, odd[3].values, odd[3].cumulative_length, None, 0.1, 4, 2)
+    many = _step(1, 1, 34, 2, 64, 16, torch.float16)
+    with pytest.raises(ValueError, match="query heads a kv head"):
+        ops.rope_attention(*many[:3], many[3].keys, many[3].values, many[3].cumulative_length, None, 0.1, 34, 2)
+
+
+@pytest.mark.parametrize("batch,kv_heads,slots,sms", [(1, 8, 576, 132), (1, 8, 2048, 132), (16, 8, 576, 132),
+                                                      (64, 8, 2048, 132), (1, 1, 64, 82), (3, 4, 100, 28)])
+def test_plan_takes_whole_tiles_near_two_ctas_an_sm(batch, kv_heads, slots, sms):
+    chunk = ops.plan_chunk(batch, kv_heads, slots, sms)
+    tiles = -(-slots // ops.TILE)
+    assert chunk % ops.TILE == 0 and ops.TILE <= chunk <= tiles * ops.TILE
+    ctas = batch * kv_heads * -(-slots // chunk)
+    # at most about two CTAs an SM, unless every (sequence, kv head) already has a single chunk
+    assert ctas <= 2 * sms + batch * kv_heads or chunk == tiles * ops.TILE
+    # one tile fewer a chunk would pass two CTAs an SM (the chunk is the smallest that fits)
+    if chunk > ops.TILE:
+        assert batch * kv_heads * -(-slots // (chunk - ops.TILE)) > 2 * sms
+
+
+def test_custom_op_opcheck_and_fullgraph_trace():
+    torch.manual_seed(1)
+    qkv, cos, sin, layer = _step(2, 1, 8, 2, 64, 32, torch.float16)
+    mask = torch.ones(2, 1, 1, 32, dtype=torch.bool)
+    torch.library.opcheck(library.rope_attention_op, (qkv, cos, sin, layer.keys, layer.values,
+                                                      layer.cumulative_length, mask, 0.125, 8, 2, None, False),
+                          test_utils=("test_schema", "test_faketensor"))
+    f = torch.compile(lambda *a: ops.rope_attention(*a), fullgraph=True, backend="eager")
+    out = f(qkv, cos, sin, layer.keys, layer.values, layer.cumulative_length, mask, 0.125, 8, 2)
+    assert out.shape == (2, 1, 8, 64)
+
+
+# -------------------------------------------------------------------------------------------------------- GPU
+
+@pytest.fixture
+def cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    device = torch.device("cuda", torch.cuda.current_device())
+    make_layer_counters(device)
+    return device
+
+
+def _run(shape, dtype, seed, cuda, mask_kind="bool", start=None, chunk=None, early_kv=False, counters=None):
+    b, heads, kv_heads, d, slots = shape
+    torch.manual_seed(seed)
+    qkv, cos, sin, layer = _step(b, 1, heads, kv_heads, d, slots, dtype, device=cuda, start=start)
+    length = int(layer.cumulative_length)
+    mask = _mask(mask_kind, b, slots, length, dtype, cuda, torch.Generator().manual_seed(seed))
+    scale = 1 / math.sqrt(d)
+    want, twin = _want(qkv, cos, sin, layer, heads, kv_heads, mask, scale)
+    poison(torch.empty((b, 1, heads, d), dtype=dtype, device=cuda))  # freed: the output's allocation reuses it
+    got = ops.rope_attention_impl(qkv, cos, sin, layer.keys, layer.values, layer.cumulative_length, mask, scale,
+                                  heads, kv_heads, counters, early_kv=early_kv, chunk=chunk)
+    torch.cuda.synchronize()
+    where = f"seed {seed}, shape {shape}, {dtype}, mask {mask_kind}, L {length}, chunk {chunk}, early {early_kv}"
+    assert torch.equal(layer.keys, twin.keys) and torch.equal(layer.values, twin.values), where
+    assert torch.equal(layer.cumulative_length, twin.cumulative_length), where
+    assert not got.isnan().any(), where
+    assert _rel(got, want) < TOL[dtype], f"{where}: {_rel(got, want):.2e}"
+    counters = layer_counters(cuda) if counters is None else counters
+    assert int(counters[: 1 + b * kv_heads].abs().sum()) == 0, where
+
+
+SHAPES = [(1, 32, 8, 128, 576), (1, 32, 8, 128, 2048), (2, 8, 8, 64, 64), (3, 12, 4, 128, 100),
+          (16, 32, 8, 128, 576), (5, 16, 1, 64, 300), (33, 4, 2, 64, 129), (1, 64, 8, 128, 1024)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("mask_kind", ["bool", "additive", "none"])
+def test_kernel_matches_float64_attention_and_transformers_cache(dtype, shape, mask_kind, cuda):
+    for seed in (0, 1):
+        _run(shape, dtype, seed, cuda, mask_kind)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [64, 128, 4096])
+@pytest.mark.parametrize("early_kv", [False, True])
+def test_chunks_and_early_copies(chunk, early_kv, cuda):
+    for seed, shape in enumerate(SHAPES[:5]):
+        _run(shape, torch.float16, seed, cuda, "bool", chunk=chunk, early_kv=early_kv)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("start", ["first", "tile_edge", "last", "past"])
+def test_new_position_at_the_edges_and_past_the_cache(start, cuda):
+    slots = 576
+    at = {"first": 0, "tile_edge": 127, "last": slots - 1, "past": slots + 3}[start]
+    for seed, chunk in enumerate((64, None)):
+        _run((2, 32, 8, 128, slots), torch.bfloat16, seed, cuda, "none" if start == "past" else "bool", start=at,
+             chunk=chunk)
+
+
+@pytest.mark.gpu
+def test_a_fully_masked_row_gives_zeros(cuda):
+    torch.manual_seed(5)
+    b, heads, kv_heads, d, slots = 3, 8, 2, 64, 200
+    qkv, cos, sin, layer = _step(b, 1, heads, kv_heads, d, slots, torch.float16, device=cuda, start=50)
+    mask = torch.ones(b, 1, 1, slots, dtype=torch.bool, device=cuda)
+    mask[1] = False
+    out = ops.rope_attention_impl(qkv, cos, sin, layer.keys, layer.values, layer.cumulative_length, mask, 0.125,
+                                  heads, kv_heads, chunk=64)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert out[0].abs().sum() > 0 and out[2].abs().sum() > 0
+
+
+@pytest.mark.gpu
+def test_many_steps_in_a_row_and_own_counters(cuda):
+    """Eight decode steps on one cache (each launch reads the length the last one wrote), early copies off as
+    the op's default is for back-to-back calls, then with owned counters."""
+    torch.manual_seed(7)
+    b, heads, kv_heads, d, slots = 2, 32, 8, 128, 96
+    _, cos, sin, layer = _step(b, 1, heads, kv_heads, d, slots, torch.float16, device=cuda, start=40)
+    twin = _copy(layer)
+    for step in range(8):
+        qkv = torch.randn(b, 1, (heads + 2 * kv_heads) * d, device=cuda).to(torch.float16)
+        mask = (torch.arange(slots, device=cuda) <= int(twin.cumulative_length))[None, None, None, :]
+        want, twin_after = _want(qkv, cos, sin, twin, heads, kv_heads, mask, 0.1)
+        got = ops.rope_attention_impl(qkv, cos, sin, layer.keys, layer.values, layer.cumulative_length, mask, 0.1,
+                                      heads, kv_heads, chunk=64)
+        assert _rel(got, want) < TOL[torch.float16], f"step {step}"
+        twin = twin_after
+    assert torch.equal(layer.keys, twin.keys) and torch.equal(layer.cumulative_length, twin.cumulative_length)
+    assert int(layer_counters(cuda)[:17].abs().sum()) == 0
+    own = torch.zeros(20, dtype=torch.int32, device=cuda)
+    _run((b, heads, kv_heads, d, slots), torch.float16, 9, cuda, counters=own, chunk=64)
+    with pytest.raises(ValueError, match="the counters hold"):
+        _run((b, heads, kv_heads, d, slots), torch.float16, 9, cuda, counters=own[:5])
+
+
+@pytest.mark.gpu
+def test_manual_cuda_graph_replays_advance_the_cache(cuda):
+    torch.manual_seed(8)
+    b, heads, kv_heads, d, slots = 1, 32, 8, 128, 576
+    qkv, cos, sin, layer = _step(b, 1, heads, kv_heads, d, slots, torch.float16, device=cuda, start=100)
+    mask = torch.ones(b, 1, 1, slots, dtype=torch.bool, device=cuda)
+    twin = _copy(layer)
+    graph, out = capture(lambda: ops.rope_attention(qkv, cos, sin, layer.keys, layer.values,
+                                                    layer.cumulative_length, mask, 0.1, heads, kv_heads,
+                                                    early_kv=True))
+    want, twin = _want(qkv, cos, sin, twin, heads, kv_heads, mask, 0.1)  # the warm-up call ran; capturing does not
+    for _ in range(2):
+        want, twin = _want(qkv, cos, sin, twin, heads, kv_heads, mask, 0.1)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _rel(out, want) < TOL[torch.float16]
+    assert torch.equal(layer.keys, twin.keys) and torch.equal(layer.cumulative_length, twin.cumulative_length)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_torch_compile(mode, cuda):
+    torch.manual_seed(9)
+    b, heads, kv_heads, d, slots = 2, 32, 8, 128, 256
+    qkv, cos, sin, layer = _step(b, 1, heads, kv_heads, d, slots, torch.bfloat16, device=cuda, start=30)
+    mask = torch.ones(b, 1, 1, slots, dtype=torch.bool, device=cuda)
+    twin = _copy(layer)
+    f = torch.compile(lambda x: ops.rope_attention(x, cos, sin, layer.keys, layer.values, layer.cumulative_length,
+                                                   mask, 0.1, heads, kv_heads, early_kv=True) * 2,
+                      mode=mode, fullgraph=True)
+    for step in range(3):
+        want, twin = _want(qkv, cos, sin, twin, heads, kv_heads, mask, 0.1)
+        got = f(qkv).clone()
+        torch.cuda.synchronize()
+        assert _rel(got, want * 2) < TOL[torch.bfloat16], f"step {step}"
+    assert torch.equal(layer.keys, twin.keys) and torch.equal(layer.cumulative_length, twin.cumulative_length)
+    torch._dynamo.reset()
