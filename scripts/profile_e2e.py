@@ -5,8 +5,9 @@ fp16 and W4A16, per layer and in total.
 Usage (device): python scripts/profile_e2e.py [layers] [batch ...]   (default 8 layers, batch 1 16;
 MODEL=hf|builtin, KERNELS=1 lists every kernel, IMPLS=fp16,fp16-gqa,w4a16 (default; also bench e2e's w4a16-hf, and
 w4a16-nopdl: w4a16 captured under LaunchPolicy(programmatic=False), w4a16-norope: w4a16 with transformers'
-attention forward, i.e. no rope_cache kernel), LM_HEAD=auto|quantize|dense: quantize_model's
-lm_head, default auto)
+attention forward, i.e. no rope_cache kernel, w4a16-ropecache: decode steps with rope_cache and the attention
+function instead of the one rope_attention kernel), LM_HEAD=auto|quantize|dense: quantize_model's lm_head,
+default auto)
 """
 import contextlib
 import os
@@ -30,6 +31,8 @@ def kind(name: str) -> str:
         return "tilefish norm"
     if "rope_cache" in n:
         return "tilefish rope + cache write"
+    if "rope_attention" in n:
+        return "tilefish rope + cache write + attention"
     if "gemv" in n or "gemm" in n or "xmma" in n or "cutlass" in n or "nvjet" in n:
         return "cuBLAS GEMM"
     if "attention" in n or "fmha" in n or "flash" in n or "sdpa" in n or "lean_reduction" in n:  # cuDNN's reduction too
@@ -70,23 +73,33 @@ def launch_policy_for(impl: str):
 
 
 def convert_variant(runner, impl: str) -> None:
-    """runner's model as `impl` (bench e2e's variants, with the -nopdl / -norope suffixes), each layer compiled."""
-    e2e._convert(runner, impl.removesuffix("-nopdl").removesuffix("-norope"), os.environ.get("LM_HEAD", "auto"))
+    """runner's model as `impl` (bench e2e's variants, with the -nopdl / -norope / -ropecache suffixes), each layer
+    compiled."""
+    base = impl.removesuffix("-nopdl").removesuffix("-norope").removesuffix("-ropecache")
+    e2e._convert(runner, base, os.environ.get("LM_HEAD", "auto"))
     if impl.endswith("-norope"):  # transformers' attention forward: no rope_cache kernel
         for layer in runner.model.model.layers:
             layer.self_attn.__class__ = layer.self_attn._tilefish_base
+    if impl.endswith("-ropecache"):  # decode steps take rope_cache and the attention function, not rope_attention
+        for layer in runner.model.model.layers:
+            layer.self_attn._one_kernel_step = lambda *args: False
     for layer in runner.model.model.layers:
         layer.compile(fullgraph=True, dynamic=False)
 
 
 def captured_step(runner, cfg, batch: int, dev):
-    """One decode step at position 512 over a cache of random K/V, captured in a CUDA graph: its replay."""
+    """One decode step at position 512 over a cache of random K/V, captured in a CUDA graph: its replay, which
+    keeps the step's inputs alive (the graph reads them where they were at capture)."""
     runner.setup(batch, e2e._round_up(513, e2e.CACHE_ALIGN))
     for t in runner.kv_tensors():
         t.normal_()
     ids = torch.randint(cfg.vocab_size, (batch, 1), device=dev)
     pos = torch.arange(512, 513, device=dev)
-    return e2e._captured(lambda: runner.step(ids, pos))
+    graph_replay = e2e._captured(lambda: runner.step(ids, pos))
+
+    def replay(inputs=(ids, pos)):  # the default argument holds the inputs
+        graph_replay()
+    return replay
 
 
 def main():

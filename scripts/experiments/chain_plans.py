@@ -1,0 +1,84 @@
+"""Which W4A16 plan is fastest for each decode GEMM *in the model's chain* (programmatic launch from the kernel
+ahead, a cuDNN kernel ahead of o), against the dispatcher's pick, which was fitted on kernels timed alone.
+
+Each variant forces one plan for one of a layer's four GEMMs at m = 1 through a tuned table (TILEFISH_TUNED=<file>,
+ops/w4a16/tuned.py) and captures the e2e bench's decode step (scripts/profile_e2e.py's captured_step, 8 layers by
+default); all variants' graphs are then replayed in alternating rounds in this one process.
+
+    python scripts/experiments/chain_plans.py [layers] [batch] [rounds]
+Env VARIANTS: a comma list of name=KxN:plan (default below); "default" is the dispatcher's own choice.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tilefish.bench import e2e
+from tilefish.models.llama import LlamaConfig
+from tilefish.ops.w4a16 import tuned
+from tilefish.runtime import device_info
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import profile_e2e  # noqa: E402
+
+DEFAULT = ("o-skinny=4096x4096:skinny-m8n256w1s3x2,o-skinny8x1=4096x4096:skinny-m8n256w2s8x1,"
+           "qkv-skinny8x1=4096x6144:skinny-m8n256w2s8x1,gate_up-skinny8x1=4096x28672:skinny-m8n256w2s8x1,"
+           "down-skinny8x1=14336x4096:skinny-m8n256w2s8x1,down-skinny-n128=14336x4096:skinny-m8n128w2s6x2")
+
+
+def table_file(key: str, k: int, n: int, m: int, plan: str, folder: str) -> str:
+    entries = [{"dtype": dt, "scales": "grouped", "codebook": "int4", "k": k, "n": n, "m": m, "plan": plan}
+               for dt in ("fp16", "bf16")]
+    path = os.path.join(folder, f"{k}x{n}_{plan}.json")
+    Path(path).write_text(json.dumps({"format": 1, "key": key, "entries": entries}))
+    return path
+
+
+def main():
+    layers = int(sys.argv[1]) if len(sys.argv) > 1 else 8
+    batch = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 6
+    cfg = LlamaConfig.llama3_8b(layers)
+    dev = torch.device("cuda")
+    info = device_info(0)
+    key = tuned.gpu_key(info.name, info.sm_count)
+    variants = {"default": None}
+    for item in os.environ.get("VARIANTS", DEFAULT).split(","):
+        name, _, spec = item.partition("=")
+        shape, _, plan = spec.partition(":")
+        k, n = map(int, shape.split("x"))
+        variants[name] = (k, n, plan)
+    folder = tempfile.mkdtemp()
+    replays = {}
+    for name, v in variants.items():
+        os.environ["TILEFISH_TUNED"] = "1" if v is None else table_file(key, *v[:2], batch, v[2], folder)
+        tuned.forget_tables()
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        runner = e2e._HF(cfg, dev)
+        with torch.no_grad():
+            profile_e2e.convert_variant(runner, "w4a16")
+            replays[name] = (runner, profile_e2e.captured_step(runner, cfg, batch, dev))
+        plans = sorted({(m.weight4.k, m.weight4.n) for m in runner.model.modules() if hasattr(m, "weight4")})
+        print(f"{name}: captured ({len(plans)} weight shapes)", flush=True)
+    times = {name: [] for name in replays}
+    for _ in range(rounds):
+        for name, (_, replay) in replays.items():
+            times[name].append(e2e._time_ms(replay, dev, 30) * 1e3)
+    base = statistics.median(times["default"])
+    print(f"GPU {torch.cuda.get_device_name()}, {layers} layers, batch {batch}, {rounds} alternating rounds "
+          f"(us a step: median, min-max)")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"  {name:22s} {med:8.1f}  ({min(ts):.1f}-{max(ts):.1f})  {base / med:.3f}x default  "
+              f"{(med - base) / layers:+.2f} us a layer")
+
+
+if __name__ == "__main__":
+    main()
