@@ -18,6 +18,9 @@ One script for every kernel family (issue 30 item 3; it replaces sanitize_w4a16_
                norm and the residual add + norm, under programmatic dependent launch
   rope_cache   kernels/attention/rope_cache.cu: both builds (fp16/bf16), a decode step over many CTAs meeting at
                the cache length and a prompt whose last positions fall past the cache, under programmatic launch
+  rope_attention  kernels/attention/rope_attention.cu: every build (fp16/bf16 x head dims 64/128), a 16-sequence
+               decode step split into one-tile chunks (CTAs combining on counters) with a bool mask, then one
+               past the cache with none, early K/V copies, under programmatic launch
   sgemm        every ladder step's TUNED and TUNED_SMALL configuration (what kernel="auto" / a step
                name can launch), edge tiles, alpha / beta with c
   hgemm        every dispatched configuration (TUNED, TUNED_SMALL, TUNED_LOW_SMEM, step 07's MID /
@@ -132,10 +135,11 @@ except ImportError:  # run from a checkout that is not installed
     sys.path.insert(0, str(REPO / "src"))
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
-FAMILIES = ("w4a16", "nf4-matmul", "nf4-dequant", "norm", "rope_cache", "sgemm", "hgemm", "moe")
+FAMILIES = ("w4a16", "nf4-matmul", "nf4-dequant", "norm", "rope_cache", "rope_attention", "sgemm", "hgemm", "moe")
 ALL = frozenset(TOOLS)
 NO_RACE = frozenset(("memcheck", "synccheck", "initcheck"))
-KERNEL_FILTERS = ("w4a16_", "nf4_dequantize", "rms_norm", "rope_cache", "sgemm_", "hgemm_", "moe_")  # substrings of our kernels' mangled names
+KERNEL_FILTERS = ("w4a16_", "nf4_dequantize", "rms_norm", "rope_cache", "rope_attention", "sgemm_", "hgemm_",
+                  "moe_")  # substrings of our kernels' mangled names
 TOLERANCE = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 1.6e-2}  # tests/conftest.py's, by output dtype
 LINEINFO_ENV = "TILEFISH_SANITIZE_LINEINFO"
 FAKE_DEVICE_ENV = "TILEFISH_SANITIZE_FAKE_DEVICE"  # tests: a device description; workers run the CPU path
@@ -259,6 +263,13 @@ def rope_cache_builds() -> dict:
     return {rope_cache.kernel_spec(dt): dt for dt in rope_cache.DTYPES}
 
 
+def rope_attention_builds() -> dict:
+    """{KernelSpec: (dtype, head dim)} of every rope_attention build."""
+    from tilefish.ops import rope_attention
+
+    return {rope_attention.kernel_spec(dt, d): (dt, d) for dt in rope_attention.DTYPES for d in rope_attention.HEAD_DIMS}
+
+
 # A row width whose block (ops.norm.block_config) takes each chunk count: 17, 513 and 1025 chunks of 8.
 NORM_COLS = {1: 136, 2: 4104, 4: 8200}
 
@@ -292,6 +303,11 @@ def spec_config(family: str, spec, builds: dict | None = None):
         if dt is None:
             raise ValueError(f"{spec} is not a dispatched rope_cache build")
         return "rope_cache", None, {"dt": _dtname(dt)}
+    if family == "rope_attention":
+        dt_d = rope_attention_builds().get(spec)
+        if dt_d is None:
+            raise ValueError(f"{spec} is not a dispatched rope_attention build")
+        return "rope_attention", None, {"dt": _dtname(dt_d[0]), "d": dt_d[1]}
     head, a = _targs(spec.name)
     if family == "sgemm":
         step = Path(spec.source).stem
@@ -1043,7 +1059,7 @@ def enumerate_plans(sm_count: int = 132, cc: int = 90, exhaustive: bool = False,
     # NF4 dequantize, SGEMM, HGEMM: every dispatched spec
     hg_seen: dict = {}
     for fam, spec, pfam, cfg, fmt in universe:
-        if cfg is None and pfam not in ("nf4-dequant", "norm", "rope_cache"):
+        if cfg is None and pfam not in ("nf4-dequant", "norm", "rope_cache", "rope_attention"):
             continue
         if pfam == "nf4-dequant":
             i = DT_NAMES.index(fmt["dt"]) * 2 + fmt["dq"]
@@ -1055,6 +1071,9 @@ def enumerate_plans(sm_count: int = 132, cc: int = 90, exhaustive: bool = False,
         elif pfam == "rope_cache":
             add(make_plan("rope_cache", ALL, 0, "a 64-sequence decode step (112 CTAs meet at the length), then a "
                           "33-token prompt whose last 5 positions fall past the cache", dt=fmt["dt"]))
+        elif pfam == "rope_attention":
+            add(make_plan("rope_attention", ALL, 0, "a 16-sequence decode step in one-tile chunks with a bool mask, "
+                          "then one past the cache without a mask, early K/V copies", dt=fmt["dt"], d=fmt["d"]))
         elif pfam == "sgemm":
             bm, bn = cfg.tile
             vec = cfg.info.vectorized
@@ -1125,6 +1144,10 @@ def plan_specs(p: Plan) -> list:
         from tilefish.ops import rope_cache
 
         return [rope_cache.kernel_spec(_dtype(a["dt"]))]
+    if p.family == "rope_attention":
+        from tilefish.ops import rope_attention
+
+        return [rope_attention.kernel_spec(_dtype(a["dt"]), int(a["d"]))]
     if p.family == "sgemm":
         return [sgemm.SgemmConfig(*_sg_parse(a["cfg"])).spec]
     if p.family == "hgemm":
@@ -1408,6 +1431,38 @@ def _run_rope_cache(pid: str, a: dict, dev) -> dict:
     return info
 
 
+def _run_rope_attention(pid: str, a: dict, dev) -> dict:
+    import math
+
+    import torch
+
+    from tilefish.ops import rope_attention
+
+    gen = torch.Generator().manual_seed(_seed(pid))
+    dt, d = _dtype(a["dt"]), int(a["d"])
+    info = {"gpu_s": 0.0}
+    for b, slots, start, masked in ((16, 200, 130, True), (3, 64, 70, False)):  # 32 heads on 8 kv heads
+        qkv = torch.randn(b, 1, 48 * d, generator=gen).to(dt)
+        cos, sin = (torch.rand(b, 1, d, generator=gen).to(dt) for _ in range(2))
+        keys, values = (torch.randn(b, 8, slots, d, generator=gen).to(dt) for _ in range(2))
+        length = torch.tensor(start)
+        mask = (torch.rand(b, 1, 1, slots, generator=gen) > 0.3) if masked else None
+        t0 = time.perf_counter()
+        got = [x.clone().to(dev) for x in (keys, values, length)]  # a copy on the CPU path too
+        out = rope_attention.rope_attention_impl(qkv.to(dev), cos.to(dev), sin.to(dev), *got,
+                                                 None if mask is None else mask.to(dev), 1 / math.sqrt(d), 32, 8,
+                                                 chunk=64, early_kv=True).cpu()
+        got = [x.cpu() for x in got]
+        info["gpu_s"] += time.perf_counter() - t0
+        want = rope_attention.reference(qkv, cos, sin, keys, values, length, mask, 1 / math.sqrt(d), 32, 8)
+        if not all(torch.equal(x, y) for x, y in zip(got, (keys, values, length))):
+            raise AssertionError(f"b {b}: the cache or length differs from the reference")
+        err = ((out.double() - want.double()).norm() / want.double().norm()).item()
+        if not err < TOLERANCE[a["dt"]]:
+            raise AssertionError(f"b {b}: relative error {err:.2e} against the reference")
+    return info
+
+
 def _run_sgemm(pid: str, a: dict, dev) -> dict:
     import torch
 
@@ -1634,7 +1689,7 @@ def _run_moe(pid: str, a: dict, dev) -> dict:
 
 
 RUNNERS = {"w4a16": _run_w4a16, "nf4-matmul": _run_w4a16, "nf4-dequant": _run_nf4_dequant, "norm": _run_norm,
-           "rope_cache": _run_rope_cache,
+           "rope_cache": _run_rope_cache, "rope_attention": _run_rope_attention,
            "sgemm": _run_sgemm,
            "hgemm": _run_hgemm, "moe": _run_moe}
 
