@@ -7,7 +7,9 @@ and the fused forward as
     x1 = rms_norm(x)                   one tilefish kernel (tilefish.norm)
     a = attn(x1)                       q/k/v one W4A16 launch (fuse_projections); with a StaticCache the rotary
                                        embedding and the cache write one more (tilefish.ops.rope_cache), then
-                                       the model's attention function and o
+                                       the model's attention function and o; a CUDA decode step of SDPA
+                                       attention runs rotary, cache write and attention as one launch
+                                       (tilefish.ops.rope_attention), then o
     h, x2 = rms_norm(x + a)            one kernel: the residual add and the norm
     g = silu(gate(x2)) * up(x2)        one W4A16 launch with the activation in its epilogue (GatedW4A16Linear)
     out = h + down(g)                  one W4A16 launch with the residual add in its epilogue
