@@ -23,9 +23,10 @@
 // L + 1 and puts the counter back to zero. counters[1 + b * KV + g] are the split combines' counters.
 //
 // Programmatic dependent launch: qkv, the length and the counters are touched only after
-// grid_dependency_wait; the next kernel is let in once the products are done. With early_kv the first two tiles' copies are issued before it, which is what the
-// launch gains from starting early: that needs the cache rows below L, the mask and cos / sin written by
-// kernels that cannot still be running (the op's caller states it; see ops/rope_attention.py).
+// grid_dependency_wait; the next kernel is let in once the products are done. With early_kv the first two
+// tiles' copies and the first tile's mask are issued before the wait, which is what the launch gains from
+// starting early: that needs the cache rows below L, the mask and cos / sin written by kernels that cannot still
+// be running (the op's caller states it; see ops/rope_attention.py).
 #include "attention/rotary.cuh"
 #include "w4a16/fixup.cuh"
 #include "w4a16/timeline.cuh"
