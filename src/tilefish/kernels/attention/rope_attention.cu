@@ -133,7 +133,7 @@ rope_attention(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __
         issue(1);
         mask_bias(0, next_bias);
     }
-    if (tid == 0) length_s = *length;
+    if (tid == 0) length_s = ld_cg_i64(length);  // the kernel ahead may have moved it
 
     // rope(q) of the G heads into rows 0..G-1 of q_s, zeros below; the owner of position L rotates k, copies v.
     const T* row = qkv + (size_t)b * (heads + 2 * kv_heads) * D;
@@ -163,7 +163,7 @@ rope_attention(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __
             *reinterpret_cast<uint4*>(fresh + e * 8 + D / 2) = hi;
         }
         for (int e = tid; e < CH; e += THREADS) {
-            const uint4 v = ld_nc_v4(row + (size_t)(heads + kv_heads + kvh) * D + e * 8);
+            const uint4 v = ld_cg_v4(row + (size_t)(heads + kv_heads + kvh) * D + e * 8);
             st_v4(vr + e * 8, v);
             *reinterpret_cast<uint4*>(fresh + D + e * 8) = v;
         }

@@ -26,7 +26,7 @@ rope_cache(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __rest
     __shared__ long long base_shared;
     launch_dependent_grids();
     grid_dependency_wait();
-    if (threadIdx.x == 0) base_shared = *length;
+    if (threadIdx.x == 0) base_shared = ld_cg_i64(length);  // the kernel ahead may have moved it
     __syncthreads();
     const long long base = base_shared;
     const int half_chunks = dim >> 4, chunks = dim >> 3, width = (heads + 2 * kv_heads) * dim;
@@ -59,7 +59,7 @@ rope_cache(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __rest
             if (slot >= slots) continue;
             const int rv = r - rotated, g = rv / chunks, i = (rv - g * chunks) * 8;
             st_v4(values + (((long long)b * kv_heads + g) * slots + slot) * dim + i,
-                  ld_nc_v4(row + (heads + kv_heads + g) * dim + i));
+                  ld_cg_v4(row + (heads + kv_heads + g) * dim + i));
         }
     }
     if (threadIdx.x == 0 && atomic_add_acq_rel(arrivals, 1) == (int)gridDim.x - 1) {

@@ -38,8 +38,8 @@ __device__ __forceinline__ void rotate(uint4& lo, uint4& hi, uint4 c_lo, uint4 c
 // Chunk i (8 pairs) of head `src` rotated by the cos / sin rows c, s into lo (dst[i..]) and hi (dst[i + D/2..]).
 template <typename T>
 __device__ __forceinline__ void rotate_chunk(const T* src, const T* c, const T* s, int i, int dim, uint4& lo, uint4& hi) {
-    lo = ld_nc_v4(src + i);
-    hi = ld_nc_v4(src + i + dim / 2);
+    lo = ld_cg_v4(src + i);  // the q/k/v GEMM's output: through L2 (grid_dependency_wait)
+    hi = ld_cg_v4(src + i + dim / 2);
     rotate<T>(lo, hi, ld_nc_v4(c + i), ld_nc_v4(c + i + dim / 2), ld_nc_v4(s + i), ld_nc_v4(s + i + dim / 2));
 }
 

@@ -13,7 +13,13 @@ typedef long long i64;
 // start before the kernel ahead of it in the stream has finished: until grid_dependency_wait() returns it
 // may only read memory nothing in flight writes (weights, and inputs written before the kernel ahead
 // started); whatever the kernel ahead writes, and everything this one writes (the kernel ahead may still
-// read it), comes after. Once it returns, the earlier grids have completed and their writes are visible.
+// read it), comes after. Once it returns, the earlier grids have completed and their writes are visible
+// in L2, but not always through the non-coherent path: read what grids that may have been in flight when
+// this kernel started wrote (the kernel ahead's output, and what the kernels ahead of it wrote) through L2,
+// with ld_cg_* below, cp.async.cg (cp_async16) or TMA; never with ld.global.nc (ld_nc_v4, nor a const
+// __restrict__ load the compiler turns into LDG.CONSTANT). On an H200 time-sliced with other processes,
+// rms_norm chains reading the kernel ahead's output with ld.global.nc got stale rows in every round, with
+// ld.global.cg or .ca in none (scripts/experiments/pdl_chain_stress.py).
 // Without that launch attribute, or below sm_90, both are no-ops.
 __device__ __forceinline__ void grid_dependency_wait() {
 #if __CUDA_ARCH__ >= 900
@@ -38,8 +44,9 @@ __device__ __forceinline__ void l2_prefetch_span(const void* p, unsigned bytes) 
 #endif
 }
 
-// 16-byte load through the read-only (non-coherent) path: the data is never written by
-// the kernel, so it may bypass L1 coherence and be issued as one LDG.E.128.
+// 16-byte load through the read-only (non-coherent) path, one LDG.E.128.CONSTANT: for data nothing writes
+// while the kernel can run (weights; inputs written before the kernel ahead started), since that path is
+// not coherent with other grids' writes (grid_dependency_wait).
 __device__ __forceinline__ uint4 ld_nc_v4(const void* p) {
     uint4 r;
     asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
@@ -47,7 +54,32 @@ __device__ __forceinline__ uint4 ld_nc_v4(const void* p) {
     return r;
 }
 
-// Same, with the L2::256B prefetch-size hint: a streaming reader asks DRAM for whole 256 B
+// Loads through L2 only (cache-global: never from L1): what a kernel launched with programmatic dependent
+// launch reads of memory that grids in flight may have written (grid_dependency_wait says why). Volatile, so
+// the compiler keeps them after the wait.
+__device__ __forceinline__ uint4 ld_cg_v4(const void* p) {
+    uint4 r;
+    asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ u32 ld_cg_u32(const void* p) {
+    u32 r;
+    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(r) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ long long ld_cg_i64(const void* p) {
+    long long r;
+    asm volatile("ld.global.cg.s64 %0, [%1];" : "=l"(r) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ unsigned short ld_cg_u16(const void* p) {
+    unsigned short r;
+    asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(r) : "l"(p));
+    return r;
+}
+
+// Same as ld_nc_v4, with the L2::256B prefetch-size hint: a streaming reader asks DRAM for whole 256 B
 // spans, so fewer, larger requests keep the memory pipeline full.
 __device__ __forceinline__ uint4 ld_nc_v4_l2_256(const void* p) {
     uint4 r;

@@ -38,8 +38,11 @@ constexpr int kWarps = 8, kThreads = kWarps * 32;
 
 // Every strip's accumulators of one unit, summed over the unit's k16 rows [row_begin, row_end) by this
 // warp's batches. strips[p]: the packed strip index p of expert e's weight (n columns, k rows);
-// row_begin is a multiple of RW.
-template <typename T, int GROUP, bool ASYM, int NS, int RW>
+// row_begin is a multiple of RW. X_THROUGH_L2: xrow was written by the kernel ahead of a programmatic launch,
+// so it is read through L2 (grid_dependency_wait in common/ptx.cuh); without it (gate_up, launched without
+// programmatic serialization, whose x is complete before it starts) the compiler schedules plain loads, which
+// keeps the 32-group zero-point builds clear of spills.
+template <typename T, int GROUP, bool ASYM, int NS, int RW, bool X_THROUGH_L2>
 __device__ __forceinline__ void stream_unit(const uint4* __restrict__ w, const T* __restrict__ scales,
                                             const T* __restrict__ zeros, const T* __restrict__ xrow, int n,
                                             int k, const int (&strips)[NS], int row_begin, int row_end,
@@ -75,8 +78,13 @@ __device__ __forceinline__ void stream_unit(const uint4* __restrict__ w, const T
                 wv[i][p] = ok ? ld_nc_v4(w + ((size_t)strips[p] * KR + r) * 32 + lane) : make_uint4(0, 0, 0, 0);
             xb[i][0] = xb[i][1] = 0u;
             if (ok && lane < 4) {
-                xb[i][0] = *reinterpret_cast<const u32*>(xrow + 16 * r + 2 * lane);
-                xb[i][1] = *reinterpret_cast<const u32*>(xrow + 16 * r + 8 + 2 * lane);
+                if constexpr (X_THROUGH_L2) {
+                    xb[i][0] = ld_cg_u32(xrow + 16 * r + 2 * lane);
+                    xb[i][1] = ld_cg_u32(xrow + 16 * r + 8 + 2 * lane);
+                } else {
+                    xb[i][0] = *reinterpret_cast<const u32*>(xrow + 16 * r + 2 * lane);
+                    xb[i][1] = *reinterpret_cast<const u32*>(xrow + 16 * r + 8 + 2 * lane);
+                }
             }
         }
         if constexpr (SG > 0) {
@@ -188,7 +196,7 @@ moe_decode_gate_up(const T* __restrict__ x, const Id* __restrict__ ids, const ui
     const int strips[2] = {c, strips_i + c};
     float acc[2][4][4] = {};
     const int r0 = q * rows_per_slice, r1 = min(hidden / 16, r0 + rows_per_slice);
-    stream_unit<T, GROUP, ASYM, 2, RW>(we, se, ze, x + (size_t)(s / topk) * hidden, n, hidden, strips, r0, r1, acc);
+    stream_unit<T, GROUP, ASYM, 2, RW, false>(we, se, ze, x + (size_t)(s / topk) * hidden, n, hidden, strips, r0, r1, acc);
     launch_dependent_grids();  // the down kernel's CTAs may start their weight prefetch as these finish
     float v = sum_warps<2>(acc, red);
 
@@ -240,7 +248,7 @@ moe_decode_down(const T* __restrict__ a, const Id* __restrict__ ids, const R* __
     float acc[1][4][4] = {};
     if (valid_expert(e, experts)) {
         const int strips[1] = {c};
-        stream_unit<T, GROUP, ASYM, 1, RW>(w + (size_t)e * per_expert_w, scales + (size_t)e * per_expert_s,
+        stream_unit<T, GROUP, ASYM, 1, RW, true>(w + (size_t)e * per_expert_w, scales + (size_t)e * per_expert_s,
                                            ASYM ? zeros + (size_t)e * per_expert_s : nullptr,
                                            a + ((size_t)t * topk + j) * inter, hidden, inter, strips, r0, r1, acc);
     }

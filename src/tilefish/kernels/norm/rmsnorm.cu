@@ -13,7 +13,7 @@
 //
 // Programmatic dependent launch (sm_90+): the next kernel may be scheduled at once (a GEMM's CTAs take SMs
 // and start on their weights as these leave); the weight's copy starts before grid_dependency_wait (nothing
-// in flight writes it), x and residual are read, and everything is written, after it.
+// in flight writes it), x and residual are read (through L2: ld_cg_v4), and everything is written, after it.
 #include "common/ptx.cuh"
 #include "w4a16/dequant.cuh"  // Vec2 / Dequant: 16-bit pairs <-> float2 and u32
 
@@ -56,14 +56,14 @@ rms_norm(const T* __restrict__ x, const T* __restrict__ residual, const T* __res
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
         const int c = threadIdx.x + i * blockDim.x;
-        if (c < chunks) h[i] = *reinterpret_cast<const uint4*>(x + base + 8 * c);
+        if (c < chunks) h[i] = ld_cg_v4(x + base + 8 * c);
     }
     if (residual != nullptr) {  // h = round_T(x + residual), stored at once (the next residual)
         uint4 r[VPT];
 #pragma unroll
         for (int i = 0; i < VPT; ++i) {
             const int c = threadIdx.x + i * blockDim.x;
-            if (c < chunks) r[i] = *reinterpret_cast<const uint4*>(residual + base + 8 * c);
+            if (c < chunks) r[i] = ld_cg_v4(residual + base + 8 * c);
         }
 #pragma unroll
         for (int i = 0; i < VPT; ++i) {

@@ -21,9 +21,15 @@ struct Epilogue {
     int gated;          // nonzero: silu(gate) * up, y is [m, n / 2]
 
     __device__ __forceinline__ static float rounded(float v) { return to_float(Vec2<T>::one(v)); }
+    // The residual was written by a kernel that may have been in flight at launch: read through L2
+    // (grid_dependency_wait in common/ptx.cuh).
+    __device__ __forceinline__ T residual_at(size_t index) const {
+        const unsigned short bits = ld_cg_u16(residual + index);
+        return *reinterpret_cast<const T*>(&bits);
+    }
     // The value to round into y[index] (index = row * n + column): v, or T(v) + residual.
     __device__ __forceinline__ float plain(float v, size_t index) const {
-        return residual == nullptr ? v : rounded(v) + to_float(residual[index]);
+        return residual == nullptr ? v : rounded(v) + to_float(residual_at(index));
     }
     // The value to round into the gated output of gate value g and up value u (both before rounding). The
     // silu is fast fp32, a few ulps from torch's expf and IEEE division (so the 16-bit silu can sit an ulp from

@@ -615,7 +615,7 @@ w4a16_wgmma(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict__
             } else {
                 at = (size_t)(m0 + row) * n + n0 + col8 * 8;
                 if (residual != nullptr)
-                    v = combine_chunks<T>(v, *reinterpret_cast<const uint4*>(residual + at),
+                    v = combine_chunks<T>(v, ld_cg_v4(residual + at),  // through L2 (epilogue.cuh)
                                           [](float y, float r) { return y + r; });
             }
             *reinterpret_cast<uint4*>(out + at) = v;
