@@ -175,6 +175,40 @@ def cuda():
     return torch.device("cuda")
 
 
+# Kernels launched on this GPU by other processes: a loop of small kernels and a GEMM, until the parent exits.
+_OTHER_PROCESS_LOAD = """
+import os, sys, torch
+parent = os.getppid()
+a = torch.randn(2048, 2048, device="cuda", dtype=torch.float16)
+v = torch.randn(1 << 20, device="cuda")
+torch.cuda.synchronize()
+print("ready", flush=True)
+while os.getppid() == parent:
+    for _ in range(50):
+        v.mul_(1.0001).add_(1e-6)
+    a = (a @ a).clamp_(-1, 1)
+    torch.cuda.synchronize()
+"""
+
+
+@pytest.fixture
+def time_sliced_gpu(cuda):
+    """Three other processes launch kernels on this GPU while the test runs, so the GPU time-slices between
+    contexts: that is when a programmatic-dependent-launch chain that read the kernel ahead's output through
+    L1 or the non-coherent cache got stale data (kernels/common/ptx.cuh, grid_dependency_wait)."""
+    procs = [subprocess.Popen([sys.executable, "-c", _OTHER_PROCESS_LOAD], stdout=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    try:
+        for p in procs:
+            if p.stdout.readline().strip() != "ready":
+                pytest.fail("a background GPU process did not start")
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 # ---- compile-all, once per session ----------------------------------------------------------------------------------
 
 

@@ -60,6 +60,36 @@ def test_compiled_fused_forward_and_programmatic_launch_bits():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("sharing", ["alone", "time-sliced"])
+def test_static_cache_decode_steps_same_bits_with_and_without_programmatic_launch(sharing, request):
+    """Decode steps with a StaticCache (norms, W4A16 GEMMs with their residual and gated epilogues, rope_attention:
+    each kernel reading what the one or two ahead wrote), also while other processes share the GPU: with
+    programmatic dependent launch the logits and caches equal the same steps without it, bit for bit."""
+    from transformers import StaticCache
+
+    if sharing == "time-sliced":
+        request.getfixturevalue("time_sliced_gpu")
+    model, _ = _models("llama", torch.float16)
+    torch.manual_seed(12)
+    prompt = torch.randint(3, 512, (2, 5), device="cuda")
+
+    def decode(programmatic):
+        cache = StaticCache(config=model.config, max_cache_len=24)
+        with torch.no_grad(), ops.launch_policy(ops.LaunchPolicy(programmatic=programmatic)):
+            logits = [model(prompt, past_key_values=cache, use_cache=True).logits]
+            for _ in range(6):
+                ids = logits[-1][:, -1:].argmax(-1)
+                logits.append(model(ids, past_key_values=cache, use_cache=True).logits)
+        return logits, cache
+
+    want, want_cache = decode(False)
+    for i in range(2):
+        got, cache = decode(True)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), f"round {i}: logits differ"
+        for a, b in zip(cache.layers, want_cache.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), f"round {i}: cache differs"
+
+
 def test_a_fused_layer_launches_five_tilefish_kernels_around_its_attention():
     """One decode step of a fused layer: two norm kernels and three W4A16 GEMMs (q/k/v, gate/up with the
     activation, down with the residual add) besides the attention's own and o's GEMM: no SiLU kernel."""

@@ -241,6 +241,17 @@ def test_split_k_fixup_with_and_without_owned_counters(dtype, path):
         assert int(counters.abs().sum()) == 0
 
 
+def test_decode_path_same_bits_on_a_time_sliced_gpu(request):
+    """The decode path's down launch starts under programmatic dependent launch and reads gate_up's output after
+    its wait (through L2): while three other processes share the GPU it gives the bits it gives alone."""
+    cases = [_case(t, 2, 8, 1024, 4096, torch.float16, seed=20 + t) for t in (1, 3)]
+    alone = [_run(x, ids, w, gu, dn, path="decode") for _, x, ids, w, (gu, _), (dn, _) in cases]
+    request.getfixturevalue("time_sliced_gpu")
+    for i in range(5):
+        for (_, x, ids, w, (gu, _), (dn, _)), want in zip(cases, alone):
+            assert torch.equal(_run(x, ids, w, gu, dn, path="decode"), want), f"round {i}, {x.shape[0]} tokens"
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_deterministic(path):
     gen, x, ids, w, (gu, _), (dn, _) = _case(256, 8, 32, 256, 128, torch.bfloat16, seed=8)

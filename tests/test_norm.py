@@ -262,11 +262,28 @@ def test_kernel_without_pdl_and_deterministic(dtype, residual, seed, cuda):
     assert torch.equal(got if r is None else got[1], out), f"seed {seed}"
 
 
+def test_kernel_reads_x_and_residual_through_l2_sass(tmp_path, monkeypatch):
+    """Under programmatic launch the non-coherent path can return lines from before the kernel ahead wrote them
+    (kernels/common/ptx.cuh, grid_dependency_wait): no norm build has a non-coherent load (LDG...CONSTANT, what a
+    const __restrict__ load compiles to); x and the residual come through L2 (LDG...STRONG.GPU)."""
+    from test_hgemm import _sass
+
+    monkeypatch.setenv("TILEFISH_CACHE_DIR", str(tmp_path / "cache"))
+    for spec in norm_ops.dispatch_specs("sm_90"):
+        sass = _sass(spec, tmp_path)
+        assert "CONSTANT" not in sass, f"{spec.name}: a non-coherent load"
+        assert "LDG.E.128.STRONG.GPU" in sass, f"{spec.name}: x / residual not read through L2"
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("sharing", ["alone", "time-sliced"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_pdl_chain_reads_what_the_launch_ahead_wrote(dtype, seed, cuda):
+def test_pdl_chain_reads_what_the_launch_ahead_wrote(dtype, sharing, seed, cuda, request):
     """Norms back to back, each reading the outputs of the one ahead (which lets it start at once): with PDL
-    each must still wait for them; the chain equals the one launched without PDL bit for bit."""
+    each must still wait for them and read what they wrote, also while other processes share the GPU; the
+    chain equals the one launched without PDL bit for bit."""
+    if sharing == "time-sliced":
+        request.getfixturevalue("time_sliced_gpu")
     x, w, r = _inputs((16, 8192), dtype, cuda, residual=True)
 
     def chain(pdl):
@@ -277,9 +294,9 @@ def test_pdl_chain_reads_what_the_launch_ahead_wrote(dtype, seed, cuda):
         return h, out
 
     want = chain(False)
-    for _ in range(3):
+    for i in range(5):
         got = chain(True)
-        assert all(torch.equal(a, b) for a, b in zip(got, want)), f"seed {seed}"
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), f"seed {seed}, round {i}"
 
 
 @pytest.mark.gpu

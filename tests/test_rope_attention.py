@@ -246,6 +246,45 @@ def test_many_steps_in_a_row_and_own_counters(cuda):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sharing", ["alone", "time-sliced"])
+def test_programmatic_launch_chain_reads_what_the_launches_ahead_wrote(sharing, cuda, request):
+    """norm -> rope_attention eight times with nothing between the launches: each rope_attention reads the q/k/v
+    the norm ahead of it just wrote and the length and cache rows the rope_attention before that wrote, also while
+    other processes share the GPU. With programmatic dependent launch the outputs, keys, values and length equal
+    the same launches without it, bit for bit."""
+    from tilefish.ops import norm as norm_ops
+
+    if sharing == "time-sliced":
+        request.getfixturevalue("time_sliced_gpu")
+    torch.manual_seed(11)
+    b, heads, kv_heads, d, slots = 2, 32, 8, 128, 96
+    _, cos, sin, layer = _step(b, 1, heads, kv_heads, d, slots, torch.float16, device=cuda, start=40)
+    sources = [torch.randn(b, 1, (heads + 2 * kv_heads) * d, device=cuda).to(torch.float16) for _ in range(8)]
+    weight = (1 + 0.3 * torch.randn(sources[0].shape[-1], device=cuda)).to(torch.float16)
+    mask = torch.ones(b, 1, 1, slots, dtype=torch.bool, device=cuda)
+    counters = torch.zeros(1 + b * kv_heads, dtype=torch.int32, device=cuda)  # owned: no other launch uses them
+
+    def steps(pdl):
+        cache = _copy(layer)
+        torch.cuda.synchronize()
+        outs = []
+        for src in sources:
+            qkv = norm_ops.rms_norm_impl(src, weight, 1e-5, pdl=pdl)
+            outs.append(ops.rope_attention_impl(qkv, cos, sin, cache.keys, cache.values, cache.cumulative_length,
+                                                mask, 0.1, heads, kv_heads, counters, chunk=64, pdl=pdl))
+        torch.cuda.synchronize()
+        return outs, cache
+
+    want, want_cache = steps(False)
+    for i in range(3):
+        got, cache = steps(True)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), f"round {i}: outputs differ"
+        assert torch.equal(cache.keys, want_cache.keys) and torch.equal(cache.values, want_cache.values), f"round {i}"
+        assert torch.equal(cache.cumulative_length, want_cache.cumulative_length), f"round {i}"
+    assert int(counters.abs().sum()) == 0
+
+
+@pytest.mark.gpu
 def test_manual_cuda_graph_replays_advance_the_cache(cuda):
     torch.manual_seed(8)
     b, heads, kv_heads, d, slots = 1, 32, 8, 128, 576

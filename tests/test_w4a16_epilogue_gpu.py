@@ -117,10 +117,14 @@ def test_dispatcher_decode_shapes(dtype):
 
 
 @hopper
-def test_programmatic_launch_chain_same_bits_eager_and_graph():
-    """A chain of W4A16 launches (each reading the one before) with and without programmatic dependent launch,
-    eagerly and in a CUDA graph: the same bits every time (each kernel waits for the one ahead before reading x
-    or writing anything, whatever streams its weights early)."""
+@pytest.mark.parametrize("sharing", ["alone", "time-sliced"])
+def test_programmatic_launch_chain_same_bits_eager_and_graph(sharing, request):
+    """A chain of W4A16 launches (each reading the one before, the residual epilogues what the one or two
+    before wrote) with and without programmatic dependent launch, eagerly and in a CUDA graph, also while
+    other processes share the GPU: the same bits every time (each kernel waits for the one ahead before
+    reading x or the residual, through L2, or writing anything, whatever streams its weights early)."""
+    if sharing == "time-sliced":
+        request.getfixturevalue("time_sliced_gpu")
     dtype = torch.float16
     shapes = [(4096, 6144), (6144, 4096), (4096, 28672), (14336, 4096)]
     weights = [_case(k, n, 128, True, dtype, seed=i)[1] for i, (k, n) in enumerate(shapes)]
@@ -133,7 +137,7 @@ def test_programmatic_launch_chain_same_bits_eager_and_graph():
         g = w4a16.matmul(h, weights[2], workspace=ws, gated=True)
         return w4a16.matmul(g, weights[3], workspace=ws, residual=h)
 
-    for m in (1, 16):
+    for m in (1, 16, 256):  # the skinny kernels, and the wgmma kernel's residual epilogue
         torch.manual_seed(m)
         x = torch.randn(m, 4096, device="cuda", dtype=dtype)
         outs = {}
