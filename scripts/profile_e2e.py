@@ -7,7 +7,10 @@ MODEL=hf|builtin, KERNELS=1 lists every kernel, IMPLS=fp16,fp16-gqa,w4a16 (defau
 w4a16-nopdl: w4a16 captured under LaunchPolicy(programmatic=False), w4a16-norope: w4a16 with transformers'
 attention forward, i.e. no rope_cache kernel, w4a16-ropecache: decode steps with rope_cache and the attention
 function instead of the one rope_attention kernel), LM_HEAD=auto|quantize|dense: quantize_model's lm_head,
-default auto)
+default auto), CONTEXTS=512 (default) or a list such as 32,160,512,2048: the positions a step decodes at (the cache
+holds that many random K/V rows; rope_attention against rope_cache + SDPA by cache length:
+IMPLS=w4a16-ropecache,w4a16 CONTEXTS=32,96,160,480,1024,2048,4064 python scripts/profile_e2e.py 8 1 16)
+
 """
 import contextlib
 import os
@@ -87,14 +90,14 @@ def convert_variant(runner, impl: str) -> None:
         layer.compile(fullgraph=True, dynamic=False)
 
 
-def captured_step(runner, cfg, batch: int, dev):
-    """One decode step at position 512 over a cache of random K/V, captured in a CUDA graph: its replay, which
-    keeps the step's inputs alive (the graph reads them where they were at capture)."""
-    runner.setup(batch, e2e._round_up(513, e2e.CACHE_ALIGN))
+def captured_step(runner, cfg, batch: int, dev, context: int = 512):
+    """One decode step at position `context` over a cache of random K/V, captured in a CUDA graph: its replay,
+    which keeps the step's inputs alive (the graph reads them where they were at capture)."""
+    runner.setup(batch, e2e._round_up(context + 1, e2e.CACHE_ALIGN))
     for t in runner.kv_tensors():
         t.normal_()
     ids = torch.randint(cfg.vocab_size, (batch, 1), device=dev)
-    pos = torch.arange(512, 513, device=dev)
+    pos = torch.arange(context, context + 1, device=dev)
     graph_replay = e2e._captured(lambda: runner.step(ids, pos))
 
     def replay(inputs=(ids, pos)):  # the default argument holds the inputs
@@ -105,6 +108,7 @@ def captured_step(runner, cfg, batch: int, dev):
 def main():
     layers = int(sys.argv[1]) if len(sys.argv) > 1 else 8
     batches = [int(v) for v in sys.argv[2:]] or [1, 16]
+    contexts = [int(v) for v in os.environ.get("CONTEXTS", "512").split(",")]
     model = os.environ.get("MODEL", "hf")
     Runner = e2e._HF if model == "hf" else e2e._Builtin
     cfg = LlamaConfig.llama3_8b(layers)
@@ -116,14 +120,16 @@ def main():
         with torch.no_grad(), launch_policy_for(impl):
             convert_variant(runner, impl)
             for b in batches:
-                replay = captured_step(runner, cfg, b, dev)
-                wall = e2e._time_ms(replay, dev, 30)
-                by, count = profile_step(replay)
-                total = sum(by.values())
-                print(f"{impl} batch {b}: step {wall * 1e3:,.0f} us (graph replay), kernels {total:,.0f} us")
-                for k, us in sorted(by.items(), key=lambda kv: -kv[1]):
-                    print(f"    {k:42s} {us:9,.1f} us  {us / layers:7.1f} us a layer  ({count[k]} kernels a step)")
-                runner.free()
+                for context in contexts:
+                    replay = captured_step(runner, cfg, b, dev, context)
+                    wall = e2e._time_ms(replay, dev, 30)
+                    by, count = profile_step(replay)
+                    total = sum(by.values())
+                    print(f"{impl} batch {b} context {context}: step {wall * 1e3:,.0f} us (graph replay), "
+                          f"kernels {total:,.0f} us")
+                    for k, us in sorted(by.items(), key=lambda kv: -kv[1]):
+                        print(f"    {k:42s} {us:9,.1f} us  {us / layers:7.1f} us a layer  ({count[k]} kernels a step)")
+                    runner.free()
         del runner
         torch._dynamo.reset()
         torch.cuda.empty_cache()
