@@ -3,8 +3,9 @@
 # kernel cache in parallel, then each "name: command" step given as an argument, each under its own time
 # limit, its output in $OUT/<name>.txt; a table of the steps' exit codes and times last.
 #   bash scripts/gpu_job.sh "tests: pytest -m gpu -q tests/test_user_loops.py" "bench: tilefish bench e2e ..."
-# Env: STEP_LIMIT_S (default 480) per step; TILEFISH_COMMIT labels the results (the copy has no .git); WARM=0
-# skips the parallel warm-up.
+# Env: STEP_LIMIT_S (default 480) per step; TILEFISH_COMMIT labels the results: set it to the local HEAD when
+# composing the device command, since the copy's .git can stand at an older commit (it read 91eb0b3-dirty under
+# bf48fb2's tree once); WARM=0 skips the parallel warm-up.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TILEFISH_CACHE_DIR=${TILEFISH_CACHE_DIR:-/tmp/tfcache}
