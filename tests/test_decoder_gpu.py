@@ -143,3 +143,35 @@ def test_static_cache_decode_steps_run_rotary_cache_write_and_attention_as_one_k
     assert sum("rope_attention" in n for n in names) == layers, names
     assert not any("rope_cache" in n or "index_copy" in n.lower() or "indexcopy" in n.lower() for n in names), names
     assert not any(k in n.lower() for n in names for k in ("sdpa", "fmha", "flash")), names
+
+
+def test_decode_steps_over_a_long_cache_take_rope_cache_and_the_attention_function():
+    """Past rope_attention's measured cache length (routes_decode_step) a decode step runs the rope_cache kernel
+    and the model's attention function, one of each a layer and no rope_attention, with logits and cache still
+    transformers' forward over the same 4-bit layers."""
+    from transformers import StaticCache
+
+    from tilefish.ops import rope_attention as rope_attention_ops
+
+    dtype = torch.float16
+    model, twin = _models("llama", dtype)
+    slots = rope_attention_ops.MAX_FUSED_SLOTS + 64
+    assert not rope_attention_ops.routes_decode_step(2, slots)
+    torch.manual_seed(12)
+    prompt = torch.randint(3, 512, (2, 5), device="cuda")
+    caches = [StaticCache(config=m.config, max_cache_len=slots) for m in (model, twin)]
+    with torch.no_grad():
+        outs = [m(prompt, past_key_values=c, use_cache=True).logits for m, c in zip((model, twin), caches)]
+        ids = outs[1][:, -1:].argmax(-1)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            got = model(ids, past_key_values=caches[0], use_cache=True).logits
+            torch.cuda.synchronize()
+        want = twin(ids, past_key_values=caches[1], use_cache=True).logits
+    assert rel(got, want) < TOL[dtype]
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert torch.equal(a.cumulative_length, b.cumulative_length)
+        assert rel(a.keys, b.keys) < TOL[dtype] and rel(a.values, b.values) < TOL[dtype]
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    layers = len(model.model.layers)
+    assert sum("rope_cache" in n for n in names) == layers, names
+    assert not any("rope_attention" in n for n in names), names

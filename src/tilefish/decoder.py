@@ -199,11 +199,12 @@ class FusedAttention:
 
     def _one_kernel_step(self, x, mask, layer, kwargs) -> bool:
         """Whether this step's rotary, cache write and attention are one rope_attention launch: a CUDA decode
-        step (one token, at most MAX_FUSED_BATCH sequences) of SDPA attention (what "sdpa" / "tilefish_sdpa"
-        compute: no dropout, a mask of one row per sequence or none, no keyword that changes the math) of a shape
-        the kernel takes."""
-        if not x.is_cuda or x.shape[1] != 1 or x.shape[0] > rope_attention_ops.MAX_FUSED_BATCH \
-                or (self.training and self.attention_dropout > 0):
+        step (one token; batch and cache length as rope_attention.routes_decode_step measured them) of SDPA
+        attention (what "sdpa" / "tilefish_sdpa" compute: no dropout, a mask of one row per sequence or none, no
+        keyword that changes the math) of a shape the kernel takes."""
+        if not x.is_cuda or x.shape[1] != 1 or (self.training and self.attention_dropout > 0):
+            return False
+        if not rope_attention_ops.routes_decode_step(x.shape[0], layer.keys.shape[2]):
             return False
         if self.config._attn_implementation not in ("sdpa", TILEFISH_SDPA):
             return False

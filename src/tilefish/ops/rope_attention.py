@@ -41,10 +41,21 @@ HEAD_DIMS = (64, 128)
 MAX_GROUPS = 16  # query heads a kv head: the rows of one mma.m16n8k16 tile
 THREADS, TILE = 128, 64  # kernels/attention/rope_attention.cu
 MAX_GRID_YZ = 65535
-# The fused forward routes decode steps of at most this many sequences here (decoder.FusedAttention): measured
-# against rope_cache + the attention function in a Llama-3-8B-shaped model at batch 1 (even) and 16 (1.3% a
-# step faster), H200; larger batches keep the attention function until measured.
+# The fused forward routes a decode step here (decoder.FusedAttention) when routes_decode_step says so: at most
+# this many sequences and cache slots. Measured against rope_cache + the attention function, a Llama-3-8B-shaped
+# model, 8 layers, H200 (scripts/profile_e2e.py, bench/results/h200/ab/e2e_profile_rope_attention_by_cache.txt):
+# at 32-1,088 slots even to 3 us a layer faster at batch 16 and within about 1.3 us a layer either way at batch 1;
+# at 2,112 and 4,096 slots slower at both (batch 16, 4,096 slots: +12 us a layer, +7% a step), because a long
+# cache is split into many chunks at batch 1 (the last CTA combines up to 33 partials) and a few long ones at
+# batch 16, which stream slower than cuDNN's kernel. Larger batches were not measured.
 MAX_FUSED_BATCH = 16
+MAX_FUSED_SLOTS = 1024
+
+
+def routes_decode_step(batch: int, slots: int) -> bool:
+    """Whether the fused forward takes this kernel for a decode step of `batch` sequences over a `slots`-slot
+    cache, rather than rope_cache + the attention function (the measured rule above)."""
+    return batch <= MAX_FUSED_BATCH and slots <= MAX_FUSED_SLOTS
 
 
 @functools.lru_cache(maxsize=None)
