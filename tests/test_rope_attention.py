@@ -8,8 +8,9 @@ GPU (skipped without one): the kernel against the float64 attention of the rotat
 by transformers' eager steps (keys, values and length bit for bit), output poisoned, fp16 / bf16, head dims 64 /
 128, 1-16 query heads a kv head, batch 1-33, caches of 64-2048 slots, bool / additive / no mask with padded and
 fully masked rows, the new position at the first and last slot and past the cache, chunks from one tile (many
-CTAs combining) to the whole cache, the early K/V copies on and off, many steps in a row leaving the counters
-at zero, a manual CUDA graph replayed, torch.compile (default, reduce-overhead).
+CTAs combining) to the whole cache, the cluster combine (sm_90+) against the combine through L2 bit for bit, the
+early K/V copies on and off, many steps in a row leaving the counters at zero, a manual CUDA graph replayed,
+torch.compile (default, reduce-overhead).
 """
 from __future__ import annotations
 
@@ -119,18 +120,22 @@ def test_validation_names_the_rule_and_writes_nothing():
         ops.rope_attention(*many[:3], many[3].keys, many[3].values, many[3].cumulative_length, None, 0.1, 34, 2)
 
 
+@pytest.mark.parametrize("max_splits", [None, ops.MAX_CLUSTER_SPLITS, 3])
 @pytest.mark.parametrize("batch,kv_heads,slots,sms", [(1, 8, 576, 132), (1, 8, 2048, 132), (16, 8, 576, 132),
                                                       (64, 8, 2048, 132), (1, 1, 64, 82), (3, 4, 100, 28)])
-def test_plan_takes_whole_tiles_near_two_ctas_an_sm(batch, kv_heads, slots, sms):
-    chunk = ops.plan_chunk(batch, kv_heads, slots, sms)
+def test_plan_takes_whole_tiles_near_two_ctas_an_sm(batch, kv_heads, slots, sms, max_splits):
+    chunk = ops.plan_chunk(batch, kv_heads, slots, sms, max_splits)
     tiles = -(-slots // ops.TILE)
     assert chunk % ops.TILE == 0 and ops.TILE <= chunk <= tiles * ops.TILE
-    ctas = batch * kv_heads * -(-slots // chunk)
+    splits = -(-slots // chunk)
+    ctas = batch * kv_heads * splits
     # at most about two CTAs an SM, unless every (sequence, kv head) already has a single chunk
     assert ctas <= 2 * sms + batch * kv_heads or chunk == tiles * ops.TILE
-    # one tile fewer a chunk would pass two CTAs an SM (the chunk is the smallest that fits)
+    assert max_splits is None or splits <= max_splits
+    # one tile fewer a chunk would pass two CTAs an SM or the split limit (the chunk is the smallest that fits)
     if chunk > ops.TILE:
-        assert batch * kv_heads * -(-slots // (chunk - ops.TILE)) > 2 * sms
+        finer = -(-slots // (chunk - ops.TILE))
+        assert batch * kv_heads * finer > 2 * sms or (max_splits is not None and finer > max_splits)
 
 
 def test_custom_op_opcheck_and_fullgraph_trace():
@@ -156,7 +161,8 @@ def cuda():
     return device
 
 
-def _run(shape, dtype, seed, cuda, mask_kind="bool", start=None, chunk=None, early_kv=False, counters=None):
+def _run(shape, dtype, seed, cuda, mask_kind="bool", start=None, chunk=None, early_kv=False, counters=None,
+         cluster=None):
     b, heads, kv_heads, d, slots = shape
     torch.manual_seed(seed)
     qkv, cos, sin, layer = _step(b, 1, heads, kv_heads, d, slots, dtype, device=cuda, start=start)
@@ -166,15 +172,17 @@ def _run(shape, dtype, seed, cuda, mask_kind="bool", start=None, chunk=None, ear
     want, twin = _want(qkv, cos, sin, layer, heads, kv_heads, mask, scale)
     poison(torch.empty((b, 1, heads, d), dtype=dtype, device=cuda))  # freed: the output's allocation reuses it
     got = ops.rope_attention_impl(qkv, cos, sin, layer.keys, layer.values, layer.cumulative_length, mask, scale,
-                                  heads, kv_heads, counters, early_kv=early_kv, chunk=chunk)
+                                  heads, kv_heads, counters, early_kv=early_kv, chunk=chunk, cluster=cluster)
     torch.cuda.synchronize()
-    where = f"seed {seed}, shape {shape}, {dtype}, mask {mask_kind}, L {length}, chunk {chunk}, early {early_kv}"
+    where = (f"seed {seed}, shape {shape}, {dtype}, mask {mask_kind}, L {length}, chunk {chunk}, early {early_kv}, "
+             f"cluster {cluster}")
     assert torch.equal(layer.keys, twin.keys) and torch.equal(layer.values, twin.values), where
     assert torch.equal(layer.cumulative_length, twin.cumulative_length), where
     assert not got.isnan().any(), where
     assert _rel(got, want) < TOL[dtype], f"{where}: {_rel(got, want):.2e}"
     counters = layer_counters(cuda) if counters is None else counters
     assert int(counters[: 1 + b * kv_heads].abs().sum()) == 0, where
+    return got
 
 
 SHAPES = [(1, 32, 8, 128, 576), (1, 32, 8, 128, 2048), (2, 8, 8, 64, 64), (3, 12, 4, 128, 100),
@@ -196,6 +204,24 @@ def test_kernel_matches_float64_attention_and_transformers_cache(dtype, shape, m
 def test_chunks_and_early_copies(chunk, early_kv, cuda):
     for seed, shape in enumerate(SHAPES[:5]):
         _run(shape, torch.float16, seed, cuda, "bool", chunk=chunk, early_kv=early_kv)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cluster_combine_gives_the_l2_combines_bits(dtype, cuda):
+    """On sm_90 and newer a split of 2-8 chunks is one cluster that combines its partials through distributed
+    shared memory: the same bits as the combine through L2 over the same chunks (both sum in split order), with
+    chunks past the length fully masked and masked rows; and both within the float64 reference's tolerance."""
+    if torch.cuda.get_device_capability(cuda) < (9, 0):
+        pytest.skip("thread-block clusters need sm_90")
+    cases = [((1, 32, 8, 128, 576), 128), ((3, 12, 4, 128, 100), 64), ((2, 8, 8, 64, 512), 64),
+             ((5, 16, 1, 64, 300), 64), ((1, 64, 8, 128, 1024), 128), ((16, 32, 8, 128, 192), 64)]
+    for seed, (shape, chunk) in enumerate(cases):
+        assert 2 <= -(-shape[-1] // chunk) <= ops.MAX_CLUSTER_SPLITS
+        for mask_kind in ("bool", "additive", "none"):
+            l2, cluster = (_run(shape, dtype, 40 + seed, cuda, mask_kind, chunk=chunk, cluster=c)
+                           for c in (False, True))
+            assert torch.equal(l2, cluster), f"seed {40 + seed}, shape {shape}, chunk {chunk}, mask {mask_kind}"
 
 
 @pytest.mark.gpu

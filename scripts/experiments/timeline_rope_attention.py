@@ -1,15 +1,17 @@
 """Where a rope_attention launch's time goes (kernels/attention/rope_attention.cu built with -D TF_TIMELINE):
 per-CTA %globaltimer stamps at entry, after grid_dependency_wait, q ready, the tile loop's end, the warps' merge,
-the split combine's arrival and the output written, in a CUDA graph replay of the chain a decode layer runs:
+the split combine's arrival (or the cluster barrier) and the output written, in a CUDA graph replay of the chain a decode layer runs:
 the q/k/v GEMM (W4A16, programmatic launch) -> rope_attention -> the o GEMM. Stamps are relative to the first
 CTA's entry; the rows give the median and the latest CTA.
 
-    python scripts/experiments/timeline_rope_attention.py [batch] [slots]
+    python scripts/experiments/timeline_rope_attention.py [batch] [slots]   (CLUSTER=0: the combine through L2
+    with the plan of no split limit, as before the cluster combine)
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 
 import torch
@@ -40,12 +42,15 @@ def main():
     cos, sin = ang.cos().to(dt), ang.sin().to(dt)
     mask = (torch.arange(slots, device=dev) <= slots - 64)[None, None, None, :].expand(batch, 1, 1, slots).contiguous()
     sm = torch.cuda.get_device_properties(0).multi_processor_count
-    chunk = ra.plan_chunk(batch, kv_heads, slots, sm)
+    cluster = ra.uses_clusters(tilefish.GpuSpec.current(dev)) and os.environ.get("CLUSTER", "1") != "0"
+    chunk = ra.plan_chunk(batch, kv_heads, slots, sm, ra.MAX_CLUSTER_SPLITS if cluster else None)
     splits = -(-slots // chunk)
+    in_cluster = cluster and 1 < splits <= ra.MAX_CLUSTER_SPLITS
     ctas = splits * kv_heads * batch
     spec = ra.kernel_spec(dt, d)
     kern = get_kernel(dataclasses.replace(spec, defines=spec.defines + (("TF_TIMELINE", "1"),)), 0)
-    cfg = prepare_launch(kern, (splits, kv_heads, batch), ra.THREADS, smem=ra.smem_bytes(d), pdl=True)
+    cfg = prepare_launch(kern, (splits, kv_heads, batch), ra.THREADS, smem=ra.smem_bytes(d),
+                         cluster=splits if in_cluster else 1, pdl=True)
     buf = torch.zeros(ctas * 32 + batch * kv_heads * splits * (heads // kv_heads) * (d + 2) + 1, dtype=torch.float32,
                       device=dev)
     counters = layer_counters(dev)
@@ -57,7 +62,7 @@ def main():
         launch_prepared(kern, cfg, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(),
                         length.data_ptr(), counters.data_ptr(), mask.data_ptr(), i32(1), i64(slots), out.data_ptr(),
                         buf.data_ptr(), i32(heads), i32(kv_heads), i32(slots), i32(chunk), i64(0),
-                        f32(1 / math.sqrt(d) * math.log2(math.e)), i32(1))
+                        f32(1 / math.sqrt(d) * math.log2(math.e)), i32(1), i32(1 if in_cluster else 0))
         return o_proj(out.view(batch, 1, heads * d))
 
     replay = e2e._captured(step)  # the bench's capture: warm-up calls on the capture's stream, then the graph
@@ -66,7 +71,8 @@ def main():
     torch.cuda.synchronize()
     st = buf[: ctas * 32].view(torch.int64).view(ctas, 16).cpu()
     t0 = st[:, 0].min()
-    print(f"{torch.cuda.get_device_name()}: batch {batch}, {slots} slots, chunk {chunk}, {splits} splits, {ctas} CTAs "
+    print(f"{torch.cuda.get_device_name()}: batch {batch}, {slots} slots, chunk {chunk}, {splits} splits, {ctas} CTAs, "
+          f"combine {'in a cluster' if in_cluster else 'through L2' if splits > 1 else 'none'} "
           f"(us from the first CTA's entry: median / latest CTA)")
     for i, name in enumerate(STAMPS):
         col = st[:, i]

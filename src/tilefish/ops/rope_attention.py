@@ -10,8 +10,10 @@ for one new token. keys / values / length come out bit for bit rope_cache's; out
 attention kernels (P is rounded to the activation dtype before its product with V, as flash attention does).
 
 The plan (`plan_chunk`, one seam): positions are split into chunks of whole 64-position tiles so the launch
-has about two CTAs an SM (batch 1, a 576-slot cache, 8 kv heads: 9 chunks of 64, 72 CTAs); the CTAs of a
-(sequence, kv head) combine their partials through L2, the last to arrive on its counter writes the output.
+has about two CTAs an SM (batch 1, a 512-slot cache, 8 kv heads: 8 chunks of 64, 64 CTAs). On sm_90 and newer
+(`uses_clusters`) a (sequence, kv head) takes at most MAX_CLUSTER_SPLITS chunks, launched as one thread-block
+cluster that combines its partials through distributed shared memory; otherwise (and for a larger split asked
+through `chunk`) the CTAs combine through L2, the last to arrive on its counter writing the output.
 Scratch: fp32 partials allocated per call; the counters (1 + batch x kv heads int32, left at zero) are the W4A16
 layers' shared ones (ops/w4a16/workspace.py, taken in turn by streams) where they suffice. Graph-safe: no host
 synchronization, nothing kept across calls.
@@ -41,6 +43,7 @@ HEAD_DIMS = (64, 128)
 MAX_GROUPS = 16  # query heads a kv head: the rows of one mma.m16n8k16 tile
 THREADS, TILE = 128, 64  # kernels/attention/rope_attention.cu
 MAX_GRID_YZ = 65535
+MAX_CLUSTER_SPLITS = 8  # the portable cluster size
 # The fused forward routes a decode step here (decoder.FusedAttention) when routes_decode_step says so: at most
 # this many sequences and cache slots. Measured against rope_cache + the attention function, a Llama-3-8B-shaped
 # model, 8 layers, H200 (scripts/profile_e2e.py, bench/results/h200/ab/e2e_profile_rope_attention_by_cache.txt):
@@ -74,12 +77,21 @@ def smem_bytes(head_dim: int) -> int:
     return (4 * TILE + 16 + 2) * head_dim * 2
 
 
-def plan_chunk(batch: int, kv_heads: int, slots: int, sm_count: int) -> int:
+def plan_chunk(batch: int, kv_heads: int, slots: int, sm_count: int, max_splits: int | None = None) -> int:
     """Positions a CTA takes (whole 64-position tiles): the fewest tiles that keep the grid within about two
-    CTAs an SM, so small batches spread each cache over many CTAs and large ones need no combine."""
+    CTAs an SM, so small batches spread each cache over many CTAs and large ones need no combine, and at most
+    `max_splits` chunks a cache (None: no limit)."""
     tiles = -(-slots // TILE)
     per_cta = max(1, -(-batch * kv_heads * tiles // (2 * sm_count)))
+    if max_splits is not None:
+        per_cta = max(per_cta, -(-tiles // max_splits))
     return min(tiles, per_cta) * TILE
+
+
+def uses_clusters(gpu: GpuSpec) -> bool:
+    """Whether a split cache's CTAs combine through distributed shared memory as one cluster (sm_90 and newer),
+    not through L2 partials and a counter."""
+    return gpu.cc >= 90
 
 
 def supports(head_dim: int, heads: int, kv_heads: int) -> bool:
@@ -129,11 +141,13 @@ def reference(qkv, cos, sin, keys, values, length, mask, scale, heads, kv_heads)
 def rope_attention_impl(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
                         values: torch.Tensor, length: torch.Tensor, mask: torch.Tensor | None, scale: float,
                         heads: int, kv_heads: int, counters: torch.Tensor | None = None, *, early_kv: bool = False,
-                        chunk: int | None = None, pdl: bool | None = None) -> torch.Tensor:
+                        chunk: int | None = None, pdl: bool | None = None,
+                        cluster: bool | None = None) -> torch.Tensor:
     """out [B, 1, heads, D]; keys, values and length updated in place (module docstring). counters: owned int32
     counters (1 + B x kv_heads are used), else the W4A16 layers' of the device where they suffice, else fresh
     zeroed ones. chunk: positions a CTA takes (a multiple of 64; tests), else plan_chunk's. pdl: programmatic
-    dependent launch (None: the active W4A16 launch policy's)."""
+    dependent launch (None: the active W4A16 launch policy's). cluster: combine a split of at most
+    MAX_CLUSTER_SPLITS chunks in a cluster (None: where uses_clusters says so; True needs sm_90 or newer)."""
     b, d, slots = check_inputs(qkv, cos, sin, keys, values, length, mask, scale, heads, kv_heads)
     if qkv.is_cpu:
         return reference(qkv, cos, sin, keys, values, length, mask, float(scale), heads, kv_heads)
@@ -142,10 +156,17 @@ def rope_attention_impl(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         raise ValueError(f"rope_attention needs an sm_80 or newer GPU (mma.sync, cp.async); {qkv.device} is "
                          f"sm_{gpu.cc}")
     groups = heads // kv_heads
+    if cluster is None:
+        cluster = uses_clusters(gpu)
+    elif not isinstance(cluster, bool):
+        raise TypeError(f"rope_attention: cluster must be True, False or None, got {cluster!r}")
+    elif cluster and gpu.cc < 90:
+        raise ValueError(f"rope_attention: a cluster combine needs sm_90 or newer; {qkv.device} is sm_{gpu.cc}")
     # the last CTA of a split combine keeps every split's max and sum a head in the ring's shared memory
     max_splits = (4 * TILE * d * 2 // 4 - groups) // (2 * groups)
     if chunk is None:
-        chunk = max(plan_chunk(b, kv_heads, slots, gpu.sm_count), -(-slots // (max_splits * TILE)) * TILE)
+        chunk = max(plan_chunk(b, kv_heads, slots, gpu.sm_count, MAX_CLUSTER_SPLITS if cluster else None),
+                    -(-slots // (max_splits * TILE)) * TILE)
     elif isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < TILE or chunk % TILE:
         raise ValueError(f"rope_attention: chunk must be a positive multiple of {TILE}, got {chunk!r}")
     elif -(-slots // chunk) > max_splits:
@@ -159,6 +180,7 @@ def rope_attention_impl(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     if mask is not None and mask.stride(3) != 1 and mask.shape[3] > 1:
         mask = mask.contiguous()
     splits = -(-slots // chunk)
+    in_cluster = cluster and 1 < splits <= MAX_CLUSTER_SPLITS
     index = qkv.get_device()
     need = 1 + b * kv_heads
     if counters is None:
@@ -173,10 +195,11 @@ def rope_attention_impl(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     if pdl is None:
         pdl = resolve_policy(None).programmatic
     out = torch.empty((b, 1, heads, d), dtype=qkv.dtype, device=qkv.device)
-    partials = torch.empty(b * kv_heads * splits * groups * (d + 2) if splits > 1 else 1, dtype=torch.float32,
-                           device=qkv.device)
+    partials = torch.empty(b * kv_heads * splits * groups * (d + 2) if splits > 1 and not in_cluster else 1,
+                           dtype=torch.float32, device=qkv.device)
     kern = get_kernel(kernel_spec(qkv.dtype, d), index)
-    cfg = prepare_launch(kern, (splits, kv_heads, b), THREADS, smem=smem_bytes(d), pdl=pdl)
+    cfg = prepare_launch(kern, (splits, kv_heads, b), THREADS, smem=smem_bytes(d), cluster=splits if in_cluster else 1,
+                         pdl=pdl)
     if mask is None:
         kind, mask_ptr, mask_sb = 0, 0, 0
     else:
@@ -187,7 +210,7 @@ def rope_attention_impl(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         launch_prepared(kern, cfg, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(),
                         length.data_ptr(), counters_ptr, mask_ptr, i32(kind), i64(mask_sb), out.data_ptr(),
                         partials.data_ptr(), i32(heads), i32(kv_heads), i32(slots), i32(chunk), i64(batch_stride),
-                        f32(float(scale) * math.log2(math.e)), i32(1 if early_kv else 0))
+                        f32(float(scale) * math.log2(math.e)), i32(1 if early_kv else 0), i32(1 if in_cluster else 0))
     return out
 
 

@@ -13,9 +13,13 @@
 // w takes positions 16 w .. 16 w + 15 of a tile: S = Q K^T (K as mma's "col" B, ldmatrix from the row-major
 // tile), an online softmax per row in registers, O += P V (P from S's accumulators, V through ldmatrix.trans).
 // Rows of 16-byte chunks are XOR-swizzled (chunk c of row r at c ^ (r & 7)) so ldmatrix reads no bank twice.
-// After the loop the 4 warps' (max, sum, O) merge through shared memory; with splits > 1 each CTA stores its
-// partial (fp32, to L2) and the last of the (b, kv head)'s CTAs to arrive on its counter combines them in split
-// order (bitwise deterministic; the W4A16 counter protocol of w4a16/fixup.cuh) and writes out.
+// After the loop the 4 warps' (max, sum, O) merge through shared memory. With splits > 1 the splits' partials
+// are combined in split order (bitwise deterministic, and the same bits either way):
+// - cluster_combine (sm_90+, the splits of a (b, kv head) launched as one cluster): each CTA keeps its partial in
+//   its shared memory and, after a cluster barrier, writes its share of the outputs from every split's partial
+//   through distributed shared memory; no workspace, counter or L2 round trip;
+// - otherwise each CTA stores its partial (fp32, to L2) and the last of the (b, kv head)'s CTAs to arrive on its
+//   counter combines them (the W4A16 counter protocol of w4a16/fixup.cuh) and writes out.
 //
 // The new position L: the CTA whose range holds it writes rope(k) and v to the caches (L < S only: positions
 // past the cache are not written, rope_cache's rule) and into its own tile before the products, so the tile
@@ -28,6 +32,7 @@
 // starting early: that needs the cache rows below L, the mask and cos / sin written by kernels that cannot still
 // be running (the op's caller states it; see ops/rope_attention.py).
 #include "attention/rotary.cuh"
+#include "common/cluster.cuh"
 #include "w4a16/fixup.cuh"
 #include "w4a16/timeline.cuh"
 
@@ -62,11 +67,15 @@ rope_attention(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __
                T* __restrict__ keys, T* __restrict__ values, long long* __restrict__ length, int* __restrict__ counters,
                const void* __restrict__ mask, int mask_kind, long long mask_sb, T* __restrict__ out,
                float* __restrict__ partials, int heads, int kv_heads, int slots, int chunk, long long cs_batch,
-               float scale_log2, int early_kv) {
+               float scale_log2, int early_kv, int cluster_combine) {
     static_assert(D == 64 || D == 128, "head dim 64 or 128");
     constexpr int CH = D / 8;                        // 16-byte chunks a row
     constexpr int NB = D / 8;                        // n8 blocks of O
     constexpr int TILE_ELEMS = TILE * D;
+    // After the loop the ring holds the warps' merge ([WARPS][ROWS][D] O, per-warp and per-head max / sum /
+    // weights) and the cluster combine's [ROWS][D] O of this CTA.
+    static_assert((WARPS * ROWS * D + 3 * WARPS * ROWS + 2 * ROWS + ROWS * D) * 4 <= 4 * TILE_ELEMS * 2,
+                  "the merge and the cluster combine fit the ring");
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T* ring = reinterpret_cast<T*>(smem_raw);                           // [2][2][TILE][D]: (stage, K / V)
     T* q_s = ring + 4 * TILE_ELEMS;                                     // [ROWS][D], swizzled
@@ -337,7 +346,7 @@ rope_attention(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __
     auto cta_value = [&](int g, int d) {
         float v = 0.f;
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) v += o_s[(w * ROWS + g) * D + d] * hw_s[w * ROWS + g];
+        for (int w = 0; w < WARPS; ++w) v = __fmaf_rn(o_s[(w * ROWS + g) * D + d], hw_s[w * ROWS + g], v);
         return v;
     };
     T* out_b = out + ((size_t)b * heads + kvh * groups) * D;  // [B, 1, H, D]: head kvh * G + g
@@ -347,6 +356,30 @@ rope_attention(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __
             out_b[e] = Vec2<T>::one(hl_s[g] > 0.f ? cta_value(g, e % D) / hl_s[g] : 0.f);
         }
         finish_length();
+        TF_STAMP_IF(tid == 0, 6);
+        return;
+    }
+    if (cluster_combine) {  // rank = split: the cluster spans gridDim.x
+        float* po = hw_s + WARPS * ROWS;  // [G][D] this CTA's O, relative to its maxima hm_s (after the merge area)
+        for (int e = tid; e < groups * D; e += THREADS) po[e] = cta_value(e / D, e % D);
+        finish_length();
+        cluster_sync();  // every split's po, hm_s and hl_s, visible to the cluster
+        TF_STAMP_IF(tid == 0, 5);
+        const u32 po_a = smem_addr(po), hm_a = smem_addr(hm_s), hl_a = smem_addr(hl_s);
+        for (int e = split * THREADS + tid; e < groups * D; e += splits * THREADS) {
+            const int g = e / D;
+            float m = neg_inf();
+            for (int q = 0; q < splits; ++q) m = fmaxf(m, ld_shared_cluster_f32(mapa_shared(hm_a + 4 * g, q)));
+            float l = 0.f, v = 0.f;
+            for (int q = 0; q < splits; ++q) {
+                const float mq = ld_shared_cluster_f32(mapa_shared(hm_a + 4 * g, q));
+                const float wq = mq == neg_inf() ? 0.f : exp2f(mq - m);
+                l = __fmaf_rn(ld_shared_cluster_f32(mapa_shared(hl_a + 4 * g, q)), wq, l);
+                v = __fmaf_rn(ld_shared_cluster_f32(mapa_shared(po_a + 4 * e, q)), wq, v);
+            }
+            out_b[e] = Vec2<T>::one(v * (l > 0.f ? 1.f / l : 0.f));
+        }
+        cluster_sync();  // no CTA leaves while a peer may still read its shared memory
         TF_STAMP_IF(tid == 0, 6);
         return;
     }
@@ -381,7 +414,7 @@ rope_attention(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __
         for (int q = 0; q < splits; ++q) {
             const float mq = w_q[q * groups + tid], wq = mq == neg_inf() ? 0.f : exp2f(mq - m);
             w_q[q * groups + tid] = wq;
-            l += l_q[q * groups + tid] * wq;
+            l = __fmaf_rn(l_q[q * groups + tid], wq, l);
         }
         inv_s[tid] = l > 0.f ? 1.f / l : 0.f;
     }
@@ -390,7 +423,7 @@ rope_attention(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __
         const int g = e / D;
         float v = 0.f;
 #pragma unroll 8
-        for (int q = 0; q < splits; ++q) v += __ldcg(part + (size_t)q * per + e) * w_q[q * groups + g];
+        for (int q = 0; q < splits; ++q) v = __fmaf_rn(__ldcg(part + (size_t)q * per + e), w_q[q * groups + g], v);
         out_b[e] = Vec2<T>::one(v * inv_s[g]);
     }
     if (tid == 0) fixup_reset(counter);

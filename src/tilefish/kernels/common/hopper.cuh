@@ -2,6 +2,7 @@
 // and fences, register reallocation. Each wrapper says why it exists. Only kernels compiled for
 // sm_90a include this (KernelSpec.arch_specific); the wgmma shapes are in common/wgmma.cuh.
 #pragma once
+#include "common/cluster.cuh"
 #include "common/ptx.cuh"
 
 namespace tf {
@@ -108,30 +109,6 @@ __device__ __forceinline__ void tma_prefetch_desc(const TmaDesc* map) {
     asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<u64>(map)) : "memory");
 }
 
-// ---- thread-block clusters (sm_90): CTAs on neighbouring SMs that can touch each other's smem.
-__device__ __forceinline__ u32 cluster_ctarank() {
-    u32 r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-// Every thread of every CTA in the cluster: publishes barrier inits before peers signal them, and
-// keeps a CTA's smem alive until its peers have stopped writing / arriving into it.
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// The shared::cluster address of local shared address `addr` in CTA `rank` of the cluster.
-__device__ __forceinline__ u32 mapa_shared(u32 addr, u32 rank) {
-    u32 r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
-    return r;
-}
-// 16 bytes from a shared::cluster address (distributed shared memory, after a cluster barrier).
-__device__ __forceinline__ float4 ld_shared_cluster_f4(u32 addr) {
-    float4 v;
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory");
-    return v;
-}
 // Arrive on the barrier at `bar`'s offset in CTA `rank` of the cluster. Default (CTA-scope)
 // semantics on purpose: the .release.cluster form costs a MEMBAR.ALL.GPU per arrival (and an
 // acquire.cluster wait an L1 invalidate per wait), which serialized the whole pipeline (~1 us per
