@@ -7,7 +7,8 @@ MODEL=hf|builtin, KERNELS=1 lists every kernel, IMPLS=fp16,fp16-gqa,w4a16 (defau
 w4a16-nopdl: w4a16 captured under LaunchPolicy(programmatic=False), w4a16-norope: w4a16 with transformers'
 attention forward, i.e. no rope_cache kernel, w4a16-ropecache: decode steps with rope_cache and the attention
 function instead of the one rope_attention kernel, w4a16-onesplit: rope_attention with each kv head's whole cache in
-one CTA, no split to combine, w4a16-l2combine: rope_attention's splits combined through L2 instead of a cluster),
+one CTA, no split to combine, w4a16-l2combine: rope_attention's splits combined through L2 instead of a cluster,
+w4a16-allslots: rope_attention over caches of any length, past the routing's MAX_FUSED_SLOTS),
 LM_HEAD=auto|quantize|dense: quantize_model's lm_head,
 default auto), CONTEXTS=512 (default) or a list such as 32,160,512,2048: the positions a step decodes at (the cache
 holds that many random K/V rows; rope_attention against rope_cache + SDPA by cache length:
@@ -82,12 +83,15 @@ def launch_policy_for(impl: str):
 def rope_attention_plan_for(impl: str):
     """The rope_attention plan a variant's steps are captured under (-onesplit: one CTA a kv head's whole cache,
     so no split combine; -l2combine: the splits combined through L2, with no split limit, as on GPUs without
-    clusters; the functions are looked up at each launch, so the patch holds while the steps are captured)."""
+    clusters; -allslots: decode steps take rope_attention over caches of any length; the names are looked up at
+    each launch or trace, so the patch holds while the steps are compiled and captured)."""
     patches = {}
     if impl.endswith("-onesplit"):
         patches["plan_chunk"] = lambda batch, kv_heads, slots, sm_count, max_splits=None: -(-slots // 64) * 64
     if impl.endswith("-l2combine"):
         patches["uses_clusters"] = lambda gpu: False
+    if impl.endswith("-allslots"):  # the routing's cache-length limit lifted (the batch limit kept)
+        patches["MAX_FUSED_SLOTS"] = 1 << 30
     real = {name: getattr(rope_attention_ops, name) for name in patches}
     for name, fn in patches.items():
         setattr(rope_attention_ops, name, fn)
@@ -102,7 +106,7 @@ def convert_variant(runner, impl: str) -> None:
     """runner's model as `impl` (bench e2e's variants, with the -nopdl / -norope / -ropecache suffixes), each layer
     compiled."""
     base = impl.removesuffix("-nopdl").removesuffix("-norope").removesuffix("-ropecache").removesuffix("-onesplit")
-    base = base.removesuffix("-l2combine")
+    base = base.removesuffix("-l2combine").removesuffix("-allslots")
     e2e._convert(runner, base, os.environ.get("LM_HEAD", "auto"))
     if impl.endswith("-norope"):  # transformers' attention forward: no rope_cache kernel
         for layer in runner.model.model.layers:

@@ -21,6 +21,7 @@ import torch
 
 from conftest import capture, poison
 from test_rope_cache import _copy, _step, _transformers
+from tilefish import GpuSpec
 from tilefish.reference import rope_cache as rope_cache_reference
 from tilefish.ops import library
 from tilefish.ops import rope_attention as ops
@@ -138,6 +139,29 @@ def test_plan_takes_whole_tiles_near_two_ctas_an_sm(batch, kv_heads, slots, sms,
         assert batch * kv_heads * finer > 2 * sms or (max_splits is not None and finer > max_splits)
 
 
+@pytest.mark.parametrize("gpu", [GpuSpec("NVIDIA H200", 132, 90), GpuSpec("NVIDIA B200", 148, 100),
+                                 GpuSpec("NVIDIA GeForce RTX 5090", 170, 120),
+                                 GpuSpec("NVIDIA A100-SXM4-80GB", 108, 80),
+                                 GpuSpec("NVIDIA GeForce RTX 4090", 128, 89)],
+                         ids=lambda g: g.name)
+def test_the_split_combines_in_a_cluster_only_where_every_cluster_fits(gpu):
+    """On sm_90 and newer a split of 2-8 chunks combines in a cluster when the grid stays within the plan's two CTAs
+    an SM; one chunk needs no combine, and a larger split, a fuller grid or an older GPU combine through L2. The
+    plans of the decode steps routed to the kernel (Llama-3-8B's 8 kv heads, caches up to the routing's limit)
+    split at most 8 ways, and at batch 1-4 every split combines in a cluster."""
+    clusters = gpu.cc >= 90
+    assert ops.uses_clusters(gpu) == clusters
+    assert ops.combine_in_cluster(gpu, 1, 8, 5) == clusters
+    assert not ops.combine_in_cluster(gpu, 1, 8, 1)
+    assert not ops.combine_in_cluster(gpu, 1, 8, ops.MAX_CLUSTER_SPLITS + 1)
+    assert not ops.combine_in_cluster(gpu, 16, 8, -(-(2 * gpu.sm_count + 1) // (16 * 8)))
+    for batch in (1, 2, 4, 8, 16) if clusters else ():
+        for slots in range(64, ops.MAX_FUSED_SLOTS + 1, 64):
+            splits = -(-slots // ops.plan_chunk(batch, 8, slots, gpu.sm_count, ops.MAX_CLUSTER_SPLITS))
+            assert splits <= ops.MAX_CLUSTER_SPLITS, (batch, slots)
+            assert batch > 4 or splits == 1 or ops.combine_in_cluster(gpu, batch, 8, splits), (batch, slots)
+
+
 def test_custom_op_opcheck_and_fullgraph_trace():
     torch.manual_seed(1)
     qkv, cos, sin, layer = _step(2, 1, 8, 2, 64, 32, torch.float16)
@@ -215,9 +239,10 @@ def test_cluster_combine_gives_the_l2_combines_bits(dtype, cuda):
     if torch.cuda.get_device_capability(cuda) < (9, 0):
         pytest.skip("thread-block clusters need sm_90")
     cases = [((1, 32, 8, 128, 576), 128), ((3, 12, 4, 128, 100), 64), ((2, 8, 8, 64, 512), 64),
-             ((5, 16, 1, 64, 300), 64), ((1, 64, 8, 128, 1024), 128), ((16, 32, 8, 128, 192), 64)]
+             ((5, 16, 1, 64, 300), 64), ((1, 64, 8, 128, 1024), 128), ((8, 32, 8, 128, 192), 64)]
+    gpu = GpuSpec.current(cuda)
     for seed, (shape, chunk) in enumerate(cases):
-        assert 2 <= -(-shape[-1] // chunk) <= ops.MAX_CLUSTER_SPLITS
+        assert ops.combine_in_cluster(gpu, shape[0], shape[2], -(-shape[-1] // chunk))  # the cluster path runs
         for mask_kind in ("bool", "additive", "none"):
             l2, cluster = (_run(shape, dtype, 40 + seed, cuda, mask_kind, chunk=chunk, cluster=c)
                            for c in (False, True))

@@ -1,8 +1,8 @@
 """Where a rope_attention launch's time goes (kernels/attention/rope_attention.cu built with -D TF_TIMELINE):
 per-CTA %globaltimer stamps at entry, after grid_dependency_wait, q ready, the tile loop's end, the warps' merge,
-the split combine's arrival (or the cluster barrier) and the output written, in a CUDA graph replay of the chain a decode layer runs:
-the q/k/v GEMM (W4A16, programmatic launch) -> rope_attention -> the o GEMM. Stamps are relative to the first
-CTA's entry; the rows give the median and the latest CTA.
+the split combine's arrival (or the cluster barrier) and the output written, in a CUDA graph replay of the chain
+a decode layer runs: the q/k/v GEMM (W4A16, programmatic launch) -> rope_attention -> the o GEMM. Stamps are
+relative to the first CTA's entry; the rows give the median and the latest CTA.
 
     python scripts/experiments/timeline_rope_attention.py [batch] [slots]   (CLUSTER=0: the combine through L2
     with the plan of no split limit, as before the cluster combine)
@@ -45,7 +45,7 @@ def main():
     cluster = ra.uses_clusters(tilefish.GpuSpec.current(dev)) and os.environ.get("CLUSTER", "1") != "0"
     chunk = ra.plan_chunk(batch, kv_heads, slots, sm, ra.MAX_CLUSTER_SPLITS if cluster else None)
     splits = -(-slots // chunk)
-    in_cluster = cluster and 1 < splits <= ra.MAX_CLUSTER_SPLITS
+    in_cluster = cluster and ra.combine_in_cluster(tilefish.GpuSpec.current(dev), batch, kv_heads, splits)
     ctas = splits * kv_heads * batch
     spec = ra.kernel_spec(dt, d)
     kern = get_kernel(dataclasses.replace(spec, defines=spec.defines + (("TF_TIMELINE", "1"),)), 0)
