@@ -6,7 +6,12 @@ ops/w4a16/tuned.py) and captures the e2e bench's decode step (scripts/profile_e2
 default); all variants' graphs are then replayed in alternating rounds in this one process.
 
     python scripts/experiments/chain_plans.py [layers] [batch] [rounds]
-Env VARIANTS: a comma list of name=KxN:plan (default below); "default" is the dispatcher's own choice.
+Env VARIANTS: a comma list of name=ENTRY|ENTRY|... (default below; "default" is the dispatcher's own choice),
+an ENTRY being KxN:plan (that weight's plan at this batch) or KxN:plan:DEFINE+DEFINE or ::DEFINE+DEFINE: kernels
+built with those defines (an experiment's -D switch in a kernel source, each added to the source its prefix
+names: DEFINE_SOURCES below). E.g. the o projection on the skinny kernel, and that plus a rope_attention build
+with an experiment switch:
+    VARIANTS='o-skinny=4096x4096:skinny-m8n256w1s3x2,o-skinny-x=4096x4096:skinny-m8n256w1s3x2:TF_RA_SWITCH' ...
 """
 from __future__ import annotations
 
@@ -17,8 +22,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+import dataclasses
+
 import torch
 
+import tilefish.ops.rope_attention as rope_attention_ops
+import tilefish.ops.w4a16.launch as w4a16_launch
 from tilefish.bench import e2e
 from tilefish.models.llama import LlamaConfig
 from tilefish.ops.w4a16 import tuned
@@ -32,12 +41,40 @@ DEFAULT = ("o-skinny=4096x4096:skinny-m8n256w1s3x2,o-skinny8x1=4096x4096:skinny-
            "down-skinny8x1=14336x4096:skinny-m8n256w2s8x1,down-skinny-n128=14336x4096:skinny-m8n128w2s6x2")
 
 
-def table_file(key: str, k: int, n: int, m: int, plan: str, folder: str) -> str:
+# An experiment define's prefix -> the kernel source it belongs to.
+DEFINE_SOURCES = {"TF_RA_": "attention/rope_attention.cu", "TF_SK_": "w4a16/skinny.cu"}
+_get_kernel = {mod: mod.get_kernel for mod in (rope_attention_ops, w4a16_launch)}
+
+
+def use_defines(defines: tuple[str, ...]) -> None:
+    """Kernels loaded from now on get `defines` (each on the source its prefix names); () undoes it."""
+    w4a16_launch._kernels.clear()
+    for mod, get in _get_kernel.items():
+        def patched(spec, device=None, _get=get):
+            extra = tuple((d, "1") for d in defines
+                          if any(d.startswith(p) and spec.source == src for p, src in DEFINE_SOURCES.items()))
+            return _get(dataclasses.replace(spec, defines=spec.defines + extra) if extra else spec, device)
+        mod.get_kernel = patched
+
+
+def table_file(key: str, plans: list[tuple[int, int, str]], m: int, folder: str) -> str:
     entries = [{"dtype": dt, "scales": "grouped", "codebook": "int4", "k": k, "n": n, "m": m, "plan": plan}
-               for dt in ("fp16", "bf16")]
-    path = os.path.join(folder, f"{k}x{n}_{plan}.json")
+               for k, n, plan in plans for dt in ("fp16", "bf16")]
+    path = os.path.join(folder, f"table_{len(os.listdir(folder))}.json")
     Path(path).write_text(json.dumps({"format": 1, "key": key, "entries": entries}))
     return path
+
+
+def parse_variant(spec: str) -> tuple[list[tuple[int, int, str]], tuple[str, ...]]:
+    """ENTRY|ENTRY|... -> ([(k, n, plan), ...], defines)."""
+    plans, defines = [], []
+    for entry in spec.split("|"):
+        shape, plan, extra = (entry.split(":") + ["", ""])[:3]
+        if shape:
+            k, n = map(int, shape.split("x"))
+            plans.append((k, n, plan))
+        defines += [d for d in extra.split("+") if d]
+    return plans, tuple(defines)
 
 
 def main():
@@ -51,13 +88,12 @@ def main():
     variants = {"default": None}
     for item in os.environ.get("VARIANTS", DEFAULT).split(","):
         name, _, spec = item.partition("=")
-        shape, _, plan = spec.partition(":")
-        k, n = map(int, shape.split("x"))
-        variants[name] = (k, n, plan)
+        variants[name] = parse_variant(spec)
     folder = tempfile.mkdtemp()
     replays = {}
     for name, v in variants.items():
-        os.environ["TILEFISH_TUNED"] = "1" if v is None else table_file(key, *v[:2], batch, v[2], folder)
+        os.environ["TILEFISH_TUNED"] = "1" if v is None or not v[0] else table_file(key, v[0], batch, folder)
+        use_defines(() if v is None else v[1])
         tuned.forget_tables()
         torch._dynamo.reset()
         torch.manual_seed(0)
