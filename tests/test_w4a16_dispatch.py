@@ -186,6 +186,22 @@ def test_time_model_knows_which_splits_ran_as_clusters(name):
     assert seen > 100
 
 
+def test_batch_one_takes_the_skinny_kernel_where_its_units_fill_the_grid():
+    """At m <= 2 on sm_90 a weight with at least as many (256-column tile, 128-k stage) units as the full grid
+    has CTAs (k 4096 x n 4096: 512 for 264) takes the skinny kernel, whose first ring is then a CTA's whole share
+    (a decode step's o projection, let in early by rope_attention); fewer units keep the mma.sync kernel."""
+    for m in (1, 2):
+        for k, n in ((4096, 4096), (3072, 3072), (3584, 3584), (4096, 6144)):
+            assert isinstance(ops.choose_config(m, n, k, 132, 90, 128), ops.SkinnyConfig), (m, k, n)
+        for k, n in ((2048, 2048), (384, 128), (1024, 320)):
+            assert isinstance(ops.choose_config(m, n, k, 132, 90, 128), ops.GemmConfig), (m, k, n)
+    # a GPU with half the SMs: k 2048 x n 4096 (256 units) fills its 132-CTA grid, not the H200's 264
+    assert isinstance(ops.choose_config(1, 4096, 2048, 66, 90, 128), ops.SkinnyConfig)
+    assert isinstance(ops.choose_config(1, 4096, 2048, 132, 90, 128), ops.GemmConfig)
+    # other GPUs have no skinny kernel
+    assert isinstance(ops.choose_config(1, 4096, 4096, 108, 80, 128), ops.GemmConfig)
+
+
 def test_skinny_config_rejects_impossible_shapes():
     for bad in (dict(mt=24), dict(ns=3), dict(wk=3), dict(stages=1), dict(ctas_per_sm=3),
                 dict(mt=32, ctas_per_sm=2), dict(stages=9)):

@@ -27,7 +27,9 @@
 // L + 1 and puts the counter back to zero. counters[1 + b * KV + g] are the split combines' counters.
 //
 // Programmatic dependent launch: qkv, the length and the counters are touched only after
-// grid_dependency_wait; the next kernel is let in once the products are done. With early_kv the first two
+// grid_dependency_wait, and the next kernel (the o projection) is let in right after it: DRAM then streams o's
+// weights (its skinny plan puts a small weight wholly in flight before its own wait) while this kernel, which
+// reads little, computes (docs/e2e.md). With early_kv the first two
 // tiles' copies and the first tile's mask are issued before the wait, which is what the launch gains from
 // starting early: that needs the cache rows below L, the mask and cos / sin written by kernels that cannot still
 // be running (the op's caller states it; see ops/rope_attention.py).
@@ -136,6 +138,7 @@ rope_attention(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __
         mask_bias(0, next_bias);
     }
     grid_dependency_wait();
+    launch_dependent_grids();  // o may take SMs and stream its weights from here on (see the header)
     TF_STAMP_IF(tid == 0, 1);
     if (!early_kv) {
         issue(0);
@@ -340,9 +343,6 @@ rope_attention(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __
     }
     __syncthreads();
     TF_STAMP_IF(tid == 0, 4);
-    // Only now may the o projection take SMs and stream its first weights: its launch is a burst of copy
-    // instructions and DRAM traffic, which slowed the products and the merge 3-5x when let in after the wait.
-    launch_dependent_grids();
     auto cta_value = [&](int g, int d) {
         float v = 0.f;
 #pragma unroll

@@ -31,7 +31,7 @@ from .configs import (CONFIGS, H200_CLUSTERS, HOPPER_BK, HOPPER_CONFIGS, HOPPER_
                       HopperConfig, SkinnyConfig, canonical_label, kernel_spec, parse_plan, variant_specs)
 from .dispatch import (HOPPER_MIN_M, HOPPER_SLICES, MAX_HOPPER_SLICES, MIN_K_TILES_PER_SLICE, MODEL_MAX_M, NF4_GROUPS,
                        NF4_TALL_TILE, PER_CHANNEL_WGMMA_MIN_K, PER_CHANNEL_WGMMA_MIN_N, SKINNY_M16_MIN_N,
-                       SKINNY_M16_PER_CHANNEL_MAX_N, SKINNY_MAX_M, SKINNY_MMA_MAX_NK, SKINNY_STAGED_MIN_TRIPS,
+                       SKINNY_M16_PER_CHANNEL_MAX_N, SKINNY_MAX_M, SKINNY_STAGED_MIN_TRIPS,
                        SKINNY_WIDE_N, SMALL_WEIGHT_NK, STREAMK_MAX_M, TINY_WEIGHT_NK, _fit_n, choose_config, choose_plan,
                        choose_hopper_config, choose_hopper_plan, choose_hopper_slices, choose_mma_config,
                        choose_skinny_config, choose_slices, dispatch_builds, dispatch_specs, skinny_fixup_trips,

@@ -149,9 +149,15 @@ def choose_hopper_slices(cfg: HopperConfig, m: int, n: int, k: int, sm_count: in
 
 # The skinny kernel on sm_90 (H200 sweeps, scripts/experiments/sweep_w4a16_skinny.py, docs/w4a16.md). Since the
 # finisher warp (bench/results/h200/ab/w4a16_skinny_sweep_fp16_g128.json) it beats the mma.sync kernel
-# at m <= 8 on every benchmark shape but the smallest weight at m <= 2 (k 4096 x n 4096: 11.0 against
-# 11.7 us; the mma.sync kernel's ramp is shorter), by 4-30% (k 8192 x n 10240, whose mma.sync grid
-# quantizes badly). The old time model (mma.sync wave efficiency) misjudged the small shapes.
+# at m <= 8 on every benchmark shape by 4-30% (k 8192 x n 10240, whose mma.sync grid quantizes badly) but the
+# smallest weight at m <= 2, timed alone (k 4096 x n 4096: 11.7 against 11.0 us; the mma.sync kernel's ramp is
+# shorter). In a decode step that weight is o, let in early by rope_attention: the skinny plan's first ring is
+# its whole share, so the weight streams while the attention computes, and the step is 1.0-1.3 us a layer
+# faster than with the mma.sync plan (8 layers, same process: bench/results/h200/ab/chain_plans_early_o.txt).
+# A smaller weight at m <= 2 whose (tile, k stage) units are fewer than the full grid's CTAs (k 2048 x n 2048:
+# 128 units for 264 CTAs) keeps the mma.sync kernel: the skinny grid would shrink to its units, and the decode
+# step was measured on k 4096 x n 4096 (512 units) only.
+# The old time model (mma.sync wave efficiency) misjudged the small shapes.
 # m = 9-16 (bench/results/h200/ab/w4a16_skinny_sweep_m16_fp16_g128.json, since the group scales of
 # two 8-row blocks also go on the fp32 partial sums): skinny-m16n128w2s6x2 beats the wgmma plan by
 # 2-12% at m = 12 on all 8 shapes and at m = 16 on 6 (k 28672 x n 8192: 44.3 against 50.4 us);
@@ -161,7 +167,6 @@ def choose_hopper_slices(cfg: HopperConfig, m: int, n: int, k: int, sm_count: in
 # w4a16_skinny_sweep_m16_{fp16,bf16}_g-1.json: 73.3 against 77.5 us fp16, 77.2 against 83.2 bf16;
 # elsewhere the two are within 0-5% either way).
 SKINNY_MAX_M = 16
-SKINNY_MMA_MAX_NK = 4096 * 4096  # at most this many weights and m <= 2: the mma.sync kernel
 SKINNY_M16_MIN_N = 4097          # m = 13-16: the skinny kernel from this n up ...
 SKINNY_M16_PER_CHANNEL_MAX_N = 32768  # ... and, per-channel, up to this n
 SKINNY_WIDE_N = 32768            # m = 9-16 above this n: 256-column tiles, one warp a strip
@@ -201,7 +206,9 @@ def choose_skinny_config(m: int, n: int, k: int, sm_count: int, group: int | Non
 
 def _choose_skinny_config(m: int, n: int, k: int, sm_count: int, group: int | None,
                           dtype: torch.dtype | None) -> SkinnyConfig | None:
-    if m > SKINNY_MAX_M or n % 128 or (m <= 2 and n * k <= SKINNY_MMA_MAX_NK):
+    if m > SKINNY_MAX_M or n % 128:
+        return None
+    if m <= 2 and n // (256 if n % 256 == 0 else 128) * -(-k // SKINNY_BK) < 2 * sm_count:
         return None
     grouped = group != -1
     if m > 8:
