@@ -80,7 +80,8 @@ def main():
                     smem = cfg.smem_bytes(128, False)
                     ctas = info.sm_count * cfg.ctas_per_sm
                     args = (mx, w.packed.data_ptr(), w.scales.data_ptr(), 0, 0, out.data_ptr(), ws.data_ptr(),
-                            counters.data_ptr(), np.int32(m), np.int32(n), np.int32(k))
+                            counters.data_ptr(), np.int32(m), np.int32(n), np.int32(k), 0,
+                            np.int32(0))  # the epilogue's residual (none) and gated (0)
                     row("runtime.launch (prepared args)", lambda: launch(kern, ctas, cfg.threads, *args, smem=smem))
                     from cuda.core import LaunchConfig
                     from cuda.core import launch as core_launch

@@ -55,7 +55,8 @@ def timeline_launch(w, x, cfg, ctas, variant=""):
 
     def run():
         launch(kern, ctas, cfg.threads, map_x, w.packed.data_ptr(), w.scales.data_ptr(), 0, 0, out.data_ptr(),
-               ws.data_ptr(), counters.data_ptr(), i32(m), i32(n), i32(k), smem=cfg.smem_bytes(128, False))
+               ws.data_ptr(), counters.data_ptr(), i32(m), i32(n), i32(k), 0, i32(0),  # no residual, not gated
+               smem=cfg.smem_bytes(128, False))
     return run, lambda: ws[slot_floats:].view(torch.int64).view(ctas, 16), out
 
 
