@@ -113,7 +113,8 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
     // Timeline builds (w4a16/timeline.cuh): per-CTA stamps after the workspace slots (16 a CTA): 0
     // entry, 1 barriers ready, 2 first stage landed, 3 the consumers' final hand-off done, 4 the
     // finisher's exit, 5 the consumers' end; 7 SM id; 8 the final segment's main loop end, 9 the
-    // finisher's tile counter returned for the final record, 10 the consumers past fix_ready.
+    // finisher's tile counter returned for the final record, 10 the consumers past fix_ready, 11 the
+    // consumers' grid_dependency_wait returned, 12 the producer's.
     TF_TIMELINE_AT(reinterpret_cast<long long*>(workspace + (size_t)ctas * 2 * MT * L::BN) + blockIdx.x * 16);
     TF_STAMP_IF(threadIdx.x == 0, 0);
     TF_SMID_IF(threadIdx.x == 0, 7);
@@ -373,6 +374,7 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
                 }
             }
             grid_dependency_wait();
+            TF_STAMP_IF(true, 12);
             int s = 0;
             u32 phase = 0;
             int tile = u0 / KS, ks = u0 - tile * KS;
@@ -394,6 +396,7 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
 
     // ---- consumers
     grid_dependency_wait();  // before y, the workspace and the counters (they read x only once it lands)
+    TF_STAMP(11);
     const int si = warp / WK, kw = warp % WK;
     const int g = lane >> 2, t = lane & 3;
     const typename DQ::Zero zsym = DQ::zero(8.f);
