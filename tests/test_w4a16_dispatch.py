@@ -198,8 +198,9 @@ def test_batch_one_takes_the_skinny_kernel_where_its_units_fill_the_grid():
     # a GPU with half the SMs: k 2048 x n 4096 (256 units) fills its 132-CTA grid, not the H200's 264
     assert isinstance(ops.choose_config(1, 4096, 2048, 66, 90, 128), ops.SkinnyConfig)
     assert isinstance(ops.choose_config(1, 4096, 2048, 132, 90, 128), ops.GemmConfig)
-    # other GPUs have no skinny kernel
-    assert isinstance(ops.choose_config(1, 4096, 4096, 108, 80, 128), ops.GemmConfig)
+    # other GPUs have no skinny kernel: A100, the 99 KB-shared-memory RTX 4090, Blackwell B200 / RTX 5090
+    for sms, cc in ((108, 80), (128, 89), (148, 100), (170, 120)):
+        assert isinstance(ops.choose_config(1, 4096, 4096, sms, cc, 128), ops.GemmConfig), (sms, cc)
 
 
 def test_skinny_config_rejects_impossible_shapes():

@@ -198,6 +198,8 @@ def choose_skinny_config(m: int, n: int, k: int, sm_count: int, group: int | Non
     trips 0.94-0.99, 4 trips 0.95-1.01 on every configuration but the 128-column 16-row one
     (0.98-1.04, kept on registers), 1-3 trips 0.98-1.09)."""
     cfg = _choose_skinny_config(m, n, k, sm_count, group, dtype)
+    if cfg is not None and m <= 2 and n // cfg.bn * -(-k // SKINNY_BK) < cfg.ctas_per_sm * sm_count:
+        return None  # fewer (tile, stage) units than the grid has CTAs: the mma.sync kernel (see above)
     if (cfg is not None and not (cfg.mt == 16 and cfg.ns == 2)
             and skinny_fixup_trips(cfg, m, n, k, sm_count) >= SKINNY_STAGED_MIN_TRIPS):
         return replace(cfg, staged=True)
@@ -207,8 +209,6 @@ def choose_skinny_config(m: int, n: int, k: int, sm_count: int, group: int | Non
 def _choose_skinny_config(m: int, n: int, k: int, sm_count: int, group: int | None,
                           dtype: torch.dtype | None) -> SkinnyConfig | None:
     if m > SKINNY_MAX_M or n % 128:
-        return None
-    if m <= 2 and n // (256 if n % 256 == 0 else 128) * -(-k // SKINNY_BK) < 2 * sm_count:
         return None
     grouped = group != -1
     if m > 8:
