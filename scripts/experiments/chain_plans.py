@@ -7,7 +7,8 @@ default); all variants' graphs are then replayed in alternating rounds in this o
 
     python scripts/experiments/chain_plans.py [layers] [batch] [rounds]
 Env VARIANTS: a comma list of name=ENTRY|ENTRY|... (default below; "default" is the dispatcher's own choice),
-an ENTRY being KxN:plan (that weight's plan at this batch) or KxN:plan:DEFINE+DEFINE or ::DEFINE+DEFINE: kernels
+an ENTRY being @field=0|1 (a LaunchPolicy switch captured under, e.g. @flagged_fixup=0),
+KxN:plan (that weight's plan at this batch) or KxN:plan:DEFINE+DEFINE or ::DEFINE+DEFINE: kernels
 built with those defines (an experiment's -D switch in a kernel source, each added to the source its prefix
 names: DEFINE_SOURCES below). E.g. the o projection on the skinny kernel, and that plus a rope_attention build
 with an experiment switch:
@@ -30,7 +31,7 @@ import tilefish.ops.rope_attention as rope_attention_ops
 import tilefish.ops.w4a16.launch as w4a16_launch
 from tilefish.bench import e2e
 from tilefish.models.llama import LlamaConfig
-from tilefish.ops.w4a16 import tuned
+from tilefish.ops.w4a16 import LaunchPolicy, launch_policy, tuned
 from tilefish.runtime import device_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -65,16 +66,20 @@ def table_file(key: str, plans: list[tuple[int, int, str]], m: int, folder: str)
     return path
 
 
-def parse_variant(spec: str) -> tuple[list[tuple[int, int, str]], tuple[str, ...]]:
-    """ENTRY|ENTRY|... -> ([(k, n, plan), ...], defines)."""
-    plans, defines = [], []
+def parse_variant(spec: str) -> tuple[list[tuple[int, int, str]], tuple[str, ...], dict]:
+    """ENTRY|ENTRY|... -> ([(k, n, plan), ...], defines, LaunchPolicy switches)."""
+    plans, defines, switches = [], [], {}
     for entry in spec.split("|"):
+        if entry.startswith("@"):
+            field, _, value = entry[1:].partition("=")
+            switches[field] = value not in ("0", "false", "False")
+            continue
         shape, plan, extra = (entry.split(":") + ["", ""])[:3]
         if shape:
             k, n = map(int, shape.split("x"))
             plans.append((k, n, plan))
         defines += [d for d in extra.split("+") if d]
-    return plans, tuple(defines)
+    return plans, tuple(defines), switches
 
 
 def main():
@@ -98,7 +103,8 @@ def main():
         torch._dynamo.reset()
         torch.manual_seed(0)
         runner = e2e._HF(cfg, dev)
-        with torch.no_grad():
+        policy = LaunchPolicy(**({} if v is None else v[2]))
+        with torch.no_grad(), launch_policy(policy):
             profile_e2e.convert_variant(runner, "w4a16")
             replays[name] = (runner, profile_e2e.captured_step(runner, cfg, batch, dev))
         plans = sorted({(m.weight4.k, m.weight4.n) for m in runner.model.modules() if hasattr(m, "weight4")})

@@ -11,11 +11,16 @@ stamps after them (torch.empty inside the capture: no memset kernel joins the st
 Per launch, in step order: the weight and plan, CTAs, then the earliest entry and the median / latest CTA of each
 stamp, and how long after the launch ahead's last CTA ended its own last one did (its share of the chain).
 
-Usage (device): python scripts/experiments/timeline_decode_step.py [layers] [batch] [replays]   (8 1 20)
+Then, per weight (the median over its launches), the CTA that ended last, its stamps from the launch's producer
+wait: where a launch's tail goes (its final fixup: slots summed, then the epilogue; or a fixup the finisher ran).
+With an output path (argument 4) the raw stamps go there too (torch.save: records and their [ctas, 16] stamps).
+
+Usage (device): python scripts/experiments/timeline_decode_step.py [layers] [batch] [replays] [stamps.pt]   (8 1 20)
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -32,6 +37,10 @@ from tilefish.runtime import i32
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import profile_e2e  # noqa: E402
 
+# The last CTA's stamps, in the order it passes them (6: its consumers' fixup's slots summed; 13 / 14: a fixup
+# its finisher ran, begun / ended; 4: the finisher's exit).
+TAIL = [(12, "producer wait"), (2, "first stage"), (8, "loop end"), (9, "counter reply"), (13, "fin. fixup"),
+        (14, "fin. fixed"), (4, "fin. exit"), (10, "fix ready"), (6, "slots summed"), (5, "end")]
 # Stamp index -> what it marks (kernels/w4a16/skinny.cu's timeline comment), in the order a CTA passes them.
 STAMPS = [(0, "entry"), (12, "producer wait"), (11, "consumer wait"), (2, "first stage"), (8, "loop end"),
           (9, "counter reply"), (10, "fix ready"), (5, "end")]
@@ -55,12 +64,15 @@ RECORDS: list[Record] = []
 
 
 def instrument() -> None:
-    """Skinny kernels from now on are TF_TIMELINE builds, and their launches record their partials + stamps."""
+    """Skinny kernels from now on are TF_TIMELINE builds (with env TIMELINE_DEFINES's comma list of experiment
+    switches too), and their launches record their partials + stamps."""
     get = w4a16_launch.get_kernel
+
+    extra = tuple((d, "1") for d in os.environ.get("TIMELINE_DEFINES", "").split(",") if d)
 
     def get_kernel(spec, device=None):
         if spec.source == SKINNY_SOURCE:
-            spec = dataclasses.replace(spec, defines=spec.defines + (("TF_TIMELINE", "1"),))
+            spec = dataclasses.replace(spec, defines=spec.defines + (("TF_TIMELINE", "1"),) + extra)
         return get(spec, device)
 
     w4a16_launch.get_kernel = get_kernel
@@ -110,6 +122,32 @@ def summary(records: list[Record]) -> None:
         ahead_end = end if end is not None else ahead_end
 
 
+def tails(records: list[Record]) -> None:
+    """Per weight, the median over its launches of the last-ending CTA's stamps from the launch's median producer
+    wait (- where that CTA has none), and how many CTAs ran a fixup in their finisher."""
+    by_weight: dict[tuple[int, int], list[list[float]]] = {}
+    fin_fixups: dict[tuple[int, int], list[int]] = {}
+    for r in records:
+        t = r.stamps().cpu()
+        waits = sorted(int(x) for x in t[:, 12] if x >= 0)
+        ends = t[:, 5]
+        if not waits or int(ends.max()) < 0:
+            continue
+        origin = statistics.median(waits)
+        last = t[int(ends.argmax())]
+        row = [(int(last[i]) - origin) / 1e3 if last[i] >= 0 else float("nan") for i, _ in TAIL]
+        by_weight.setdefault((r.k, r.n), []).append(row)
+        fin_fixups.setdefault((r.k, r.n), []).append(int((t[:, 13] >= 0).sum()))
+    print("\nThe last CTA of each weight's launches (median over them), us from the launch's median producer wait")
+    print(f"{'weight':>12s} " + " ".join(f"{name:>13s}" for _, name in TAIL) + f" {'fin. fixups':>11s}")
+    for (k, n), rows in by_weight.items():
+        cells = []
+        for j in range(len(TAIL)):
+            v = [row[j] for row in rows if row[j] == row[j]]
+            cells.append(f"{statistics.median(v):13.2f}" if v else f"{'-':>13s}")
+        print(f"{f'{k}x{n}':>12s} " + " ".join(cells) + f" {statistics.median(fin_fixups[(k, n)]):11.0f}")
+
+
 def main():
     layers = int(sys.argv[1]) if len(sys.argv) > 1 else 8
     batch = int(sys.argv[2]) if len(sys.argv) > 2 else 1
@@ -134,6 +172,10 @@ def main():
     print(f"GPU {torch.cuda.get_device_name()}, {layers} layers, batch {batch}: {len(captured)} skinny launches a step "
           f"(us from the step's first skinny CTA entry; stamps of the replay after {replays})")
     summary(captured)
+    tails(captured)
+    if len(sys.argv) > 4:
+        torch.save([dict(label=r.label, k=r.k, n=r.n, ctas=r.ctas, stamps=r.stamps().cpu().clone()) for r in captured],
+                   sys.argv[4])
 
 
 if __name__ == "__main__":
