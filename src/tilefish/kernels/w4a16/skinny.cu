@@ -37,8 +37,8 @@
 // Epilogues (w4a16/epilogue.cuh): plain, + residual, or gated (silu(gate) * up of interleaved columns);
 // a split tile's fixup pairs a gate float4 with its up float4 (lane ^ 2) through a shuffle.
 //
-// Programmatic dependent launch: the producer issues its first ring's weights, scales and zero points
-// before grid_dependency_wait (nothing in the stream writes them), x after it; every other thread waits
+// Programmatic dependent launch: the producer issues its first two stages' weights, scales and zero points
+// before grid_dependency_wait (nothing in the stream writes them), x and the rest after it; every other thread waits
 // before it touches anything, and the next kernel may be scheduled once every CTA is set up.
 #include "common/hopper.cuh"
 #include "w4a16/dequant.cuh"
@@ -114,7 +114,8 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
     // entry, 1 barriers ready, 2 first stage landed, 3 the consumers' final hand-off done, 4 the
     // finisher's exit, 5 the consumers' end; 7 SM id; 8 the final segment's main loop end, 9 the
     // finisher's tile counter returned for the final record, 10 the consumers past fix_ready, 11 the
-    // consumers' grid_dependency_wait returned, 12 the producer's.
+    // consumers' grid_dependency_wait returned, 12 the producer's; 6 the consumers' final fixup's slots
+    // summed (before its epilogue), 13 / 14 a fixup by the finisher begun / ended.
     TF_TIMELINE_AT(reinterpret_cast<long long*>(workspace + (size_t)ctas * 2 * MT * L::BN) + blockIdx.x * 16);
     TF_STAMP_IF(threadIdx.x == 0, 0);
     TF_SMID_IF(threadIdx.x == 0, 7);
@@ -200,6 +201,7 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
                         sum.x += v[i].x; sum.y += v[i].y; sum.z += v[i].z; sum.w += v[i].w;
                     }
             }
+            TF_STAMP_IF(tid == 0 && nthr == CT && base == 0, 6);
             finish(tile, e, ok, sum);
         }
     };
@@ -305,7 +307,9 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
                         deferred = tile;
                     } else {
                         __syncwarp();  // orders the lanes' slot loads after lane 0's acquire
+                        TF_STAMP_IF(lane == 0, 13);
                         fixup(tile, lane, 32);
+                        TF_STAMP_IF(lane == 0, 14);
                         __syncwarp();
                         if (lane == 0) fixup_reset(counters + tile);
                     }
@@ -362,9 +366,14 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
                     }
                 }
             };
-            // The first ring's weights go out before grid_dependency_wait, each stage's byte count
-            // (x included) announced first; x, which the kernel ahead may still be writing, after it.
-            const int ring = min(u1 - u0, STAGES);
+            // The first kPreWait stages' weights go out before grid_dependency_wait, each stage's byte
+            // count (x included) announced first; x, which the kernel ahead may still be writing, and
+            // the rest of the ring after it. Every CTA's early bytes land while the kernel ahead
+            // finishes, whose last round trips (its fixup, a norm) queue behind them: two stages of
+            // three at m = 1 made a decode step 0.8-1.0 us a layer faster than the whole ring, one
+            // stage 0.4-0.7, none 1.5 slower (H200, docs/e2e.md); even at m = 16.
+            constexpr int kPreWait = 2;  // every configuration has 2 stages or more
+            const int ring = min(u1 - u0, kPreWait);
             {
                 int tile = u0 / KS, ks = u0 - tile * KS;
                 for (int i = 0; i < ring; ++i) {
@@ -381,7 +390,7 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
             for (int u = u0; u < u1; ++u) {
                 unsigned char* st = smem + s * L::STAGE;
                 if (u - u0 >= ring) {
-                    mbar_wait(&empty[s], phase ^ 1);
+                    if (u - u0 >= STAGES) mbar_wait(&empty[s], phase ^ 1);  // a stage's first use: free
                     mbar_arrive_expect_tx(&full[s], L::TX);
                     issue_weights(st, &full[s], tile, ks);
                 }
