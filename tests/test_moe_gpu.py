@@ -140,17 +140,17 @@ def test_torch_compile_fullgraph():
     assert rel_err(got.cpu(), moe.moe_experts(x, ids, w, gate_up, down).float() * 2) < TOLERANCE[torch.float16]
 
 
-def test_quantized_experts_keep_decode_launches_per_call_signature(monkeypatch):
-    """QuantizedExperts' eager decode path builds its launches once per call signature and gives the reference's
-    result for fresh inputs of it, for other signatures (more tokens, int32 ids, bf16 routing weights, a
-    non-contiguous x, a token count that takes the grouped path), after .half() (new tensors, new launches) and
-    replayed in a CUDA graph with new routing."""
+def test_quantized_experts_keep_launches_per_call_signature(monkeypatch):
+    """QuantizedExperts' eager calls build their launches once per call signature, on the decode path and the
+    grouped one, and give the reference's result for fresh inputs of it, for other signatures (more tokens, int32
+    ids, bf16 routing weights, a non-contiguous x, token counts that take the grouped path), after .half() (new
+    tensors, new launches) and replayed in a CUDA graph with new routing."""
     from tilefish.experts import QuantizedExperts
     from tilefish.ops import moe_kernels
 
     builds = []
-    decode_launch = moe_kernels.decode_launch
-    monkeypatch.setattr(moe_kernels, "decode_launch", lambda *a, **k: builds.append(1) or decode_launch(*a, **k))
+    experts_launch = moe_kernels.experts_launch
+    monkeypatch.setattr(moe_kernels, "experts_launch", lambda *a, **k: builds.append(1) or experts_launch(*a, **k))
     gate_up, down = _weights(32, 256, 128, torch.bfloat16, seed=3)
     layer = QuantizedExperts(gate_up.to("cuda"), down.to("cuda"), "silu")
 
@@ -170,30 +170,35 @@ def test_quantized_experts_keep_decode_launches_per_call_signature(monkeypatch):
     check(1, 2, 4, ids_dtype=torch.int32)
     check(1, 2, 5, routing=torch.bfloat16)
     check(1, 2, 6, wide=True)                # x[:, ::2]: the first signature's launch, x copied first
-    check(17, 2, 7)                          # 34 slots: the grouped path, no launch kept
+    check(17, 2, 7)                          # 34 slots: the grouped path
+    check(17, 2, 11)                         # ... its kept launch
     assert len(builds) == 5
+    check(17, 2, 12, routing=torch.bfloat16)  # bf16 routing weights: a signature of its own
+    assert len(builds) == 6
     layer.half()
     check(1, 2, 8, dtype=torch.float16)
-    assert len(builds) == 6
+    check(17, 2, 13, dtype=torch.float16, ids_dtype=torch.int32)
+    assert len(builds) == 8
 
-    x = torch.randn(1, 256, device="cuda", dtype=torch.float16)
-    ids, w = (t.cuda() for t in _routing(1, 32, 2, seed=9))
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        layer(x, ids, w)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=s):
-            out = layer(x, ids, w)
-    torch.cuda.current_stream().wait_stream(s)
-    new_ids, new_w = _routing(1, 32, 2, seed=10)
-    x.copy_(torch.randn_like(x))
-    ids.copy_(new_ids)
-    w.copy_(new_w)
-    graph.replay()
-    torch.cuda.synchronize()
-    want = moe.moe_experts(x.cpu(), new_ids, new_w, gate_up.to(torch.float16), down.to(torch.float16))
-    assert rel_err(out.cpu(), want) < TOLERANCE[torch.float16]
+    for tokens, seed in ((1, 9), (17, 14)):  # the decode path's launches and the grouped path's
+        x = torch.randn(tokens, 256, device="cuda", dtype=torch.float16)
+        ids, w = (t.cuda() for t in _routing(tokens, 32, 2, seed=seed))
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            layer(x, ids, w)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=s):
+                out = layer(x, ids, w)
+        torch.cuda.current_stream().wait_stream(s)
+        new_ids, new_w = _routing(tokens, 32, 2, seed=seed + 1)
+        x.copy_(torch.randn_like(x))
+        ids.copy_(new_ids)
+        w.copy_(new_w)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = moe.moe_experts(x.cpu(), new_ids, new_w, gate_up.to(torch.float16), down.to(torch.float16))
+        assert rel_err(out.cpu(), want) < TOLERANCE[torch.float16], tokens
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])

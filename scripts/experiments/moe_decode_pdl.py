@@ -42,9 +42,9 @@ def main() -> None:
                 launches = {}
                 for name, pdl in (("plain", False), ("pdl", True)):
                     md.PROGRAMMATIC_DOWN_LAUNCH = pdl
-                    launches[name] = mk.decode_launch(x, ids, w, gu, dn, act, gb, db, counters)
+                    launches[name] = mk.experts_launch(x, ids, w, gu, dn, act, gb, db, counters)
                 md.PROGRAMMATIC_DOWN_LAUNCH = True
-                if launches["plain"] is None:
+                if not isinstance(launches["plain"], md.DecodeLaunch):
                     print(f"{model.name:16s} {fmt:6s} t{t:<4d} takes the grouped path: left out")
                     continue
                 calls = {name: (lambda f=f: f(x, ids, w)) for name, f in launches.items()}

@@ -33,7 +33,7 @@ _DENSE_PARAMETERS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_pro
 # plain attributes of the dense module that describe its dense parameters, not the quantized ones
 _DENSE_ONLY_ATTRIBUTES = ("is_transposed", "is_concatenated", "training")
 _SILU_CLASSES = ("SiLU", "SiLUActivation")
-MAX_LAUNCHES = 64  # decode launches a module keeps (one per call signature); past this it starts afresh
+MAX_LAUNCHES = 64  # launches a module keeps (one per call signature); past this it starts afresh
 _UNSEEN = object()
 
 
@@ -152,8 +152,8 @@ class QuantizedExperts(nn.Module):
     - Casting (.half(), .bfloat16()) changes the activation dtype; .float() / .double() leave the 16-bit
       tensors as they are (the op takes 16-bit activations), as W4A16Linear does.
     - No gradients: the experts are frozen.
-    - Eager CUDA calls that take the decode path keep its launches per call signature (shapes, dtypes,
-      devices): the checks and the plan happen on the first call, later ones only allocate and launch.
+    - Eager CUDA calls keep their launches per call signature (shapes, dtypes, devices), on either path (decode
+      or grouped): the checks and the plan happen on the first call, later ones only allocate and launch.
     """
 
     def __init__(self, gate_up: ExpertWeights, down: ExpertWeights, activation: str = "silu",
@@ -269,24 +269,24 @@ class QuantizedExperts(nn.Module):
         dtype = self.gate_up_scales.dtype
         if not torch.compiler.is_compiling() and x.is_cuda and x.dtype == dtype and isinstance(ids, torch.Tensor) \
                 and isinstance(weights, torch.Tensor):
-            launch = self._decode_launch(x, ids, weights)
+            launch = self._kept_launch(x, ids, weights)
             if launch is not None:
                 return launch(x, ids, weights).reshape(hidden_states.shape)
         y = self._experts(x.to(dtype) if x.dtype != dtype else x, ids, weights)
         return y.to(hidden_states.dtype).reshape(hidden_states.shape)
 
-    def _decode_launch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
-        """The kept decode launches of this call signature (built and kept on its first call, after the op's
-        checks), or None where such calls take the grouped path."""
+    def _kept_launch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+        """The kept launches of this call signature, decode or grouped (built and kept on its first call, after
+        the op's checks), or None for a call with no slot."""
         key = (x.shape, ids.shape, ids.dtype, weights.dtype, x.device, ids.device, weights.device)
         launch = self._launches.get(key, _UNSEEN)
         if launch is _UNSEEN:
             from .ops.moe import validate
-            from .ops.moe_kernels import decode_launch
+            from .ops.moe_kernels import experts_launch
 
             gate_up, down = self.gate_up, self.down
             validate(x, ids, weights, gate_up, down, self.activation, self.gate_up_bias, self.down_bias)
-            launch = decode_launch(x, ids, weights, gate_up, down, self.activation, self.gate_up_bias,
+            launch = experts_launch(x, ids, weights, gate_up, down, self.activation, self.gate_up_bias,
                                    self.down_bias, layer_counters(x.device))
             if len(self._launches) >= MAX_LAUNCHES:
                 self._launches = {}

@@ -28,9 +28,12 @@ rows), <= 16 16-row tiles, else 32-row tiles; the column tile is the widest of 2
 (gpt-oss' 2880 = 45 x 64); the k split puts about two CTAs an SM on the expected active blocks
 (dispatch.choose_slices); the shared memory is fitted to the GPU (dispatch.fit_mma_smem).
 
-Scratch (ops/w4a16/workspace.py's rules): the index lists, h, a, out and fp32 partials come from torch's caching
-allocator per call and die with it; a k split's tile counters are the caller's `counters` (zero, and left zero
-by the fixup) when they have room, else fresh zeroed ones.
+Scratch (ops/w4a16/workspace.py's rules): the index lists, h, a, out and fp32 partials are one allocation from
+torch's caching allocator per call and die with it; a k split's tile counters are the caller's `counters` (zero,
+and left zero by the fixup) when they have room, else fresh zeroed ones.
+
+GroupedLaunch holds a call signature's launches (as moe_decode.DecodeLaunch does the decode path's): the op builds
+one a call, QuantizedExperts keeps one per signature (experts_launch), so its eager calls only allocate and launch.
 """
 from __future__ import annotations
 
@@ -49,9 +52,10 @@ from .w4a16.dispatch import NF4_GROUPS, choose_slices, fit_mma_smem
 from .w4a16.layout import BK, CODEBOOKS, DTYPES, MXFP4_GROUP, TABLE_CODEBOOKS, check_shape
 from .w4a16.workspace import StreamTurn, check_counters
 
-__all__ = ["ACTIVATION_CODES", "GROUPED_DEFINE", "MAX_EXPERTS", "Alignment", "GroupedGemm", "GroupedPlan",
+__all__ = ["ACTIVATION_CODES", "GROUPED_DEFINE", "MAX_EXPERTS", "Alignment", "GroupedGemm", "GroupedLaunch",
+           "GroupedPlan",
            "StackedFormat", "act_spec", "align_experts", "align_spec", "check_grouped_args", "combine_spec",
-           "decode_launch", "expected_active_experts", "grouped_config", "grouped_experts_cuda", "grouped_gemm_spec",
+           "experts_launch", "expected_active_experts", "grouped_config", "grouped_experts_cuda", "grouped_gemm_spec",
            "kernel_specs", "max_blocks", "plan_grouped", "stacked_format"]
 
 GROUPED_DEFINE = "TF_W4A16_GROUPED"
@@ -339,37 +343,157 @@ def align_experts(topk_ids: torch.Tensor, experts: int, block_m: int, blocks: in
     tokens, topk = topk_ids.shape
     slots = tokens * topk
     blocks = max_blocks(slots, experts, block_m) if blocks is None else blocks
-    buf = torch.empty(2 * slots + 3 * blocks + 2, dtype=torch.int32, device=topk_ids.device)
-    parts = buf.split([slots, slots, blocks, blocks, blocks, 2])
+    buf = torch.empty(_alignment_ints(slots, blocks), dtype=torch.int32, device=topk_ids.device)
     index = topk_ids.device.index if topk_ids.device.index is not None else torch.cuda.current_device()
-    kern = get_kernel(align_spec(topk_ids.dtype), index)
+    kern, config, sizes = _align_launch(topk_ids.dtype, index, slots, topk, experts, block_m, blocks)
+    al = _alignment(buf, slots, blocks)
+    launch_prepared(kern, config, topk_ids.data_ptr(), *sizes, *(p.data_ptr() for p in al))
+    return al
+
+
+def _alignment_ints(slots: int, blocks: int) -> int:
+    return 2 * slots + 3 * blocks + 2
+
+
+def _alignment(buf: torch.Tensor, slots: int, blocks: int) -> Alignment:
+    """The Alignment views of buf (int32, at least _alignment_ints(slots, blocks) long)."""
+    return Alignment(*buf[:_alignment_ints(slots, blocks)].split([slots, slots, blocks, blocks, blocks, 2]))
+
+
+def _align_launch(id_dtype: torch.dtype, index: int, slots: int, topk: int, experts: int, block_m: int,
+                  blocks: int):
+    """moe/align.cu's kernel, launch configuration and size arguments (then ids and the Alignment's pointers)."""
+    kern = get_kernel(align_spec(id_dtype), index)
     threads = 256 if max(slots, experts) <= 2048 else 1024
-    launch_prepared(kern, prepare_launch(kern, 1, threads, 4 * (3 * experts + 1)),
-                    topk_ids.data_ptr(), i32(slots), i32(topk), i32(experts), i32(block_m), i32(blocks),
-                    *(p.data_ptr() for p in parts))
-    return Alignment(*parts)
+    return (kern, prepare_launch(kern, 1, threads, 4 * (3 * experts + 1)),
+            (i32(slots), i32(topk), i32(experts), i32(block_m), i32(blocks)))
 
 
-def _launch_gemm(kern, g: GroupedGemm, blocks: int, al: Alignment, w: StackedFormat, a: torch.Tensor,
-                 bias: torch.Tensor | None, dst: torch.Tensor, counter_ptr: int, src_rows: int, dst_rows: int,
-                 row_scale: int) -> None:
-    """One grouped GEMM (gemm.cu's argument order, then the TF_W4A16_GROUPED ones): grid (block table entries,
-    column tiles, k slices); the fp32 partials of a k split are allocated here, per launch."""
-    partials = torch.empty(g.partial_floats, dtype=torch.float32, device=a.device) if g.partial_floats else None
+def _gemm_args(w: StackedFormat, bias: torch.Tensor | None) -> tuple:
+    """A grouped GEMM's weight arguments (before the output) and its per-expert strides (after the row lists)."""
     per_expert = w.groups * w.n  # elements of one expert's scales / zero points
-    launch_prepared(kern, prepare_launch(kern, (blocks, g.n_tiles, g.slices), THREADS, g.smem),
-                    a.data_ptr(), w.packed.data_ptr(), w.scales.data_ptr(),
-                    0 if w.zeros is None else w.zeros.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                    dst.data_ptr(), 0 if partials is None else partials.data_ptr(),
-                    counter_ptr if g.tile_counters else 0, i32(a.shape[0]), i32(w.n), i32(w.k), i32(g.slices),
-                    0, i32(0),  # no fused epilogue (residual, gated): a grouped build ignores them
-                    al.block_expert.data_ptr(), al.block_start.data_ptr(), al.block_rows.data_ptr(), src_rows,
-                    dst_rows, row_scale, i64(w.n // 64 * 8 * w.k), i64(per_expert), i64(per_expert), i64(w.n))
+    return ((w.packed.data_ptr(), w.scales.data_ptr(), 0 if w.zeros is None else w.zeros.data_ptr(),
+             0 if bias is None else bias.data_ptr()),
+            (i64(w.n // 64 * 8 * w.k), i64(per_expert), i64(per_expert), i64(w.n)))
 
 
 def _threads(vectors: int) -> int:
     """Threads of an act / combine block over `vectors` 8-column vectors: whole warps, at most 128."""
     return min(EPILOGUE_THREADS, 32 * -(-vectors // 32))
+
+
+def _aligned_up(n: int, to: int = 256) -> int:
+    return -(-n // to) * to
+
+
+class GroupedLaunch:
+    """The grouped path's five launches (module docstring) for one call signature (tokens, K, dtypes, the
+    weights, the device), decided once: the plan, the kernels and launch configurations, every argument but the
+    inputs, the output and the scratch, and the scratch's layout. grouped_experts_cuda builds one a call;
+    QuantizedExperts keeps one per signature, so an eager call allocates its output and one scratch block, casts
+    the routing weights to fp32 where they are not, and launches.
+
+    Scratch, one allocation a call, 256-byte aligned parts: the alignment's int32 lists, h [S, 2I] whose memory
+    out [S, H] reuses once the activation has read it, a [S, I], and the fp32 partials of a k split (the two GEMMs
+    run one after the other on the stream, so they share them). Tile counters: the owner's `counters` when they
+    have room (taken in turn by streams, workspace.py), else fresh zeros a call."""
+
+    __slots__ = ("plan", "tokens", "topk", "experts", "hidden", "inter", "dtype", "id_dtype", "device", "x_shape",
+                 "ids_shape", "align", "gemms", "act", "combine", "offsets", "scratch_bytes", "counters", "keep")
+
+    def __init__(self, tokens: int, topk: int, dtype: torch.dtype, id_dtype: torch.dtype, gate_up: StackedFormat,
+                 down: StackedFormat, activation: str, gate_up_bias: torch.Tensor | None,
+                 down_bias: torch.Tensor | None, index: int, counters: torch.Tensor | None):
+        """Arguments as grouped_experts_cuda has checked them (the biases contiguous on device `index`)."""
+        info = device_info(index)
+        experts, hidden, inter = gate_up.num_experts, gate_up.k, down.k
+        slots = tokens * topk
+        self.plan = plan = plan_grouped(tokens, topk, experts, hidden, inter,
+                                        (gate_up.group_size, gate_up.zeros is not None),
+                                        (down.group_size, down.zeros is not None), info.sm_count,
+                                        info.smem_per_block_optin)
+        self.tokens, self.topk, self.experts, self.hidden, self.inter = tokens, topk, experts, hidden, inter
+        self.dtype, self.id_dtype, self.device = dtype, id_dtype, torch.device("cuda", index)
+        self.x_shape, self.ids_shape = (tokens, hidden), (tokens, topk)
+        self.align = _align_launch(id_dtype, index, slots, topk, experts, plan.block_m, plan.max_blocks)
+        self.gemms = []
+        for g, w, bias in ((plan.gate_up, gate_up, gate_up_bias), (plan.down, down, down_bias)):
+            kern = get_kernel(grouped_gemm_spec(dtype, g.config, w.group_size, w.zeros is not None, w.codebook), index)
+            head, strides = _gemm_args(w, bias)
+            self.gemms.append((kern, prepare_launch(kern, (plan.max_blocks, g.n_tiles, g.slices), THREADS, g.smem),
+                               head, (i32(w.n), i32(w.k), i32(g.slices)), strides, g.tile_counters > 0))
+        kern, threads = get_kernel(act_spec(dtype, activation), index), _threads(inter // 8)
+        self.act = (kern, prepare_launch(kern, (slots, -(-inter // (8 * threads)), 1), threads))
+        kern, threads = get_kernel(combine_spec(dtype, id_dtype), index), _threads(hidden // 8)
+        self.combine = (kern, prepare_launch(kern, (tokens, -(-hidden // (8 * threads)), 1), threads))
+        # scratch: alignment ints | h, then out | a | fp32 partials
+        h_bytes = slots * max(2 * inter, hidden) * dtype.itemsize
+        parts = [4 * _alignment_ints(slots, plan.max_blocks), h_bytes, slots * inter * dtype.itemsize,
+                 4 * max(plan.gate_up.partial_floats, plan.down.partial_floats)]
+        self.offsets = [0]
+        for size in parts[:-1]:
+            self.offsets.append(self.offsets[-1] + _aligned_up(size))
+        self.scratch_bytes = self.offsets[-1] + parts[-1]
+        need = max(plan.gate_up.tile_counters, plan.down.tile_counters)
+        self.counters = counters if need and counters is not None and need <= counters.numel() else None
+        self.keep = (gate_up, down, gate_up_bias, down_bias)  # what the pointers point into
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """y [T, H] on the current stream, for x [T, H], ids [T, K] and float routing weights [T, K] of the
+        shapes, dtypes and device the launch was built for (other ones are a ValueError). Non-contiguous or
+        misaligned inputs are copied first."""
+        if x.shape != self.x_shape or x.dtype != self.dtype or ids.shape != self.ids_shape or \
+                ids.dtype != self.id_dtype or weights.shape != self.ids_shape or not weights.is_floating_point() or \
+                x.device != self.device or ids.device != self.device or weights.device != self.device:
+            raise ValueError(f"this grouped launch takes x {self.dtype} {self.x_shape}, ids {self.id_dtype} and "
+                             f"float weights {self.ids_shape} on {self.device}; got x {x.dtype} {tuple(x.shape)} on "
+                             f"{x.device}, ids {ids.dtype} {tuple(ids.shape)} on {ids.device}, weights "
+                             f"{weights.dtype} {tuple(weights.shape)} on {weights.device}")
+        if x.data_ptr() % 16 or not x.is_contiguous():  # the GEMM reads x rows in 16-byte pieces
+            x = x.contiguous()
+            if x.data_ptr() % 16:
+                x = x.clone()
+        ids = ids.contiguous()
+        row_scale = weights.reshape(-1).to(torch.float32).contiguous()  # indexed by slot t*K + j
+        y = torch.empty(self.tokens, self.hidden, dtype=self.dtype, device=self.device)
+        scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=self.device)
+        base = scratch.data_ptr()
+        pointers = (x.data_ptr(), ids.data_ptr(), row_scale.data_ptr(), y.data_ptr(),
+                    *(base + offset for offset in self.offsets))
+        need = max(self.plan.gate_up.tile_counters, self.plan.down.tile_counters)
+        if not need:
+            self._enqueue(*pointers, 0)
+        elif self.counters is None:
+            fresh = torch.zeros(need, dtype=torch.int32, device=self.device)  # held until enqueued
+            self._enqueue(*pointers, fresh.data_ptr())
+        else:
+            with StreamTurn(self.counters, self.device.index) as counters:
+                self._enqueue(*pointers, counters)
+        return y
+
+    def _enqueue(self, x: int, ids: int, row_scale: int, y: int, align: int, h: int, act: int, partials: int,
+                 counters: int) -> None:
+        slots, blocks = self.tokens * self.topk, self.plan.max_blocks
+        # the Alignment's parts in order: sorted_slot, sorted_token [S]; block_expert, block_start, block_rows
+        # [blocks]; meta [2]
+        sorted_slot, sorted_token = align, align + 4 * slots
+        block_lists = tuple(align + 8 * slots + 4 * blocks * i for i in range(3))
+        meta = align + 8 * slots + 12 * blocks
+        kern, config, sizes = self.align
+        launch_prepared(kern, config, ids, *sizes, sorted_slot, sorted_token, *block_lists, meta)
+
+        def gemm(which: int, a: int, rows: int, src_rows: int, dst_rows: int, scale: int) -> None:
+            kern, config, head, sizes, strides, split = self.gemms[which]
+            launch_prepared(kern, config, a, *head, h, partials if split else 0, counters if split else 0, i32(rows),
+                            *sizes, 0, i32(0),  # no fused epilogue (residual, gated): a grouped build ignores them
+                            *block_lists, src_rows, dst_rows, scale, *strides)
+
+        gemm(0, x, self.tokens, sorted_token, 0, 0)  # h [S, 2I], rows in sorted order
+        kern, config = self.act
+        launch_prepared(kern, config, h, act, i32(self.inter), meta)
+        gemm(1, act, slots, 0, sorted_slot, row_scale)  # out [S, H] (h's memory), each row at its slot
+        kern, config = self.combine
+        launch_prepared(kern, config, h, ids, y, i32(self.topk), i32(self.hidden), i32(self.experts))
 
 
 def grouped_experts_cuda(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up, down,
@@ -392,81 +516,41 @@ def grouped_experts_cuda(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
     check_grouped_args(x, topk_ids, topk_weights, gate_up, down, activation, gate_up_bias, down_bias, counters)
     if path not in (None, "decode", "grouped"):
         raise ValueError(f"path must be None, 'decode' or 'grouped'; got {path!r}")
-    tokens, hidden = x.shape
-    topk, experts, inter = topk_ids.shape[1], gate_up.num_experts, down.k
-    slots = tokens * topk
-    if slots == 0:
+    tokens, topk = topk_ids.shape
+    if tokens * topk == 0:
         return torch.zeros_like(x)
-    dev, dtype = x.device, x.dtype
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    info = device_info(index)
-    if path == "decode" or (path is None and takes_decode_path(tokens, topk, experts)):
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if path == "decode" or (path is None and takes_decode_path(tokens, topk, gate_up.num_experts)):
         return _decode_launch(x, topk_ids, topk_weights, gate_up, down, activation, gate_up_bias, down_bias,
-                              counters, index, info.sm_count)(x, topk_ids, topk_weights)
-    plan = plan_grouped(tokens, topk, experts, hidden, inter, (gate_up.group_size, gate_up.zeros is not None),
-                        (down.group_size, down.zeros is not None), info.sm_count, info.smem_per_block_optin)
-    x = x.contiguous()
-    if x.data_ptr() % 16:  # the GEMM reads x rows in 16-byte pieces
-        x = x.clone()
-    ids = topk_ids.contiguous()
-    row_scale = topk_weights.reshape(-1).to(torch.float32).contiguous()  # indexed by slot t*K + j
+                              counters, index, device_info(index).sm_count)(x, topk_ids, topk_weights)
+    return _grouped_launch(x, topk_ids, gate_up, down, activation, gate_up_bias, down_bias, counters,
+                           index)(x, topk_ids, topk_weights)
+
+
+def _grouped_launch(x, topk_ids, gate_up: StackedFormat, down: StackedFormat, activation: str, gate_up_bias,
+                    down_bias, counters, index: int) -> GroupedLaunch:
     biases = [None if b is None else b.contiguous() for b in (gate_up_bias, down_bias)]
-
-    kernels = (get_kernel(grouped_gemm_spec(dtype, plan.gate_up.config, gate_up.group_size,
-                                            gate_up.zeros is not None, gate_up.codebook), index),
-               get_kernel(act_spec(dtype, activation), index),
-               get_kernel(grouped_gemm_spec(dtype, plan.down.config, down.group_size, down.zeros is not None,
-                                            down.codebook), index),
-               get_kernel(combine_spec(dtype, ids.dtype), index))
-    al = align_experts(ids, experts, plan.block_m, plan.max_blocks)
-    # h [S, 2I] is dead once the activation has read it: out [S, H] reuses its memory.
-    h_out = torch.empty(slots * max(2 * inter, hidden), dtype=dtype, device=dev)
-    h, out = h_out[:slots * 2 * inter].view(slots, 2 * inter), h_out[:slots * hidden].view(slots, hidden)
-    act = torch.empty(slots, inter, dtype=dtype, device=dev)
-    y = torch.empty(tokens, hidden, dtype=dtype, device=dev)
-
-    def enqueue(counter_ptr: int) -> None:
-        _launch_gemm(kernels[0], plan.gate_up, plan.max_blocks, al, gate_up, x, biases[0], h, counter_ptr,
-                     src_rows=al.sorted_token.data_ptr(), dst_rows=0, row_scale=0)
-        threads = _threads(inter // 8)
-        launch_prepared(kernels[1], prepare_launch(kernels[1], (slots, -(-inter // (8 * threads)), 1), threads),
-                        h.data_ptr(), act.data_ptr(), i32(inter), al.meta.data_ptr())
-        _launch_gemm(kernels[2], plan.down, plan.max_blocks, al, down, act, biases[1], out, counter_ptr,
-                     src_rows=0, dst_rows=al.sorted_slot.data_ptr(), row_scale=row_scale.data_ptr())
-
-    needs_counters = max(plan.gate_up.tile_counters, plan.down.tile_counters)
-    if needs_counters and counters is not None and needs_counters <= counters.numel():
-        with StreamTurn(counters, index) as counter_ptr:
-            enqueue(counter_ptr)
-    elif needs_counters:
-        # held by a name until the launches are enqueued: a temporary would go back to the allocator at once
-        # and its memory could become the partials the same launches write
-        fresh = torch.zeros(needs_counters, dtype=torch.int32, device=dev)
-        enqueue(fresh.data_ptr())
-    else:
-        enqueue(0)
-
-    threads = _threads(hidden // 8)
-    launch_prepared(kernels[3], prepare_launch(kernels[3], (tokens, -(-hidden // (8 * threads)), 1), threads),
-                    out.data_ptr(), ids.data_ptr(), y.data_ptr(), i32(topk), i32(hidden), i32(experts))
-    return y
+    return GroupedLaunch(x.shape[0], topk_ids.shape[1], x.dtype, topk_ids.dtype, gate_up, down, activation, *biases,
+                         index, counters)
 
 
-def decode_launch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up, down,
-                  activation: str = "silu", gate_up_bias: torch.Tensor | None = None,
-                  down_bias: torch.Tensor | None = None,
-                  counters: torch.Tensor | None = None) -> DecodeLaunch | None:
-    """The decode path's launches for calls like this one (arguments as grouped_experts_cuda's, checked the
-    same way), to keep and call with new inputs of the same shapes, dtypes and device; None where the automatic
-    rule (takes_decode_path) sends such calls down the grouped path."""
+def experts_launch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up, down,
+                   activation: str = "silu", gate_up_bias: torch.Tensor | None = None,
+                   down_bias: torch.Tensor | None = None,
+                   counters: torch.Tensor | None = None) -> DecodeLaunch | GroupedLaunch | None:
+    """The launches of calls like this one on the path grouped_experts_cuda takes (arguments as its, checked the
+    same way), to keep and call with new inputs of the same shapes, dtypes and device; None for calls with no
+    slot (T x K = 0: nothing to launch)."""
     gate_up, down = stacked_format(gate_up, "gate_up"), stacked_format(down, "down")
     check_grouped_args(x, topk_ids, topk_weights, gate_up, down, activation, gate_up_bias, down_bias, counters)
     tokens, topk = topk_ids.shape
-    if tokens * topk == 0 or not takes_decode_path(tokens, topk, gate_up.num_experts):
+    if tokens * topk == 0:
         return None
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return _decode_launch(x, topk_ids, topk_weights, gate_up, down, activation, gate_up_bias, down_bias, counters,
-                          index, device_info(index).sm_count)
+    if takes_decode_path(tokens, topk, gate_up.num_experts):
+        return _decode_launch(x, topk_ids, topk_weights, gate_up, down, activation, gate_up_bias, down_bias,
+                              counters, index, device_info(index).sm_count)
+    return _grouped_launch(x, topk_ids, gate_up, down, activation, gate_up_bias, down_bias, counters, index)
 
 
 def _decode_launch(x, topk_ids, topk_weights, gate_up: StackedFormat, down: StackedFormat, activation: str,
