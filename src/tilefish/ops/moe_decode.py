@@ -197,18 +197,7 @@ class DecodeLaunch:
         dtypes and device the launch was built for (the weights in any float dtype: another than the launch's
         is converted; other shapes, dtypes or devices are a ValueError). Non-contiguous or misaligned inputs are
         copied first."""
-        if x.shape != self.x_shape or x.dtype != self.dtype or ids.shape != self.ids_shape or \
-                ids.dtype != self.id_dtype or weights.shape != self.ids_shape or not weights.is_floating_point() or \
-                x.device != self.device or ids.device != self.device or weights.device != self.device:
-            raise ValueError(f"this decode launch takes x {self.dtype} {self.x_shape}, ids {self.id_dtype} and "
-                             f"float weights {self.ids_shape} on {self.device}; got x {x.dtype} {tuple(x.shape)} on "
-                             f"{x.device}, ids {ids.dtype} {tuple(ids.shape)} on {ids.device}, weights "
-                             f"{weights.dtype} {tuple(weights.shape)} on {weights.device}")
-        if x.data_ptr() % 16 or not x.is_contiguous():  # the kernel reads x rows in 16-byte pieces
-            x = x.contiguous()
-            if x.data_ptr() % 16:
-                x = x.clone()
-        ids = ids.contiguous()
+        x, ids = launch_inputs(self, "decode", x, ids, weights)
         if weights.dtype != self.weights_dtype:
             weights = weights.to(self.weights_dtype)
         weights = weights.contiguous()
@@ -231,6 +220,25 @@ class DecodeLaunch:
         (k1, k2), (c1, c2) = self.kernels, self.configs
         launch_prepared(k1, c1, x, ids, *self.gate_up_weight, act, ws, counters, *self.gate_up_sizes)
         launch_prepared(k2, c2, act, ids, weights, *self.down_weight, y, ws, counters, *self.down_sizes)
+
+
+def launch_inputs(launch, path: str, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+    """x and ids as a kept launch of `path` ("decode" / "grouped") reads them: checked against its signature
+    (x_shape, dtype, ids_shape, id_dtype, device; float routing weights of ids' shape), a ValueError otherwise; x
+    copied where it is not contiguous or 16-byte aligned (the kernels read its rows in 16-byte pieces), ids
+    where not contiguous."""
+    if x.shape != launch.x_shape or x.dtype != launch.dtype or ids.shape != launch.ids_shape or \
+            ids.dtype != launch.id_dtype or weights.shape != launch.ids_shape or not weights.is_floating_point() or \
+            x.device != launch.device or ids.device != launch.device or weights.device != launch.device:
+        raise ValueError(f"this {path} launch takes x {launch.dtype} {launch.x_shape}, ids {launch.id_dtype} and "
+                         f"float weights {launch.ids_shape} on {launch.device}; got x {x.dtype} {tuple(x.shape)} on "
+                         f"{x.device}, ids {ids.dtype} {tuple(ids.shape)} on {ids.device}, weights "
+                         f"{weights.dtype} {tuple(weights.shape)} on {weights.device}")
+    if x.data_ptr() % 16 or not x.is_contiguous():
+        x = x.contiguous()
+        if x.data_ptr() % 16:
+            x = x.clone()
+    return x, ids.contiguous()
 
 
 def _pointers(w, bias: torch.Tensor | None) -> tuple[int, int, int, int]:

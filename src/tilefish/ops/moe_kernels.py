@@ -46,7 +46,7 @@ import torch
 
 from ..runtime import KernelSpec, device_info, get_kernel, i32, i64, launch_prepared, prepare_launch
 from ..runtime.device import SMEM_PER_BLOCK_BY_CC
-from .moe_decode import DecodeLaunch, decode_specs, routing_dtype, takes_decode_path
+from .moe_decode import DecodeLaunch, decode_specs, launch_inputs, routing_dtype, takes_decode_path
 from .w4a16.configs import THREADS, GemmConfig, kernel_spec
 from .w4a16.dispatch import NF4_GROUPS, choose_slices, fit_mma_smem
 from .w4a16.layout import BK, CODEBOOKS, DTYPES, MXFP4_GROUP, TABLE_CODEBOOKS, check_shape
@@ -442,18 +442,7 @@ class GroupedLaunch:
         """y [T, H] on the current stream, for x [T, H], ids [T, K] and float routing weights [T, K] of the
         shapes, dtypes and device the launch was built for (other ones are a ValueError). Non-contiguous or
         misaligned inputs are copied first."""
-        if x.shape != self.x_shape or x.dtype != self.dtype or ids.shape != self.ids_shape or \
-                ids.dtype != self.id_dtype or weights.shape != self.ids_shape or not weights.is_floating_point() or \
-                x.device != self.device or ids.device != self.device or weights.device != self.device:
-            raise ValueError(f"this grouped launch takes x {self.dtype} {self.x_shape}, ids {self.id_dtype} and "
-                             f"float weights {self.ids_shape} on {self.device}; got x {x.dtype} {tuple(x.shape)} on "
-                             f"{x.device}, ids {ids.dtype} {tuple(ids.shape)} on {ids.device}, weights "
-                             f"{weights.dtype} {tuple(weights.shape)} on {weights.device}")
-        if x.data_ptr() % 16 or not x.is_contiguous():  # the GEMM reads x rows in 16-byte pieces
-            x = x.contiguous()
-            if x.data_ptr() % 16:
-                x = x.clone()
-        ids = ids.contiguous()
+        x, ids = launch_inputs(self, "grouped", x, ids, weights)
         row_scale = weights.reshape(-1).to(torch.float32).contiguous()  # indexed by slot t*K + j
         y = torch.empty(self.tokens, self.hidden, dtype=self.dtype, device=self.device)
         scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=self.device)
