@@ -399,7 +399,8 @@ class GroupedLaunch:
     have room (taken in turn by streams, workspace.py), else fresh zeros a call."""
 
     __slots__ = ("plan", "tokens", "topk", "experts", "hidden", "inter", "dtype", "id_dtype", "device", "x_shape",
-                 "ids_shape", "align", "gemms", "act", "combine", "offsets", "scratch_bytes", "counters", "keep")
+                 "ids_shape", "align", "gemms", "act", "combine", "offsets", "scratch_bytes", "counter_ints", "counters",
+                 "keep")
 
     def __init__(self, tokens: int, topk: int, dtype: torch.dtype, id_dtype: torch.dtype, gate_up: StackedFormat,
                  down: StackedFormat, activation: str, gate_up_bias: torch.Tensor | None,
@@ -434,7 +435,7 @@ class GroupedLaunch:
         for size in parts[:-1]:
             self.offsets.append(self.offsets[-1] + _aligned_up(size))
         self.scratch_bytes = self.offsets[-1] + parts[-1]
-        need = max(plan.gate_up.tile_counters, plan.down.tile_counters)
+        self.counter_ints = need = max(plan.gate_up.tile_counters, plan.down.tile_counters)  # 0: no k split
         self.counters = counters if need and counters is not None and need <= counters.numel() else None
         self.keep = (gate_up, down, gate_up_bias, down_bias)  # what the pointers point into
 
@@ -449,11 +450,10 @@ class GroupedLaunch:
         base = scratch.data_ptr()
         pointers = (x.data_ptr(), ids.data_ptr(), row_scale.data_ptr(), y.data_ptr(),
                     *(base + offset for offset in self.offsets))
-        need = max(self.plan.gate_up.tile_counters, self.plan.down.tile_counters)
-        if not need:
+        if not self.counter_ints:
             self._enqueue(*pointers, 0)
         elif self.counters is None:
-            fresh = torch.zeros(need, dtype=torch.int32, device=self.device)  # held until enqueued
+            fresh = torch.zeros(self.counter_ints, dtype=torch.int32, device=self.device)  # held until enqueued
             self._enqueue(*pointers, fresh.data_ptr())
         else:
             with StreamTurn(self.counters, self.device.index) as counters:
