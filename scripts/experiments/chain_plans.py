@@ -9,7 +9,7 @@ default); all variants' graphs are then replayed in alternating rounds in this o
 Env VARIANTS: a comma list of name=ENTRY|ENTRY|... (default below; "default" is the dispatcher's own choice),
 an ENTRY being @field=0|1 (a LaunchPolicy switch captured under, e.g. @flagged_fixup=0),
 KxN:plan (that weight's plan at this batch) or KxN:plan:DEFINE+DEFINE or ::DEFINE+DEFINE: kernels
-built with those defines (an experiment's -D switch in a kernel source, each added to the source its prefix
+built with those defines (DEFINE or NAME=VALUE) (an experiment's -D switch in a kernel source, each added to the source its prefix
 names: DEFINE_SOURCES below). E.g. the o projection on the skinny kernel, and that plus a rope_attention build
 with an experiment switch:
     VARIANTS='o-skinny=4096x4096:skinny-m8n256w1s3x2,o-skinny-x=4096x4096:skinny-m8n256w1s3x2:TF_RA_SWITCH' ...
@@ -52,7 +52,7 @@ def use_defines(defines: tuple[str, ...]) -> None:
     w4a16_launch._kernels.clear()
     for mod, get in _get_kernel.items():
         def patched(spec, device=None, _get=get):
-            extra = tuple((d, "1") for d in defines
+            extra = tuple(tuple(d.split("=", 1)) if "=" in d else (d, "1") for d in defines
                           if any(d.startswith(p) and spec.source == src for p, src in DEFINE_SOURCES.items()))
             return _get(dataclasses.replace(spec, defines=spec.defines + extra) if extra else spec, device)
         mod.get_kernel = patched
