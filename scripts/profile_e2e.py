@@ -102,12 +102,25 @@ def rope_attention_plan_for(impl: str):
             setattr(rope_attention_ops, name, fn)
 
 
+def _without_norms(base: type) -> type:
+    """The fused decoder layer minus its norms (and the add ahead of the second): x -> q/k/v, attention, o ->
+    gate_up -> down + x. An upper bound on what folding the norms into the GEMMs could save; not a model."""
+    class WithoutNorms(base):
+        def forward(self, hidden_states, attention_mask=None, *args, **kwargs):
+            attn, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask, **kwargs)
+            return self.mlp.forward_residual(attn, hidden_states)
+    return WithoutNorms
+
+
 def convert_variant(runner, impl: str) -> None:
     """runner's model as `impl` (bench e2e's variants, with the -nopdl / -norope / -ropecache suffixes), each layer
     compiled."""
     base = impl.removesuffix("-nopdl").removesuffix("-norope").removesuffix("-ropecache").removesuffix("-onesplit")
-    base = base.removesuffix("-l2combine").removesuffix("-allslots")
+    base = base.removesuffix("-l2combine").removesuffix("-allslots").removesuffix("-nonorms")
     e2e._convert(runner, base, os.environ.get("LM_HEAD", "auto"))
+    if impl.endswith("-nonorms"):  # timing only, wrong math: the fused layer without its two norm kernels
+        for layer in runner.model.model.layers:
+            layer.__class__ = _without_norms(type(layer))
     if impl.endswith("-norope"):  # transformers' attention forward: no rope_cache kernel
         for layer in runner.model.model.layers:
             layer.self_attn.__class__ = layer.self_attn._tilefish_base
