@@ -10,7 +10,7 @@ Env VARIANTS: a comma list of name=ENTRY|ENTRY|... (default below; "default" is 
 an ENTRY being @field=0|1 (a LaunchPolicy switch captured under, e.g. @flagged_fixup=0),
 KxN:plan (that weight's plan at this batch) or KxN:plan:DEFINE+DEFINE or ::DEFINE+DEFINE: kernels
 built with those defines (DEFINE or NAME=VALUE) (an experiment's -D switch in a kernel source, each added to the source its prefix
-names: DEFINE_SOURCES below). E.g. the o projection on the skinny kernel, and that plus a rope_attention build
+names: kernel_defines.DEFINE_SOURCES). E.g. the o projection on the skinny kernel, and that plus a rope_attention build
 with an experiment switch:
     VARIANTS='o-skinny=4096x4096:skinny-m8n256w1s3x2,o-skinny-x=4096x4096:skinny-m8n256w1s3x2:TF_RA_SWITCH' ...
 """
@@ -23,12 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import dataclasses
-
 import torch
 
-import tilefish.ops.rope_attention as rope_attention_ops
-import tilefish.ops.w4a16.launch as w4a16_launch
 from tilefish.bench import e2e
 from tilefish.models.llama import LlamaConfig
 from tilefish.ops.w4a16 import LaunchPolicy, launch_policy, tuned
@@ -36,26 +32,11 @@ from tilefish.runtime import device_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import profile_e2e  # noqa: E402
+from kernel_defines import use_defines  # noqa: E402
 
 DEFAULT = ("o-skinny=4096x4096:skinny-m8n256w1s3x2,o-skinny8x1=4096x4096:skinny-m8n256w2s8x1,"
            "qkv-skinny8x1=4096x6144:skinny-m8n256w2s8x1,gate_up-skinny8x1=4096x28672:skinny-m8n256w2s8x1,"
            "down-skinny8x1=14336x4096:skinny-m8n256w2s8x1,down-skinny-n128=14336x4096:skinny-m8n128w2s6x2")
-
-
-# An experiment define's prefix -> the kernel source it belongs to.
-DEFINE_SOURCES = {"TF_RA_": "attention/rope_attention.cu", "TF_SK_": "w4a16/skinny.cu"}
-_get_kernel = {mod: mod.get_kernel for mod in (rope_attention_ops, w4a16_launch)}
-
-
-def use_defines(defines: tuple[str, ...]) -> None:
-    """Kernels loaded from now on get `defines` (each on the source its prefix names); () undoes it."""
-    w4a16_launch._kernels.clear()
-    for mod, get in _get_kernel.items():
-        def patched(spec, device=None, _get=get):
-            extra = tuple(tuple(d.split("=", 1)) if "=" in d else (d, "1") for d in defines
-                          if any(d.startswith(p) and spec.source == src for p, src in DEFINE_SOURCES.items()))
-            return _get(dataclasses.replace(spec, defines=spec.defines + extra) if extra else spec, device)
-        mod.get_kernel = patched
 
 
 def table_file(key: str, plans: list[tuple[int, int, str]], m: int, folder: str) -> str:

@@ -5,7 +5,8 @@ a decode layer runs: the q/k/v GEMM (W4A16, programmatic launch) -> rope_attenti
 relative to the first CTA's entry; the rows give the median and the latest CTA.
 
     python scripts/experiments/timeline_rope_attention.py [batch] [slots]   (CLUSTER=0: the combine through L2
-    with the plan of no split limit, as before the cluster combine)
+    with the plan of no split limit, as before the cluster combine; TIMELINE_DEFINES: a comma list of experiment
+    switches the kernel is built with too)
 """
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def main():
     in_cluster = cluster and ra.combine_in_cluster(tilefish.GpuSpec.current(dev), batch, kv_heads, splits)
     ctas = splits * kv_heads * batch
     spec = ra.kernel_spec(dt, d)
-    kern = get_kernel(dataclasses.replace(spec, defines=spec.defines + (("TF_TIMELINE", "1"),)), 0)
+    extra = tuple((d, "1") for d in os.environ.get("TIMELINE_DEFINES", "").split(",") if d)
+    kern = get_kernel(dataclasses.replace(spec, defines=spec.defines + (("TF_TIMELINE", "1"),) + extra), 0)
     cfg = prepare_launch(kern, (splits, kv_heads, batch), ra.THREADS, smem=ra.smem_bytes(d),
                          cluster=splits if in_cluster else 1, pdl=True)
     buf = torch.zeros(ctas * 32 + batch * kv_heads * splits * (heads // kv_heads) * (d + 2) + 1, dtype=torch.float32,

@@ -43,7 +43,7 @@ HEAD_DIMS = (64, 128)
 MAX_GROUPS = 16  # query heads a kv head: the rows of one mma.m16n8k16 tile
 THREADS, TILE = 128, 64  # kernels/attention/rope_attention.cu
 MAX_GRID_YZ = 65535
-MAX_CLUSTER_SPLITS = 8  # the portable cluster size
+MAX_CLUSTER_SPLITS = 8  # the portable cluster size; the kernel's combine holds this many (its MAX_CLUSTER)
 # The fused forward routes a decode step here (decoder.FusedAttention) when routes_decode_step says so: at most
 # this many sequences and cache slots. Measured against rope_cache + the attention function, a Llama-3-8B-shaped
 # model, 8 layers, H200 (scripts/profile_e2e.py, bench/results/h200/ab/e2e_profile_rope_attention_by_cache.txt):

@@ -43,6 +43,7 @@ using namespace tf;
 namespace {
 
 constexpr int THREADS = 128, WARPS = 4, TILE = 64, ROWS = 16;
+constexpr int MAX_CLUSTER = 8;  // splits a cluster combine takes (ops/rope_attention.py MAX_CLUSTER_SPLITS)
 constexpr float LOG2E = 1.4426950408889634f;
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
@@ -310,17 +311,24 @@ rope_attention(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __
         l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
     }
     const int g0 = lane / 4;
-    if ((lane & 3) == 0) {
+    // Only the G query heads' rows are merged (rows past G are the A operand's zero padding).
+    if ((lane & 3) == 0 && g0 < groups) {
         m_s[warp * ROWS + g0] = m_run[0];
-        m_s[warp * ROWS + g0 + 8] = m_run[1];
         l_s[warp * ROWS + g0] = l_run[0];
+    }
+    if ((lane & 3) == 0 && g0 + 8 < groups) {
+        m_s[warp * ROWS + g0 + 8] = m_run[1];
         l_s[warp * ROWS + g0 + 8] = l_run[1];
     }
+    if (g0 < groups) {
 #pragma unroll
-    for (int n = 0; n < NB; ++n) {
-        const int col = n * 8 + 2 * (lane & 3);
-        *reinterpret_cast<float2*>(o_s + (warp * ROWS + g0) * D + col) = make_float2(o[n][0], o[n][1]);
-        *reinterpret_cast<float2*>(o_s + (warp * ROWS + g0 + 8) * D + col) = make_float2(o[n][2], o[n][3]);
+        for (int n = 0; n < NB; ++n)
+            *reinterpret_cast<float2*>(o_s + (warp * ROWS + g0) * D + n * 8 + 2 * (lane & 3)) = make_float2(o[n][0], o[n][1]);
+    }
+    if (g0 + 8 < groups) {
+#pragma unroll
+        for (int n = 0; n < NB; ++n)
+            *reinterpret_cast<float2*>(o_s + (warp * ROWS + g0 + 8) * D + n * 8 + 2 * (lane & 3)) = make_float2(o[n][2], o[n][3]);
     }
     __syncthreads();
 
@@ -328,7 +336,7 @@ rope_attention(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __
     float* hm_s = l_s + WARPS * ROWS;  // [ROWS]
     float* hl_s = hm_s + ROWS;         // [ROWS]
     float* hw_s = hl_s + ROWS;         // [WARPS][ROWS]
-    if (tid < ROWS) {
+    if (tid < groups) {
         float m = neg_inf(), l = 0.f;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) m = fmaxf(m, m_s[w * ROWS + tid]);
@@ -362,24 +370,36 @@ rope_attention(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __
     if (cluster_combine) {  // rank = split: the cluster spans gridDim.x
         float* po = hw_s + WARPS * ROWS;  // [G][D] this CTA's O, relative to its maxima hm_s (after the merge area)
         for (int e = tid; e < groups * D; e += THREADS) po[e] = cta_value(e / D, e % D);
-        finish_length();
+        // The length after the barriers: the barrier's release would otherwise wait for that store to reach L2.
         cluster_sync();  // every split's po, hm_s and hl_s, visible to the cluster
         TF_STAMP_IF(tid == 0, 5);
         const u32 po_a = smem_addr(po), hm_a = smem_addr(hm_s), hl_a = smem_addr(hl_s);
+        // One DSMEM round trip an output: every split's max, sum and O of it, all in flight at once.
         for (int e = split * THREADS + tid; e < groups * D; e += splits * THREADS) {
             const int g = e / D;
-            float m = neg_inf();
-            for (int q = 0; q < splits; ++q) m = fmaxf(m, ld_shared_cluster_f32(mapa_shared(hm_a + 4 * g, q)));
-            float l = 0.f, v = 0.f;
-            for (int q = 0; q < splits; ++q) {
-                const float mq = ld_shared_cluster_f32(mapa_shared(hm_a + 4 * g, q));
-                const float wq = mq == neg_inf() ? 0.f : exp2f(mq - m);
-                l = __fmaf_rn(ld_shared_cluster_f32(mapa_shared(hl_a + 4 * g, q)), wq, l);
-                v = __fmaf_rn(ld_shared_cluster_f32(mapa_shared(po_a + 4 * e, q)), wq, v);
-            }
+            float mq[MAX_CLUSTER], lq[MAX_CLUSTER], pv[MAX_CLUSTER];
+#pragma unroll
+            for (int q = 0; q < MAX_CLUSTER; ++q)
+                if (q < splits) {
+                    mq[q] = ld_shared_cluster_f32(mapa_shared(hm_a + 4 * g, q));
+                    lq[q] = ld_shared_cluster_f32(mapa_shared(hl_a + 4 * g, q));
+                    pv[q] = ld_shared_cluster_f32(mapa_shared(po_a + 4 * e, q));
+                }
+            float m = neg_inf(), l = 0.f, v = 0.f;
+#pragma unroll
+            for (int q = 0; q < MAX_CLUSTER; ++q)
+                if (q < splits) m = fmaxf(m, mq[q]);
+#pragma unroll
+            for (int q = 0; q < MAX_CLUSTER; ++q)
+                if (q < splits) {
+                    const float wq = mq[q] == neg_inf() ? 0.f : exp2f(mq[q] - m);
+                    l = __fmaf_rn(lq[q], wq, l);
+                    v = __fmaf_rn(pv[q], wq, v);
+                }
             out_b[e] = Vec2<T>::one(v * (l > 0.f ? 1.f / l : 0.f));
         }
         cluster_sync();  // no CTA leaves while a peer may still read its shared memory
+        finish_length();
         TF_STAMP_IF(tid == 0, 6);
         return;
     }
