@@ -1,5 +1,6 @@
 """Where a rope_attention launch's time goes (kernels/attention/rope_attention.cu built with -D TF_TIMELINE):
-per-CTA %globaltimer stamps at entry, after grid_dependency_wait, q ready, the tile loop's end, the warps' merge,
+per-CTA %globaltimer stamps at entry, after grid_dependency_wait, q ready, the first two tiles landed and done, the
+tile loop's end, the warps' merge,
 the split combine's arrival (or the cluster barrier) and the output written, in a CUDA graph replay of the chain
 a decode layer runs: the q/k/v GEMM (W4A16, programmatic launch) -> rope_attention -> the o GEMM. Stamps are
 relative to the first CTA's entry; the rows give the median and the latest CTA.
@@ -23,7 +24,10 @@ from tilefish.ops import rope_attention as ra
 from tilefish.ops.w4a16 import layer_counters, make_layer_counters
 from tilefish.runtime import f32, get_kernel, i32, i64, launch_prepared, prepare_launch
 
-STAMPS = ("entry", "waited", "q ready", "loop done", "merged", "arrived", "written")
+# stamp index -> name (7 is the SM id); 8-11: the first two tiles' data landed and products done, which tell the
+# first pass through the loop's code from the second
+STAMPS = {0: "entry", 1: "waited", 2: "q ready", 8: "tile 0 in", 10: "tile 0 done", 9: "tile 1 in", 11: "tile 1 done",
+          3: "loop done", 4: "merged", 5: "arrived", 6: "written"}
 
 
 def main():
@@ -76,7 +80,7 @@ def main():
     print(f"{torch.cuda.get_device_name()}: batch {batch}, {slots} slots, chunk {chunk}, {splits} splits, {ctas} CTAs, "
           f"combine {'in a cluster' if in_cluster else 'through L2' if splits > 1 else 'none'} "
           f"(us from the first CTA's entry: median / latest CTA)")
-    for i, name in enumerate(STAMPS):
+    for i, name in STAMPS.items():
         col = st[:, i]
         col = col[col > 0]
         if col.numel():

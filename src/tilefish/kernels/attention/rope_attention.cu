@@ -215,6 +215,7 @@ rope_attention(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __
         if (t + 1 < tiles) mask_bias(t + 1, next_bias);  // in flight while this tile computes
         cp_async_wait<1>();
         __syncthreads();  // tile t landed for every thread's copies
+        TF_STAMP_IF(tid == 0 && t < 2, 8 + t);
         const T* ks = ring + (t & 1) * 2 * TILE_ELEMS;
         const T* vs = ks + TILE_ELEMS;
         const int base = p0 + t * TILE;
@@ -295,6 +296,7 @@ rope_attention(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __
             Mma<T>::run(o[n + 1], pfrag, vf[2], vf[3]);
         }
         __syncthreads();  // every warp is done with stage t & 1
+        TF_STAMP_IF(tid == 0 && t < 2, 10 + t);
         issue(t + 2);
     }
     cp_async_wait<0>();
