@@ -351,13 +351,18 @@ def align_experts(topk_ids: torch.Tensor, experts: int, block_m: int, blocks: in
     return al
 
 
+def _alignment_sizes(slots: int, blocks: int) -> list[int]:
+    """The int32 lengths of the Alignment's parts, in order (the one statement of its layout)."""
+    return [slots, slots, blocks, blocks, blocks, 2]
+
+
 def _alignment_ints(slots: int, blocks: int) -> int:
-    return 2 * slots + 3 * blocks + 2
+    return sum(_alignment_sizes(slots, blocks))
 
 
 def _alignment(buf: torch.Tensor, slots: int, blocks: int) -> Alignment:
     """The Alignment views of buf (int32, at least _alignment_ints(slots, blocks) long)."""
-    return Alignment(*buf[:_alignment_ints(slots, blocks)].split([slots, slots, blocks, blocks, blocks, 2]))
+    return Alignment(*buf[:_alignment_ints(slots, blocks)].split(_alignment_sizes(slots, blocks)))
 
 
 def _align_launch(id_dtype: torch.dtype, index: int, slots: int, topk: int, experts: int, block_m: int,
@@ -462,12 +467,11 @@ class GroupedLaunch:
 
     def _enqueue(self, x: int, ids: int, row_scale: int, y: int, align: int, h: int, act: int, partials: int,
                  counters: int) -> None:
-        slots, blocks = self.tokens * self.topk, self.plan.max_blocks
-        # the Alignment's parts in order: sorted_slot, sorted_token [S]; block_expert, block_start, block_rows
-        # [blocks]; meta [2]
-        sorted_slot, sorted_token = align, align + 4 * slots
-        block_lists = tuple(align + 8 * slots + 4 * blocks * i for i in range(3))
-        meta = align + 8 * slots + 12 * blocks
+        parts = [align]  # the Alignment's parts' addresses, in its order
+        for size in _alignment_sizes(self.tokens * self.topk, self.plan.max_blocks)[:-1]:
+            parts.append(parts[-1] + 4 * size)
+        sorted_slot, sorted_token, *block_lists, meta = parts
+        block_lists = tuple(block_lists)
         kern, config, sizes = self.align
         launch_prepared(kern, config, ids, *sizes, sorted_slot, sorted_token, *block_lists, meta)
 
