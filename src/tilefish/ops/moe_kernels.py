@@ -467,8 +467,9 @@ class GroupedLaunch:
 
     def _enqueue(self, x: int, ids: int, row_scale: int, y: int, align: int, h: int, act: int, partials: int,
                  counters: int) -> None:
+        slots = self.tokens * self.topk
         parts = [align]  # the Alignment's parts' addresses, in its order
-        for size in _alignment_sizes(self.tokens * self.topk, self.plan.max_blocks)[:-1]:
+        for size in _alignment_sizes(slots, self.plan.max_blocks)[:-1]:
             parts.append(parts[-1] + 4 * size)
         sorted_slot, sorted_token, *block_lists, meta = parts
         block_lists = tuple(block_lists)
