@@ -9,7 +9,8 @@ One script for every kernel family (issue 30 item 3; it replaces sanitize_w4a16_
                DSMEM clusters, the separate tail launch, stream-K grids that cut tiles (several CTAs
                a tile, the counter peek / slot fixups, launched twice and compared bitwise), the
                skinny kernel's register and staged fixups (mid-stream and final, > 8 slots), k % 128
-               == 64 (the half last tile / stage), groups -1/32/64/128, zero points, bias, act order;
+               == 64 (the half last tile / stage), the skinny kernel's cluster split (8-row tiles), groups
+               -1/32/64/128, zero points, bias, act order;
                the tuned tables' (config, k split) pairs; the dispatcher's own picks (cfg=auto)
   nf4-matmul   the same kernels built with codebook "nf4" (-D TF_W4A16_NF4): groups 32/64/128, both
                dtypes, forced configurations and the dispatcher's picks (NF4_TALL_TILE included)
@@ -978,6 +979,10 @@ def enumerate_plans(sm_count: int = 132, cc: int = 90, exhaustive: bool = False,
                        "fixup) and at the end (final fixup); the half last stage"))
             add(wp(m=cfg.mt, n=cfg.bn, k=2048, ct=24, tier=1,
                    why="m = the tile, one tile over 16 CTAs: a final fixup of more than 8 slots (batches)"))
+            if cfg.mt == 8:  # ops.w4a16.choose_skinny_cluster_split: 8-row tiles
+                add(wp(m=5, n=2 * cfg.bn, k=1088, sl=4, rep=2, tier=1,
+                       why="the cluster split: 2 tiles x 4 slices, each tile's partials summed in its cluster "
+                           "through DSMEM (launched twice, compared bitwise); the half last stage"))
     # every format of every kernel source at least once: what the rotation left out, on the source's first config
     for src, rot in sorted(rotors.items()):
         first = next(c for lb, c in sorted(w4cfgs.items())

@@ -135,12 +135,18 @@ def test_what_is_not_covered_keeps_transformers_forward():
 
 
 def test_restore_and_install_again():
+    """restore_forward undoes use_fused_forward (classes and the q / k / v projection's light_ahead hint), and
+    installing again gives the same logits."""
     model, _ = _quantized("mistral", torch.float16)
     ids = _ids(6)
     with torch.no_grad():
         fused = model(ids).logits
+    fused_qkv = [layer.self_attn.q_proj.fused for layer in model.model.layers]
+    assert all(f.light_ahead for f in fused_qkv)  # q / k / v follow the layer's norm (ops.w4a16 light_ahead)
+    assert not any(layer.mlp.down_proj.light_ahead for layer in model.model.layers)
     assert restore_forward(model) == 3 * len(model.model.layers)
     assert type(model.model.layers[0]) is transformers.MistralForCausalLM(model.config).model.layers[0].__class__
+    assert not any(f.light_ahead for f in fused_qkv)
     assert use_fused_forward(model) == use_fused_forward(model)  # idempotent
     with torch.no_grad():
         assert torch.equal(model(ids).logits, fused)

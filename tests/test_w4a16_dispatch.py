@@ -253,8 +253,9 @@ def test_matmul_rejects_bad_slices():
 
 
 def test_plan_takes_slices_for_k_splits_and_ctas_for_stream_k(monkeypatch):
-    """A k split (slices) goes to the tile kernels, a grid size (ctas) to the stream-K ones; the
-    other is refused when the plan is made, before anything launches (a fake sm_90 device)."""
+    """A k split (slices) goes to the tile kernels (and to the skinny kernel as its cluster split), a grid
+    size (ctas) to the stream-K ones; the other is refused when the plan is made, before anything launches (a
+    fake sm_90 device)."""
     from types import SimpleNamespace
 
     from tilefish.quant.int4 import quantize_rtn
@@ -262,9 +263,8 @@ def test_plan_takes_slices_for_k_splits_and_ctas_for_stream_k(monkeypatch):
     monkeypatch.setattr(launch, "device_info", lambda *a: SimpleNamespace(sm_count=132, cc=90, index=0))
     p = ops.pack(quantize_rtn(torch.randn(512, 1024), 128, True, scale_dtype=torch.float16, clip_search=False))
     dev = torch.device("cuda", 0)
-    for cfg in (ops.SkinnyConfig(8, 4, 1, 3, 2), ops.HopperConfig(64, 2, 2, 6, True)):
-        with pytest.raises(ValueError, match="is stream-K: it takes ctas"):
-            ops.LaunchPlan.build(p, None, 4, dev, cfg, slices=2)
+    with pytest.raises(ValueError, match="is stream-K: it takes ctas"):
+        ops.LaunchPlan.build(p, None, 4, dev, ops.HopperConfig(64, 2, 2, 6, True), slices=2)
     for cfg in (ops.HopperConfig(64, 2, 2, 6), ops.GemmConfig(1, 2, 4, 4, True, True)):
         with pytest.raises(ValueError, match="splits k: it takes slices"):
             ops.LaunchPlan.build(p, None, 4, dev, cfg, ctas=2)
@@ -273,7 +273,8 @@ def test_plan_takes_slices_for_k_splits_and_ctas_for_stream_k(monkeypatch):
 def test_labels_name_each_kernel_and_parse_back():
     """Labels say which kernel: "skinny-..." for the small-m stream-K kernel, "wg-...-streamk" for the
     wgmma kernel's stream-K mode. parse_plan inverts label() (a "/x<slices>" k split on tile
-    configurations) and reads the spelling of results recorded before ("sk-...", "...-sk")."""
+    configurations, and the skinny kernel's cluster split) and reads the spelling of results recorded before
+    ("sk-...", "...-sk")."""
     for cfg in ops.CONFIGS + ops.HOPPER_CONFIGS + ops.SKINNY_CONFIGS + [dataclasses.replace(ops.SKINNY_CONFIGS[0],
                                                                                            staged=True)]:
         label = cfg.label()
@@ -281,12 +282,12 @@ def test_labels_name_each_kernel_and_parse_back():
         assert label.endswith("-streamk") == (isinstance(cfg, ops.HopperConfig) and cfg.streamk)
         assert "-sk" not in label and not label.startswith("sk-")
         assert ops.parse_plan(label) == (cfg, None) and ops.canonical_label(label) == label
-        if not cfg.streamk:
+        if not cfg.streamk or isinstance(cfg, ops.SkinnyConfig):
             assert ops.parse_plan(label + "/x3") == (cfg, 3)
     assert ops.parse_plan("sk-m8n256w1s3x2-st") == (ops.SkinnyConfig(8, 4, 1, 3, 2, staged=True), None)
     assert ops.parse_plan("wg-m64n256c2s6-sk") == (ops.HopperConfig(64, 2, 2, 6, True), None)
     assert ops.canonical_label("wg-m64n512c2s6/x2") == "wg-m64n512c2s6/x2"
-    for bad in ("wg-m64n256c2s6-streamk/x2", "skinny-m8n256w1s3x2/x2", "auto", "wg-m64"):
+    for bad in ("wg-m64n256c2s6-streamk/x2", "auto", "wg-m64"):
         with pytest.raises(ValueError):
             ops.parse_plan(bad)
 

@@ -166,3 +166,22 @@ def test_bad_epilogue_arguments():
         w4a16.matmul(x, p, gated=1)
     with pytest.raises(RuntimeError, match="inference only"):
         w4a16.matmul(x.requires_grad_(), p, residual=torch.zeros(4, 128, device="cuda", dtype=torch.float16))
+
+
+@hopper
+@pytest.mark.parametrize("group,sym,dtype", [(128, True, torch.float16), (-1, False, torch.bfloat16),
+                                             (32, False, torch.float16)])
+def test_skinny_cluster_split_every_epilogue(group, sym, dtype):
+    """The skinny kernel's cluster split ("/x<S>": a tile's k in S CTAs of one cluster, 8-row tiles), clusters
+    of 2 to 16 (16 is sm_90's non-portable size), m from 1 to 8, k with a half stage, and a bias on odd m."""
+    for k in (2048, 1984) if group != 128 else (2048,):  # 1984: a half last stage (k % 128 == 64)
+        q, p = _case(k, 512, group, sym, dtype, seed=k)
+        for cfg, slices in ((ops.SkinnyConfig(8, 4, 1, 3, 2), 16), (ops.SkinnyConfig(8, 2, 2, 6, 2), 8),
+                            (ops.SkinnyConfig(8, 1, 4, 12, 2), 4), (ops.SkinnyConfig(8, 4, 1, 3, 2), 2),
+                            (ops.SkinnyConfig(8, 4, 1, 3, 2), 5)):
+            for m in sorted({1, 3, cfg.mt}):
+                seed = 500 + k + m
+                torch.manual_seed(seed)
+                x = torch.randn(m, k, device="cuda", dtype=dtype)
+                bias = torch.randn(512, device="cuda", dtype=dtype) if m % 2 else None
+                _check_epilogues(x, q, p, seed, bias, cfg=cfg, slices=slices)

@@ -238,6 +238,8 @@ def test_forced_plans_launch_launch_geometry(described):
             cases += [(cfg, None, ct) for cfg in ops.HOPPER_CONFIGS if cfg.streamk for ct in (None, 1, 7, 10**6)]
             cases += [(cfg, None, ct) for cfg in ops.SKINNY_CONFIGS if m <= cfg.mt and n % cfg.bn == 0
                       for ct in (None, 3, 10**6)]
+            cases += [(cfg, sl, None) for cfg in ops.SKINNY_CONFIGS if m <= cfg.mt == 8 and n % cfg.bn == 0
+                      for sl in (2, 4)]  # the cluster split (8-row tiles)
             cases += [(cfg, sl, None) for cfg in (ops.GemmConfig(1, 2, 4, 6, swap=True, breg=True),
                                                   ops.GemmConfig(2, 2, 4, 4)) if not (cfg.swap and m > 8)
                       for sl in (None, 1, 3)]
@@ -266,3 +268,73 @@ def test_a_driver_without_room_for_the_clusters_gets_the_workspace_split(describ
     assert lp.geometry == ops.launch_geometry(cfg, 2, None, 5, 512, 2048, 132, 128, False, ())
     assert lp.geometry.cluster == 1 and lp.partials > 0 and lp.tiles > 0
     _assert_launches(lp, lp.geometry, cfg)
+
+
+def test_skinny_cluster_split_geometry():
+    """A skinny "/x<S>" plan launches S CTAs a tile as clusters of S (a weight of 16 column tiles of 256 and
+    32 k stages: 16 x S CTAs); S past 16 (sm_90's largest cluster) or past the k stages, or a tile of more than
+    8 rows, is refused."""
+    cfg = ops.SkinnyConfig(8, 4, 1, 3, 2)
+    geo = ops.launch_geometry(cfg, 16, None, 1, 4096, 4096, 132, 128, False)
+    assert (geo.ctas, geo.cluster, geo.launches[0].grid, geo.launches[0].cluster) == (256, 16, (256, 1, 1), 16)
+    plain = ops.launch_geometry(cfg, None, None, 1, 4096, 4096, 132, 128, False)
+    assert (plain.ctas, plain.cluster) == (264, 1)
+    for slices in (17, 33):
+        with pytest.raises(ValueError, match="cluster split"):
+            ops.launch_geometry(cfg, slices, None, 1, 4096, 4096 if slices == 17 else 2048, 132, 128, False)
+    with pytest.raises(ValueError, match="cluster split"):
+        ops.launch_geometry(cfg, 4, None, 1, 1024, 384, 132, 128, False)  # k 384: 3 stages
+    with pytest.raises(ValueError, match="8-row tiles"):
+        ops.launch_geometry(ops.SkinnyConfig(16, 4, 1, 4, 2), 4, None, 1, 4096, 4096, 132, 128, False)
+
+
+def test_a_skinny_cluster_split_the_gpu_cannot_hold_at_once_is_refused(described):
+    """A forced skinny cluster split whose clusters the driver cannot hold at once is a ValueError naming
+    the counts, before any launch (it would run as a second wave), as is one given both slices and ctas."""
+    described(H200, driver_clusters=())
+    w = _weight(512, 2048, 128, False)
+    cfg = ops.SkinnyConfig(8, 4, 1, 3, 2)
+    with pytest.raises(ValueError, match="clusters of 4 CTAs, and this GPU holds 0 at once"):
+        ops.LaunchPlan.build(w, None, 1, torch.device("cuda", 0), cfg, 4)
+    with pytest.raises(ValueError, match="give slices or ctas, not both"):
+        ops.LaunchPlan.build(w, None, 1, torch.device("cuda", 0), cfg, 4, 8)
+
+
+# The H200's driver answer for the skinny kernels at two CTAs an SM (scripts/experiments/skinny_cluster_capacity.py)
+H200_SKINNY_CLUSTERS = {1: 264, 2: 132, 3: 79, 4: 62, 5: 47, 6: 39, 7: 32, 8: 30}
+
+
+def test_skinny_cluster_split_rule():
+    """The cluster split a light kernel ahead allows: the largest S <= 8 whose clusters all fit, that keeps a CTA
+    an SM, and whose CTAs stream at most one unit more than stream-K's longest. Llama-3-8B's q/k/v (24 tiles of
+    256, 32 stages) at m = 1 on the H200 takes 8 (measured -0.6 / -0.7 us a layer in the decode step); weights
+    of more tiles than the clusters hold, of so few that S > 8 would be needed, or whose CTAs would stream much
+    longer (gate_up, o, down, Llama-3-70B's q/k/v), keep stream-K; so do 16-row tiles."""
+    cap = H200_SKINNY_CLUSTERS.get
+    cfg = ops.SkinnyConfig(8, 4, 1, 3, 2)
+    choose = ops.choose_skinny_cluster_split
+    assert choose(cfg, 6144, 4096, 132, lambda s: cap(s, 0)) == 8
+    for n, k in ((28672, 4096), (4096, 4096), (4096, 14336), (10240, 8192), (4608, 3584)):
+        assert choose(cfg, n, k, 132, lambda s: cap(s, 0)) is None, (n, k)
+    assert choose(cfg, 6144, 4096, 132, lambda s: 0) is None  # no room for any cluster
+    assert choose(ops.SkinnyConfig(16, 4, 1, 4, 2), 6144, 4096, 132, lambda s: cap(s, 0)) is None
+
+
+def test_light_ahead_takes_the_cluster_split_only_where_the_rule_does(described):
+    """LaunchPlan.build with light_ahead: the dispatcher's skinny plan as its cluster split where the rule picks
+    one (clusters launched, S CTAs a tile), and unchanged elsewhere, without the hint, or with the DSMEM split
+    off; a forced configuration is never changed."""
+    described(H200, driver_clusters=tuple(H200_SKINNY_CLUSTERS.items()))
+    dev = torch.device("cuda", 0)
+    qkv = _weight(6144, 4096, 128, False)
+    lp = ops.LaunchPlan.build(qkv, None, 1, dev, light_ahead=True)
+    assert isinstance(lp.config, ops.SkinnyConfig) and lp.geometry.cluster == 8 and lp.geometry.ctas == 8 * 6144 // lp.config.bn
+    assert lp.launches[0][1].cluster == 8
+    plain = ops.LaunchPlan.build(qkv, None, 1, dev)
+    assert plain.geometry.cluster == 1
+    off = ops.LaunchPlan.build(qkv, None, 1, dev, policy=ops.LaunchPolicy(dsmem_split=False), light_ahead=True)
+    assert off.geometry.cluster == 1
+    for n, k in ((28672, 4096), (4096, 4096), (4096, 14336)):
+        assert ops.LaunchPlan.build(_weight(n, k, 128, False), None, 1, dev, light_ahead=True).geometry.cluster == 1
+    forced = ops.LaunchPlan.build(qkv, None, 1, dev, ops.SkinnyConfig(8, 4, 1, 3, 2), light_ahead=True)
+    assert forced.geometry.cluster == 1

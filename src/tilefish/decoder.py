@@ -320,6 +320,7 @@ def use_fused_forward(model: torch.nn.Module) -> str | None:
     for m in attentions:
         if not isinstance(m, FusedAttention):
             m.__class__ = _fused_class(type(m))
+        m.q_proj.fused.light_ahead = True  # its input is the layer's norm: a cluster-launched plan can start early
     if not (mlps or attentions):
         return None
     return DESCRIPTION.format(layers=len(layers), mlps=len(mlps), attentions=len(attentions))
@@ -330,6 +331,8 @@ def restore_forward(model: torch.nn.Module) -> int:
     restored = 0
     for m in model.modules():
         if isinstance(m, (FusedDecoderLayer, FusedGatedMLP, FusedAttention)):
+            if isinstance(m, FusedAttention):
+                m.q_proj.fused.light_ahead = False
             m.__class__ = m._tilefish_base
             restored += 1
     return restored

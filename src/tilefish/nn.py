@@ -79,7 +79,8 @@ class _LayerPlan:
         self.gated_shape = x.shape[:-1] + (w.n // 2,)
         self.dtype, self.device, self.perm = x.dtype, x.device, w.perm
         bias = None if layer.bias is None else layer.bias.detach().contiguous()
-        self.plan = LaunchPlan.build(w, bias, self.m, x.device, counters=layer_counters(x.device)) if self.m else None
+        self.plan = LaunchPlan.build(w, bias, self.m, x.device, counters=layer_counters(x.device),
+                                     light_ahead=layer.light_ahead) if self.m else None
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
         """residual: checked by the caller (_fits); gated: the layer is a GatedW4A16Linear."""
@@ -147,8 +148,15 @@ class W4A16Linear(nn.Module):
     def weight(self) -> WeightInfo:
         return WeightInfo(self)
 
+    # The kernel ahead of this layer's calls in the stream is a light one (a norm: the fused attention's q / k / v
+    # projection, decoder.use_fused_forward), so its plan may launch as thread-block clusters
+    # (ops.w4a16.matmul_impl's light_ahead).
+    light_ahead: bool = False
+
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
+        if name == "light_ahead" and "_plans" in self.__dict__:
+            self._plans = {}  # plans made without the hint
         if name in _WEIGHT_FIELDS and "_plans" in self.__dict__:
             self._plans = {}  # the plans point into the replaced tensors
             if name == "packed" and isinstance(value, torch.Tensor):
@@ -323,8 +331,8 @@ class W4A16Linear(nn.Module):
 
             group_size, n, k, codebook = self._kernel_constants
             return w4a16_matmul_op(x, self.packed, self.scales, self.zeros, self.perm, self.bias, group_size, n, k,
-                                   codebook, counters)
-        return _w4a16.matmul_with_counters(x, self.weight4, self.bias, counters)
+                                   codebook, counters, self.light_ahead)
+        return _w4a16.matmul_with_counters(x, self.weight4, self.bias, counters, self.light_ahead)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, codebook={self.codebook}, "

@@ -77,18 +77,18 @@ def matmul(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = None, *,
 
 
 def matmul_with_counters(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None,
-                         counters: torch.Tensor | None) -> torch.Tensor:
+                         counters: torch.Tensor | None, light_ahead: bool = False) -> torch.Tensor:
     """matmul with a layer's own tile counters (W4A16Linear), or None: eager calls run the op's
     implementation directly (less host time); under torch.compile, and where autograd must record
-    the call, they go through the custom op."""
+    the call, they go through the custom op. light_ahead: ops.w4a16.matmul_impl's."""
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
             getattr(x, "requires_grad", False) or (bias is not None and bias.requires_grad))):
         from .ops import library
 
-        return library.w4a16_matmul(x, w, bias, counters)
+        return library.w4a16_matmul(x, w, bias, counters, light_ahead)
     from .ops.w4a16 import matmul_impl
 
-    return matmul_impl(x, w, bias, workspace=counters)
+    return matmul_impl(x, w, bias, workspace=counters, light_ahead=light_ahead)
 
 
 def matmul_epilogue(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None, counters: torch.Tensor | None,

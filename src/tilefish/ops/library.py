@@ -65,22 +65,22 @@ def _w4a16_weight(packed, scales, zeros, perm, group_size, n, k, codebook):
 @torch.library.custom_op("tilefish::w4a16_matmul", mutates_args=())
 def w4a16_matmul_op(x: Tensor, packed: Tensor, scales: Tensor, zeros: Optional[Tensor], perm: Optional[Tensor],
                     bias: Optional[Tensor], group_size: int, n: int, k: int, codebook: str,
-                    counters: Optional[Tensor] = None) -> Tensor:
+                    counters: Optional[Tensor] = None, light_ahead: bool = False) -> Tensor:
     # counters: the caller's tile counters (ops/w4a16/workspace.py). Not a mutated argument: every
-    # launch leaves them zero, as it found them.
+    # launch leaves them zero, as it found them. light_ahead: ops.w4a16.matmul_impl's.
     from .w4a16 import matmul_impl
 
     return matmul_impl(x, _w4a16_weight(packed, scales, zeros, perm, group_size, n, k, codebook), bias,
-                       workspace=counters)
+                       workspace=counters, light_ahead=light_ahead)
 
 
 @w4a16_matmul_op.register_fake
-def _(x, packed, scales, zeros, perm, bias, group_size, n, k, codebook, counters=None):
+def _(x, packed, scales, zeros, perm, bias, group_size, n, k, codebook, counters=None, light_ahead=False):
     return x.new_empty(*x.shape[:-1], n)
 
 
 def _w4a16_setup_context(ctx, inputs, output):
-    x, packed, scales, zeros, perm, bias, group_size, n, k, codebook, counters = inputs
+    x, packed, scales, zeros, perm, bias, group_size, n, k, codebook, counters, light_ahead = inputs
     ctx.save_for_backward(packed, scales, zeros, perm)
     ctx.group_size, ctx.n, ctx.k, ctx.codebook = group_size, n, k, codebook
 
@@ -97,15 +97,16 @@ def _w4a16_backward(ctx, grad):
             grad_x = grad_x.index_select(-1, torch.argsort(perm))
     if ctx.needs_input_grad[5]:
         grad_bias = grad.reshape(-1, ctx.n).sum(0)
-    return grad_x, None, None, None, None, grad_bias, None, None, None, None, None
+    return grad_x, None, None, None, None, grad_bias, None, None, None, None, None, None
 
 
 w4a16_matmul_op.register_autograd(_w4a16_backward, setup_context=_w4a16_setup_context)
 
 
-def w4a16_matmul(x: Tensor, w, bias: Tensor | None = None, counters: Tensor | None = None) -> Tensor:
+def w4a16_matmul(x: Tensor, w, bias: Tensor | None = None, counters: Tensor | None = None,
+                 light_ahead: bool = False) -> Tensor:
     return w4a16_matmul_op(x, w.packed, w.scales, w.zeros, w.perm, bias, w.group_size, w.n, w.k, w.codebook,
-                           counters)
+                           counters, light_ahead)
 
 
 @torch.library.custom_op("tilefish::w4a16_matmul_epilogue", mutates_args=())

@@ -35,11 +35,12 @@ _DEFAULT_DYN_SMEM = 48 * 1024
 
 
 class LoadedKernel:
-    __slots__ = ("spec", "compiled", "kernel", "device", "_module", "_dyn_smem_limit", "_clusters")
+    __slots__ = ("spec", "compiled", "kernel", "device", "_module", "_dyn_smem_limit", "_clusters", "_non_portable")
 
     def __init__(self, spec: KernelSpec, compiled: CompiledKernel, kernel, module, device: int):
         self.spec, self.compiled, self.kernel, self._module, self.device = spec, compiled, kernel, module, device
         self._dyn_smem_limit = 0  # raised to what a launch needs (cuFuncSetAttribute) on first use
+        self._non_portable = False  # clusters above 8 allowed (allow_cluster)
         self._clusters: dict[tuple[int, int, int], int] = {}
 
     def max_active_clusters(self, cluster: int, block: int, smem: int) -> int:
@@ -54,6 +55,7 @@ class LoadedKernel:
 
             if smem + self.compiled.resources.static_smem > _DEFAULT_DYN_SMEM:
                 self.ensure_dynamic_smem(smem)
+            self.allow_cluster(cluster)
             cfg = LaunchConfig(grid=1, cluster=cluster, block=block, shmem_size=smem)
             n = self._clusters[key] = int(self.kernel.occupancy.max_active_clusters(cfg, stream=_stream_for(self.device)))
         return n
@@ -77,6 +79,25 @@ class LoadedKernel:
         if err != driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cuFuncSetAttribute(max dynamic smem={nbytes}) failed for {self.spec.name}: {err}")
         self._dyn_smem_limit = nbytes
+
+    def allow_cluster(self, cluster: int) -> None:
+        """Let the kernel launch as clusters of `cluster` blocks: above 8 (the portable limit) sm_90 takes up
+        to 16 once the kernel allows non-portable sizes (set once)."""
+        if cluster <= 8 or self._non_portable:
+            return
+        if cluster > 16:
+            raise ValueError(f"{self.spec.name}: clusters of {cluster} blocks; sm_90 allows at most 16")
+        from cuda.bindings import driver
+
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+        h = self.kernel.handle
+        if isinstance(h, driver.CUkernel):
+            (err,) = driver.cuKernelSetAttribute(attr, 1, h, self.device)
+        else:
+            (err,) = driver.cuFuncSetAttribute(h, attr, 1)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuFuncSetAttribute(non-portable cluster size) failed for {self.spec.name}: {err}")
+        self._non_portable = True
 
 
 def _ensure_context(index: int) -> None:
@@ -180,6 +201,7 @@ def prepare_launch(kernel: LoadedKernel, grid, block, smem: int = 0, cluster: in
         if len(_configs) > 4096:  # shapes vary without bound in some workloads; keep the memo small
             _configs.clear()
         if cluster > 1:  # cuda.core counts clusters, not blocks, in `grid` when a cluster is given
+            kernel.allow_cluster(cluster)
             g = (grid,) if isinstance(grid, int) else tuple(grid)
             if g[0] % cluster:
                 raise ValueError(f"grid.x = {g[0]} is not a multiple of the cluster size {cluster}")

@@ -13,6 +13,14 @@ __device__ __forceinline__ u32 cluster_ctarank() {
 #endif
     return r;
 }
+// CTAs in this CTA's cluster (1: not launched as a cluster).
+__device__ __forceinline__ u32 cluster_nctarank() {
+    u32 r = 1;
+#if __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
+#endif
+    return r;
+}
 // Every thread of every CTA in the cluster: publishes barrier inits before peers signal them, and
 // keeps a CTA's smem alive until its peers have stopped writing / arriving into it.
 __device__ __forceinline__ void cluster_sync() {

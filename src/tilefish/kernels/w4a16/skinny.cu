@@ -34,6 +34,14 @@
 // consumers go on streaming. Done by the consumers themselves, those round trips stall them
 // mid-stream with the ring full, and CTAs whose main loop ends late hold up the whole launch.
 //
+// Cluster split (launched as clusters of S > 1 CTAs along x; an "/x<S>" plan, ops/w4a16/geometry.py): the
+// grid is tiles x S CTAs, so stream-K's ranges give CTA b slice b % S of tile b / S (units split evenly, one
+// segment a CTA). The S partials of a tile are summed through distributed shared memory instead: each CTA
+// stages its partial in its drained ring, and after a cluster barrier CTA r sums the r-th share of the tile's
+// float4s over the ranks in rank (k) order and runs the epilogue. No workspace slot, tile counter or
+// finisher, so no L2 round trip between the last main loop and the store (the stream-K tail's cost in a
+// decode step, where the next GEMM's first ring is in flight: docs/e2e.md).
+//
 // Epilogues (w4a16/epilogue.cuh): plain, + residual, or gated (silu(gate) * up of interleaved columns);
 // a split tile's fixup pairs a gate float4 with its up float4 (lane ^ 2) through a shuffle.
 //
@@ -110,6 +118,8 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
     const int units = tiles * KS, ctas = gridDim.x, b = blockIdx.x;
     const int u0 = unit_begin(b, units, ctas), u1 = unit_begin(b + 1, units, ctas);
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    // > 1: the cluster split (see the header); 8-row tiles only (the 16-row builds spill with its code)
+    const int csplit = MT == 8 ? (int)cluster_nctarank() : 1;
     // Timeline builds (w4a16/timeline.cuh): per-CTA stamps after the workspace slots (16 a CTA): 0
     // entry, 1 barriers ready, 2 first stage landed, 3 the consumers' final hand-off done, 4 the
     // finisher's exit, 5 the consumers' end; 7 SM id; 8 the final segment's main loop end, 9 the
@@ -272,6 +282,7 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
         // sits full) and, for a tile whose last segment it sees, runs the fixup. For the consumers'
         // final segment it does not: they are idle by then, so they get the tile back and run the
         // fixup with all their threads (the one fixup on the kernel's critical path).
+        if (csplit > 1) return;  // the cluster split's partials meet in shared memory, not at counters
         grid_dependency_wait();  // before the counters, which the kernel ahead may still use
         int hs = 0;
         u32 hph = 0;
@@ -373,7 +384,9 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
             // three at m = 1 made a decode step 0.8-1.0 us a layer faster than the whole ring, one
             // stage 0.4-0.7, none 1.5 slower (H200, docs/e2e.md); even at m = 16.
             constexpr int kPreWait = 2;  // every configuration has 2 stages or more
-            const int ring = min(u1 - u0, kPreWait);
+            // A cluster split's narrower tiles: as many stages as make the 32 KB of two 256-column stages.
+            const int pre = csplit > 1 ? max(kPreWait, 2 * 8 * 512 * 4 / L::W_BYTES) : kPreWait;
+            const int ring = min(min(u1 - u0, pre), STAGES);
             {
                 int tile = u0 / KS, ks = u0 - tile * KS;
                 for (int i = 0; i < ring; ++i) {
@@ -599,6 +612,53 @@ w4a16_skinny(const __grid_constant__ tf::TmaDesc tma_x, const uint4* __restrict_
         }
 
         const bool whole = seg_begin == tile * KS && seg_end == (tile + 1) * KS;
+        if (csplit > 1) {  // the cluster split: this CTA's one segment is slice `rank` of `tile` (the header)
+            constexpr int FROW = BN + 4;  // floats a staged row: rows 2 t apart land 8 banks apart
+            static_assert(STAGES * L::STAGE >= MT * FROW * 4, "the partial tile fits in the drained ring");
+            float* part = reinterpret_cast<float*>(smem);
+            named_barrier_sync(1, CT);  // every consumer warp is done reading the ring
+            if (kw == 0) {
+#pragma unroll
+                for (int a = 0; a < NB; ++a)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+#pragma unroll
+                        for (int c = 0; c < 4; ++c) {
+                            const int row = 8 * a + 2 * t + (c & 1);
+                            if (row < m) part[row * FROW + si * 64 + 16 * j + g + 8 * (c >> 1)] = acc[a][j][c];
+                        }
+            }
+            cluster_sync();  // every rank's partial staged (the producer and finisher warps have exited: arrived)
+            TF_STAMP(6);
+            // Rank r's share: whole quads of float4s (a gate float4 and its up float4 two on stay in one
+            // warp, lane ^ 2, as finish needs), each summed over the ranks in order, FIX loads in flight.
+            constexpr int FIX = 8;
+            const int rank = (int)cluster_ctarank(), total = min(MT, m) * (BN / 4), quads = total / 4;
+            const int begin = rank * quads / csplit * 4, end = (rank + 1) * quads / csplit * 4;
+            const u32 local = smem_addr(part);
+            for (int base = begin; base < end; base += CT) {  // every lane runs every round: finish shuffles
+                const int e = base + (int)threadIdx.x;
+                const bool ok = e < end;
+                const u32 off = (u32)(((ok ? e : begin) / (BN / 4)) * FROW + ((ok ? e : begin) % (BN / 4)) * 4) * 4;
+                float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 1
+                for (int r0 = 0; r0 < (ok ? csplit : 0); r0 += FIX) {
+                    float4 v[FIX];
+#pragma unroll
+                    for (int i = 0; i < FIX; ++i)
+                        if (r0 + i < csplit) v[i] = ld_shared_cluster_f4(mapa_shared(local + off, r0 + i));
+#pragma unroll
+                    for (int i = 0; i < FIX; ++i)
+                        if (r0 + i < csplit) {
+                            sum.x += v[i].x; sum.y += v[i].y; sum.z += v[i].z; sum.w += v[i].w;
+                        }
+                }
+                finish(tile, e, ok, sum);
+            }
+            TF_STAMP(5);
+            cluster_sync();  // no CTA leaves while a peer may still read its shared memory
+            return;
+        }
         if (!whole) {
             if (kw == 0) {
                 float* dst = slot_ptr(b, seg_begin == u0 ? 0 : 1) + si * 64;

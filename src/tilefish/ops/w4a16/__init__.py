@@ -34,7 +34,7 @@ from .dispatch import (HOPPER_MIN_M, HOPPER_SLICES, MAX_HOPPER_SLICES, MIN_K_TIL
                        SKINNY_M16_PER_CHANNEL_MAX_N, SKINNY_MAX_M, SKINNY_STAGED_MIN_TRIPS,
                        SKINNY_WIDE_N, SMALL_WEIGHT_NK, STREAMK_MAX_M, TINY_WEIGHT_NK, _fit_n, choose_config, choose_plan,
                        choose_hopper_config, choose_hopper_plan, choose_hopper_slices, choose_mma_config,
-                       choose_skinny_config, choose_slices, dispatch_builds, dispatch_specs, skinny_fixup_trips,
+                       choose_skinny_config, choose_skinny_cluster_split, choose_slices, dispatch_builds, dispatch_specs, skinny_fixup_trips,
                        KernelBuild, launch_geometry, plan_geometry)
 from .geometry import Launch, LaunchGeometry, separate_tail, split_geometry
 from .launch import (LaunchPlan, device_clusters, hopper_split_uses_clusters, matmul_impl, plan_for, validate,

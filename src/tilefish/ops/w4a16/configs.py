@@ -283,7 +283,8 @@ def canonical_label(label: str) -> str:
 def parse_plan(label: str) -> tuple[GemmConfig | HopperConfig | SkinnyConfig, int | None]:
     """A plan label -> (configuration, k slices or None): the inverse of label() for any
     configuration of the three kernels (any stage count, not only the design spaces'), with an
-    optional "/x<slices>" k split for the tile kernels; the pre-rename spellings too (canonical_label)."""
+    optional "/x<slices>" k split for the tile kernels and the skinny kernel (its cluster split: each tile's
+    k in that many slices, one CTA each, summed in a cluster); the pre-rename spellings too (canonical_label)."""
     label = canonical_label(label)
     name, _, split = label.partition("/x")
     slices = int(split) if split else None
@@ -299,7 +300,7 @@ def parse_plan(label: str) -> tuple[GemmConfig | HopperConfig | SkinnyConfig, in
         cfg = GemmConfig(bm // 16, wn, wk, stages, g.group(6) is not None, g.group(7) is not None)
     if cfg is None or cfg.label() != name:
         raise ValueError(f"{label!r} is not a W4A16 plan label (configs.py's docstring has the forms)")
-    if cfg.streamk and slices is not None:
+    if cfg.streamk and slices is not None and not isinstance(cfg, SkinnyConfig):
         raise ValueError(f"plan {label!r}: {cfg.label()} is stream-K, it takes no k split")
     return cfg, slices
 

@@ -357,6 +357,29 @@ def _legal(plan: Plan, m: int, n: int, cc: int, group, zero_points: bool, smem_l
             and fits_smem(plan.cfg, group, zero_points, smem_limit))
 
 
+MAX_SKINNY_CLUSTER_SPLIT = 8  # the portable cluster size
+
+
+def choose_skinny_cluster_split(cfg: SkinnyConfig, n: int, k: int, sm_count: int, capacity) -> int | None:
+    """The cluster split (k slices a tile, one cluster of them) of a skinny plan whose launch may start while a
+    light kernel ahead of it runs (light_ahead: a norm; behind a GEMM a cluster cannot start until a GPC has
+    room for all of it, and it lost 5.5 us a layer, docs/e2e.md), or None for its stream-K grid. capacity(S):
+    the clusters of S of this kernel the GPU holds at once (the driver's answer). The largest S up to
+    MAX_SKINNY_CLUSTER_SPLIT whose clusters all fit, that keeps at least one CTA an SM, and whose CTAs stream at
+    most one unit more than stream-K's longest (q/k/v 4096 x 6144 at m = 1 on the H200: S = 8, 4 units against
+    3: -0.26 us a layer at b1 and -0.66 at b4 in the decode step, against its stream-K grid). 8-row tiles only."""
+    if cfg.mt != 8:
+        return None
+    tiles, stages = n // cfg.bn, -(-k // SKINNY_BK)
+    longest_streamk = -(-(tiles * stages) // (sm_count * cfg.ctas_per_sm))
+    for s in range(min(MAX_SKINNY_CLUSTER_SPLIT, stages), 1, -1):
+        if tiles * s < sm_count:
+            return None
+        if -(-stages // s) <= longest_streamk + 1 and tiles <= capacity(s):
+            return s
+    return None
+
+
 @functools.lru_cache(maxsize=8192)
 def launch_geometry(cfg, slices: int | None, ctas: int | None, m: int, n: int, k: int, sm_count: int, group,
                     zero_points: bool, clusters: tuple[tuple[int, int], ...] = H200_CLUSTERS,

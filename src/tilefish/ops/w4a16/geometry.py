@@ -57,8 +57,19 @@ def split_geometry(cfg, slices: int | None, ctas: int | None, m: int, n: int, k:
     separate_tail_mode: LaunchPolicy.separate_tail."""
     smem = cfg.smem_bytes(group, zero_points)
     if isinstance(cfg, SkinnyConfig):
-        tiles = n // cfg.bn
-        ctas = max(1, min(ctas or sm_count * cfg.ctas_per_sm, tiles * -(-k // SKINNY_BK), 2**31 - 1))
+        tiles, k_stages = n // cfg.bn, -(-k // SKINNY_BK)
+        if slices is not None and slices > 1:  # the cluster split: a tile's k in `slices` CTAs, one cluster
+            if slices > min(16, k_stages):
+                raise ValueError(f"{cfg.label()}/x{slices}: a cluster split takes 2..min(16, k / 128 = "
+                                 f"{k_stages}) slices")
+            if cfg.mt != 8:
+                raise ValueError(f"{cfg.label()}/x{slices}: a cluster split runs on 8-row tiles (mt = 8) only")
+            # With the DSMEM split off (no clusters planned) the same grid runs as plain stream-K, whose
+            # workspace and counters every cluster-split geometry keeps (a kernel build without it runs that).
+            ctas, cluster = tiles * slices, slices if clusters else 1
+            return LaunchGeometry(slices, ctas, cluster, smem, ctas * 2 * cfg.mt * cfg.bn, tiles,
+                                  (Launch((ctas, 1, 1), cluster),))
+        ctas = max(1, min(ctas or sm_count * cfg.ctas_per_sm, tiles * k_stages, 2**31 - 1))
         return LaunchGeometry(1, ctas, 1, smem, ctas * 2 * cfg.mt * cfg.bn, tiles, (Launch((ctas, 1, 1)),))
     if isinstance(cfg, HopperConfig):
         n_tiles, m_tiles, k_stages = column_tiles(cfg, n), -(-m // cfg.mt), k // HOPPER_BK

@@ -21,7 +21,7 @@ from ...runtime import (cluster_capacity, current_stream_handle, device_info, ge
 from ...runtime.tma import tensor_map_rows
 from .configs import (HOPPER_BK, ONE_CTA_PER_SM_SMEM, THREADS, GemmConfig, HopperConfig, SkinnyConfig, column_tiles,
                       kernel_spec)
-from .dispatch import choose_plan, launch_geometry
+from .dispatch import choose_plan, choose_skinny_cluster_split, launch_geometry
 from .geometry import LaunchGeometry
 from .layout import DTYPES, TABLE_CODEBOOKS, W4A16Weight, check_codebook, check_shape, unpack
 from .policy import LaunchPolicy, resolve_policy
@@ -94,14 +94,16 @@ def validate_epilogue(x: torch.Tensor, w: W4A16Weight, residual: torch.Tensor | 
 def matmul_impl(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = None,
                 cfg: GemmConfig | HopperConfig | SkinnyConfig | None = None, slices: int | None = None,
                 ctas: int | None = None, workspace=None, policy: LaunchPolicy | None = None,
-                residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+                residual: torch.Tensor | None = None, gated: bool = False, light_ahead: bool = False) -> torch.Tensor:
     """cfg: a configuration to force (sweeps, tests); None: the dispatcher's. slices: the k split of
     a tile kernel (mma.sync, wgmma tile mode); ctas: the grid of a stream-K one (skinny, wgmma
     streamk); None: the dispatcher's choice. Giving the one the plan's kernel does not take is a
     ValueError (on CUDA, where the plan is made). workspace: a workspace.Workspace, or the int32
     tile counters a layer owns; None: fresh zeroed counters where the plan needs them. policy: the
     LaunchPolicy to plan under; None: the active one (policy.launch_policy). residual / gated: the
-    fused epilogue (validate_epilogue; reference.w4a16_epilogue is its definition)."""
+    fused epilogue (validate_epilogue; reference.w4a16_epilogue is its definition). light_ahead: the kernel
+    ahead of this call in the stream is a light one (a norm), so the dispatcher may take a plan launched as
+    thread-block clusters (dispatch.choose_skinny_cluster_split)."""
     validate(x, w, bias)
     validate_epilogue(x, w, residual, gated)
     policy = resolve_policy(policy)
@@ -140,7 +142,7 @@ def matmul_impl(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = Non
         r2 = residual.reshape(m, w.n).contiguous()
         if r2.data_ptr() % 16:
             r2 = r2.clone()
-    LaunchPlan.build(w, bias, m, x.device, cfg, slices, ctas, counters, policy).launch(
+    LaunchPlan.build(w, bias, m, x.device, cfg, slices, ctas, counters, policy, light_ahead).launch(
         x2.data_ptr(), out.data_ptr(), 0 if r2 is None else r2.data_ptr(), gated)
     return out if flat else out.reshape(*lead, n_out)
 
@@ -177,10 +179,11 @@ class LaunchPlan:
     @classmethod
     def build(cls, w: W4A16Weight, bias: torch.Tensor | None, m: int, device: torch.device,
               cfg=None, slices: int | None = None, ctas: int | None = None,
-              counters: torch.Tensor | None = None, policy: LaunchPolicy | None = None) -> "LaunchPlan":
+              counters: torch.Tensor | None = None, policy: LaunchPolicy | None = None,
+              light_ahead: bool = False) -> "LaunchPlan":
         """w and bias already validated (validate), on `device` and contiguous; m >= 1. slices / ctas:
         matmul_impl's; counters: owned tile counters (checked), or None; policy: the LaunchPolicy
-        (None: the active one)."""
+        (None: the active one); light_ahead: matmul_impl's."""
         for name, t in (("packed", w.packed), ("scales", w.scales), ("zeros", w.zeros)):
             if t is not None and (t.data_ptr() % 16 or not t.is_contiguous()):
                 raise ValueError(f"{name} must be contiguous and 16-byte aligned for the CUDA kernel")
@@ -194,7 +197,16 @@ class LaunchPlan:
             cfg = plan.cfg
             if slices is None and ctas is None:
                 slices, ctas = plan.slices, plan.ctas
-        if cfg.streamk and slices is not None:
+                if (light_ahead and isinstance(cfg, SkinnyConfig) and ctas is None and policy.dsmem_split
+                        and info.cc == 90 and m <= cfg.mt):
+                    kern = _kernel(w.dtype, cfg, w.group_size, w.zeros is not None, w.packed.device.index, w.codebook)
+                    smem = cfg.smem_bytes(w.group_size, w.zeros is not None)
+                    slices = choose_skinny_cluster_split(
+                        cfg, w.n, w.k, info.sm_count, lambda s: kern.max_active_clusters(s, cfg.threads, smem))
+        if isinstance(cfg, SkinnyConfig) and slices is not None and ctas is not None:
+            raise ValueError(f"config {cfg.label()}: a cluster split (slices) sets its own grid; give slices or "
+                             "ctas, not both")
+        if cfg.streamk and slices is not None and not isinstance(cfg, SkinnyConfig):
             raise ValueError(f"config {cfg.label()} is stream-K: it takes ctas (its grid), not slices (a k split)")
         if not cfg.streamk and ctas is not None:
             raise ValueError(f"config {cfg.label()} splits k: it takes slices, not ctas (a stream-K grid)")
@@ -374,10 +386,15 @@ def _skinny_launches(cfg: SkinnyConfig, m: int, w: W4A16Weight, bias, slices, ct
     if w.n % cfg.bn:
         raise ValueError(f"config {cfg.label()} needs n % {cfg.bn} == 0 (n={w.n})")
     asym = w.zeros is not None
-    geo = launch_geometry(cfg, None, ctas, m, w.n, w.k, info.sm_count, w.group_size, asym, clusters,
+    geo = launch_geometry(cfg, slices, ctas, m, w.n, w.k, info.sm_count, w.group_size, asym, clusters,
                           policy.separate_tail)
     kern = _kernel(w.dtype, cfg, w.group_size, asym, w.packed.device.index, w.codebook)
+    if geo.cluster > 1:  # every cluster at once, or the split is not one wave
+        fits = kern.max_active_clusters(geo.cluster, cfg.threads, geo.smem)
+        if geo.ctas // geo.cluster > fits:
+            raise ValueError(f"{cfg.label()}/x{geo.cluster}: {geo.ctas // geo.cluster} clusters of {geo.cluster} "
+                             f"CTAs, and this GPU holds {fits} at once; take fewer slices or wider tiles")
     tail = (i32(m), i32(w.n), i32(w.k))
     head = _weight_args(w, bias)
-    return [(kern, prepare_launch(kern, launch.grid, cfg.threads, geo.smem, pdl=policy.programmatic), (cfg.mt, 64),
-             head, tail) for launch in geo.launches], geo
+    return [(kern, prepare_launch(kern, launch.grid, cfg.threads, geo.smem, launch.cluster, pdl=policy.programmatic),
+             (cfg.mt, 64), head, tail) for launch in geo.launches], geo
