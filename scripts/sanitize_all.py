@@ -19,9 +19,10 @@ One script for every kernel family (issue 30 item 3; it replaces sanitize_w4a16_
                norm and the residual add + norm, under programmatic dependent launch
   rope_cache   kernels/attention/rope_cache.cu: both builds (fp16/bf16), a decode step over many CTAs meeting at
                the cache length and a prompt whose last positions fall past the cache, under programmatic launch
-  rope_attention  kernels/attention/rope_attention.cu: every build (fp16/bf16 x head dims 64/128), a 16-sequence
-               decode step split into one-tile chunks (CTAs combining on counters) with a bool mask, then one
-               past the cache with none, early K/V copies, under programmatic launch
+  rope_attention  kernels/attention/rope_attention.cu: every build (fp16/bf16 x head dims 64/128), decode
+               steps split into one-tile chunks with a bool mask (16 sequences and an 18-chunk cache combining
+               on counters; a 12-chunk cache as one cluster on sm_90), then one past the cache with none, early
+               K/V copies, under programmatic launch
   sgemm        every ladder step's TUNED and TUNED_SMALL configuration (what kernel="auto" / a step
                name can launch), edge tiles, alpha / beta with c
   hgemm        every dispatched configuration (TUNED, TUNED_SMALL, TUNED_LOW_SMEM, step 07's MID /
@@ -1077,8 +1078,9 @@ def enumerate_plans(sm_count: int = 132, cc: int = 90, exhaustive: bool = False,
             add(make_plan("rope_cache", ALL, 0, "a 64-sequence decode step (112 CTAs meet at the length), then a "
                           "33-token prompt whose last 5 positions fall past the cache", dt=fmt["dt"]))
         elif pfam == "rope_attention":
-            add(make_plan("rope_attention", ALL, 0, "a 16-sequence decode step in one-tile chunks with a bool mask, "
-                          "then one past the cache without a mask, early K/V copies", dt=fmt["dt"], d=fmt["d"]))
+            add(make_plan("rope_attention", ALL, 0, "decode steps in one-tile chunks with a bool mask (16 sequences, "
+                          "a 12-chunk cluster, an 18-chunk split through L2), then one past the cache without a "
+                          "mask, early K/V copies", dt=fmt["dt"], d=fmt["d"]))
         elif pfam == "sgemm":
             bm, bn = cfg.tile
             vec = cfg.info.vectorized
@@ -1446,8 +1448,10 @@ def _run_rope_attention(pid: str, a: dict, dev) -> dict:
     gen = torch.Generator().manual_seed(_seed(pid))
     dt, d = _dtype(a["dt"]), int(a["d"])
     info = {"gpu_s": 0.0}
-    # 32 heads on 8 kv heads; chunks of 64: a split of 4 (a cluster combine on sm_90+), of 10 (through L2), none
-    for b, slots, start, masked in ((16, 200, 130, True), (2, 640, 300, True), (3, 64, 70, False)):
+    # 32 heads on 8 kv heads; chunks of 64: a split of 4 over 16 sequences (512 CTAs: through L2), of 12 (one
+    # cluster of a non-portable size on sm_90, through L2 elsewhere), of 18 (through L2), none
+    for b, slots, start, masked in ((16, 200, 130, True), (1, 760, 700, True), (2, 1100, 300, True),
+                                    (3, 64, 70, False)):
         qkv = torch.randn(b, 1, 48 * d, generator=gen).to(dt)
         cos, sin = (torch.rand(b, 1, d, generator=gen).to(dt) for _ in range(2))
         keys, values = (torch.randn(b, 8, slots, d, generator=gen).to(dt) for _ in range(2))

@@ -121,7 +121,7 @@ def test_validation_names_the_rule_and_writes_nothing():
         ops.rope_attention(*many[:3], many[3].keys, many[3].values, many[3].cumulative_length, None, 0.1, 34, 2)
 
 
-@pytest.mark.parametrize("max_splits", [None, ops.MAX_CLUSTER_SPLITS, 3])
+@pytest.mark.parametrize("max_splits", [None, ops.MAX_CLUSTER_SPLITS, ops.HOPPER_CLUSTER_SPLITS, 3])
 @pytest.mark.parametrize("batch,kv_heads,slots,sms", [(1, 8, 576, 132), (1, 8, 2048, 132), (16, 8, 576, 132),
                                                       (64, 8, 2048, 132), (1, 1, 64, 82), (3, 4, 100, 28)])
 def test_plan_takes_whole_tiles_near_two_ctas_an_sm(batch, kv_heads, slots, sms, max_splits):
@@ -145,21 +145,28 @@ def test_plan_takes_whole_tiles_near_two_ctas_an_sm(batch, kv_heads, slots, sms,
                                  GpuSpec("NVIDIA GeForce RTX 4090", 128, 89)],
                          ids=lambda g: g.name)
 def test_the_split_combines_in_a_cluster_only_where_every_cluster_fits(gpu):
-    """On sm_90 and newer a split of 2-8 chunks combines in a cluster when the grid stays within the plan's two CTAs
-    an SM; one chunk needs no combine, and a larger split, a fuller grid or an older GPU combine through L2. The
-    plans of the decode steps routed to the kernel (Llama-3-8B's 8 kv heads, caches up to the routing's limit)
-    split at most 8 ways, and at batch 1-4 every split combines in a cluster."""
+    """On sm_90 and newer a split of 2 to max_cluster_splits chunks (16 on sm_90, whose clusters may exceed the
+    portable 8; 8 elsewhere) combines in a cluster when the grid stays within the plan's two CTAs an SM; one chunk
+    needs no combine, and a larger split, a fuller grid or an older GPU combine through L2. The plans of the decode
+    steps routed to the kernel (Llama-3-8B's 8 kv heads, caches up to the routing's limit) split at most that many
+    ways, at batch 1-4 every split combines in a cluster, and on sm_90 a batch-1 cache of up to 1,024 slots is one
+    64-position tile a CTA."""
     clusters = gpu.cc >= 90
+    most = ops.max_cluster_splits(gpu)
     assert ops.uses_clusters(gpu) == clusters
     assert ops.combine_in_cluster(gpu, 1, 8, 5) == clusters
+    assert ops.combine_in_cluster(gpu, 1, 8, 16) == (gpu.cc == 90)
     assert not ops.combine_in_cluster(gpu, 1, 8, 1)
-    assert not ops.combine_in_cluster(gpu, 1, 8, ops.MAX_CLUSTER_SPLITS + 1)
+    assert not ops.combine_in_cluster(gpu, 1, 8, most + 1)
     assert not ops.combine_in_cluster(gpu, 16, 8, -(-(2 * gpu.sm_count + 1) // (16 * 8)))
     for batch in (1, 2, 4, 8, 16) if clusters else ():
         for slots in range(64, ops.MAX_FUSED_SLOTS + 1, 64):
-            splits = -(-slots // ops.plan_chunk(batch, 8, slots, gpu.sm_count, ops.MAX_CLUSTER_SPLITS))
-            assert splits <= ops.MAX_CLUSTER_SPLITS, (batch, slots)
+            chunk = ops.plan_chunk(batch, 8, slots, gpu.sm_count, most)
+            splits = -(-slots // chunk)
+            assert splits <= most, (batch, slots)
             assert batch > 4 or splits == 1 or ops.combine_in_cluster(gpu, batch, 8, splits), (batch, slots)
+            if gpu.cc == 90 and batch == 1:
+                assert chunk == ops.TILE, slots
 
 
 def test_custom_op_opcheck_and_fullgraph_trace():
@@ -233,14 +240,17 @@ def test_chunks_and_early_copies(chunk, early_kv, cuda):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cluster_combine_gives_the_l2_combines_bits(dtype, cuda):
-    """On sm_90 and newer a split of 2-8 chunks is one cluster that combines its partials through distributed
-    shared memory: the same bits as the combine through L2 over the same chunks (both sum in split order), with
-    chunks past the length fully masked and masked rows; and both within the float64 reference's tolerance."""
+    """On sm_90 and newer a split of 2 to max_cluster_splits chunks is one cluster that combines its partials
+    through distributed shared memory: the same bits as the combine through L2 over the same chunks (both sum in
+    split order), with chunks past the length fully masked and masked rows; and both within the float64
+    reference's tolerance. On sm_90, clusters of 9-16 (non-portable sizes) too."""
     if torch.cuda.get_device_capability(cuda) < (9, 0):
         pytest.skip("thread-block clusters need sm_90")
     cases = [((1, 32, 8, 128, 576), 128), ((3, 12, 4, 128, 100), 64), ((2, 8, 8, 64, 512), 64),
-             ((5, 16, 1, 64, 300), 64), ((1, 64, 8, 128, 1024), 128), ((8, 32, 8, 128, 192), 64)]
+             ((5, 16, 1, 64, 300), 64), ((1, 64, 8, 128, 1024), 128), ((8, 32, 8, 128, 192), 64),
+             ((1, 32, 8, 128, 576), 64), ((2, 8, 4, 64, 1000), 64), ((1, 16, 2, 128, 700), 64)]
     gpu = GpuSpec.current(cuda)
+    cases = [(shape, chunk) for shape, chunk in cases if -(-shape[-1] // chunk) <= ops.max_cluster_splits(gpu)]
     for seed, (shape, chunk) in enumerate(cases):
         assert ops.combine_in_cluster(gpu, shape[0], shape[2], -(-shape[-1] // chunk))  # the cluster path runs
         for mask_kind in ("bool", "additive", "none"):

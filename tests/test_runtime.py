@@ -199,6 +199,28 @@ def test_time_alternating_us_medians_per_callable():
     assert us["long"] > 3 * us["short"] > 0
 
 
+@pytest.mark.gpu
+def test_non_portable_clusters_are_allowed_for_each_kernel_launched(tmp_cache, scratch_kernel):
+    """Two kernels launched with the same configuration in clusters of 16 (above the portable 8; sm_90): each
+    kernel gets the driver's permission, though prepare_launch's memo of configurations is shared by kernels
+    (the second kernel once failed with CUDA_ERROR_INVALID_CLUSTER_SIZE)."""
+    import torch
+
+    from tilefish.runtime import get_kernel, launch_prepared, prepare_launch
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("clusters of 16 need sm_90")
+    (scratch_kernel / "c.cu").write_text(textwrap.dedent('''
+        template <int N> __global__ void add(int* p) { atomicAdd(p, N); }
+    '''))
+    count = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for n in (1, 2):
+        kernel = get_kernel(KernelSpec("c.cu", f"add<{n}>"), torch.cuda.current_device())
+        launch_prepared(kernel, prepare_launch(kernel, 32, 32, cluster=16), count.data_ptr())
+    torch.cuda.synchronize()
+    assert count.item() == 32 * 32 * 1 + 32 * 32 * 2
+
+
 def test_time_alternating_us_rejects_bad_arguments():
     """Bad rounds / per_round or no callables: a ValueError naming the constraint, before any timing."""
     from tilefish.bench.timing import time_alternating_us

@@ -48,7 +48,7 @@ def main():
     mask = (torch.arange(slots, device=dev) <= slots - 64)[None, None, None, :].expand(batch, 1, 1, slots).contiguous()
     sm = torch.cuda.get_device_properties(0).multi_processor_count
     cluster = ra.uses_clusters(tilefish.GpuSpec.current(dev)) and os.environ.get("CLUSTER", "1") != "0"
-    chunk = ra.plan_chunk(batch, kv_heads, slots, sm, ra.MAX_CLUSTER_SPLITS if cluster else None)
+    chunk = ra.plan_chunk(batch, kv_heads, slots, sm, ra.max_cluster_splits(tilefish.GpuSpec.current(dev)) if cluster else None)
     splits = -(-slots // chunk)
     in_cluster = cluster and ra.combine_in_cluster(tilefish.GpuSpec.current(dev), batch, kv_heads, splits)
     ctas = splits * kv_heads * batch

@@ -11,7 +11,7 @@ attention kernels (P is rounded to the activation dtype before its product with 
 
 The plan (`plan_chunk`, one seam): positions are split into chunks of whole 64-position tiles so the launch
 has about two CTAs an SM (batch 1, a 512-slot cache, 8 kv heads: 8 chunks of 64, 64 CTAs). On sm_90 and newer
-(`uses_clusters`) a (sequence, kv head) takes at most MAX_CLUSTER_SPLITS chunks, launched as one thread-block
+(`uses_clusters`) a (sequence, kv head) takes at most `max_cluster_splits` chunks, launched as one thread-block
 cluster that combines its partials through distributed shared memory; otherwise (and for a larger split asked
 through `chunk`) the CTAs combine through L2, the last to arrive on its counter writing the output.
 Scratch: fp32 partials allocated per call; the counters (1 + batch x kv heads int32, left at zero) are the W4A16
@@ -43,7 +43,8 @@ HEAD_DIMS = (64, 128)
 MAX_GROUPS = 16  # query heads a kv head: the rows of one mma.m16n8k16 tile
 THREADS, TILE = 128, 64  # kernels/attention/rope_attention.cu
 MAX_GRID_YZ = 65535
-MAX_CLUSTER_SPLITS = 8  # the portable cluster size; the kernel's combine holds this many (its MAX_CLUSTER)
+MAX_CLUSTER_SPLITS = 8  # the portable cluster size
+HOPPER_CLUSTER_SPLITS = 16  # sm_90's non-portable limit; the kernel's combine holds this many (its MAX_CLUSTER)
 # The fused forward routes a decode step here (decoder.FusedAttention) when routes_decode_step says so: at most
 # this many sequences and cache slots. Measured against rope_cache + the attention function, a Llama-3-8B-shaped
 # model, 8 layers, H200 (scripts/profile_e2e.py, bench/results/h200/ab/e2e_profile_rope_attention_by_cache.txt):
@@ -88,18 +89,26 @@ def plan_chunk(batch: int, kv_heads: int, slots: int, sm_count: int, max_splits:
     return min(tiles, per_cta) * TILE
 
 
+def max_cluster_splits(gpu: GpuSpec) -> int:
+    """The most chunks a (sequence, kv head) takes as one cluster on this GPU: sm_90 launches clusters of up to 16
+    CTAs once a kernel allows non-portable sizes (so a 513-1,024-slot cache is one tile a CTA at batch 1-2);
+    elsewhere the portable 8, the size measured there."""
+    return HOPPER_CLUSTER_SPLITS if gpu.cc == 90 else MAX_CLUSTER_SPLITS
+
+
 def uses_clusters(gpu: GpuSpec) -> bool:
     """Whether split caches combine through distributed shared memory in clusters on this GPU (sm_90 and newer),
-    so the plan keeps a split within MAX_CLUSTER_SPLITS (combine_in_cluster decides each launch)."""
+    so the plan keeps a split within max_cluster_splits (combine_in_cluster decides each launch)."""
     return gpu.cc >= 90
 
 
 def combine_in_cluster(gpu: GpuSpec, batch: int, kv_heads: int, splits: int) -> bool:
     """Whether a launch of `splits` chunks a (sequence, kv head) runs each split as one cluster: on a GPU that
-    uses clusters, 2..MAX_CLUSTER_SPLITS chunks, and a grid within the plan's two CTAs an SM. Past that the
+    uses clusters, 2..max_cluster_splits chunks, and a grid within the plan's two CTAs an SM. Past that the
     clusters (placed a GPC at a time) did not all fit beside each other where the CTAs alone did: batch 16,
     2,112 slots, 384 CTAs in clusters of 3 took 1,397 us a step (8 layers, H200) against 1,199 through L2."""
-    return uses_clusters(gpu) and 1 < splits <= MAX_CLUSTER_SPLITS and batch * kv_heads * splits <= 2 * gpu.sm_count
+    return (uses_clusters(gpu) and 1 < splits <= max_cluster_splits(gpu)
+            and batch * kv_heads * splits <= 2 * gpu.sm_count)
 
 
 def supports(head_dim: int, heads: int, kv_heads: int) -> bool:
@@ -172,9 +181,14 @@ def rope_attention_impl(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         raise ValueError(f"rope_attention: a cluster combine needs sm_90 or newer; {qkv.device} is sm_{gpu.cc}")
     # the last CTA of a split combine keeps every split's max and sum a head in the ring's shared memory
     max_splits = (4 * TILE * d * 2 // 4 - groups) // (2 * groups)
+    kern = get_kernel(kernel_spec(qkv.dtype, d), qkv.get_device())
     if chunk is None:
-        chunk = max(plan_chunk(b, kv_heads, slots, gpu.sm_count, MAX_CLUSTER_SPLITS if cluster else None),
-                    -(-slots // (max_splits * TILE)) * TILE)
+        cap = max_cluster_splits(gpu) if cluster else None
+        chunk = plan_chunk(b, kv_heads, slots, gpu.sm_count, cap)
+        if cap is not None and -(-slots // chunk) > MAX_CLUSTER_SPLITS and (
+                kern.max_active_clusters(-(-slots // chunk), THREADS, smem_bytes(d)) < b * kv_heads):
+            chunk = plan_chunk(b, kv_heads, slots, gpu.sm_count, MAX_CLUSTER_SPLITS)  # not all at once: portable
+        chunk = max(chunk, -(-slots // (max_splits * TILE)) * TILE)
     elif isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < TILE or chunk % TILE:
         raise ValueError(f"rope_attention: chunk must be a positive multiple of {TILE}, got {chunk!r}")
     elif -(-slots // chunk) > max_splits:
@@ -205,7 +219,6 @@ def rope_attention_impl(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     out = torch.empty((b, 1, heads, d), dtype=qkv.dtype, device=qkv.device)
     partials = torch.empty(b * kv_heads * splits * groups * (d + 2) if splits > 1 and not in_cluster else 1,
                            dtype=torch.float32, device=qkv.device)
-    kern = get_kernel(kernel_spec(qkv.dtype, d), index)
     cfg = prepare_launch(kern, (splits, kv_heads, b), THREADS, smem=smem_bytes(d), cluster=splits if in_cluster else 1,
                          pdl=pdl)
     if mask is None:

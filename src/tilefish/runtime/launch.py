@@ -192,6 +192,8 @@ def prepare_launch(kernel: LoadedKernel, grid, block, smem: int = 0, cluster: in
     or reads. Memoized: cheap to call per launch."""
     if smem + kernel.compiled.resources.static_smem > _DEFAULT_DYN_SMEM:  # the 48 KB default covers both
         kernel.ensure_dynamic_smem(smem)
+    if cluster > 8:  # per kernel, so outside the memo, which kernels share
+        kernel.allow_cluster(cluster)
     pdl = pdl and device_info(kernel.device).cc >= 90
     key = (grid, block, smem, cluster, pdl)
     cfg = _configs.get(key)
@@ -201,7 +203,6 @@ def prepare_launch(kernel: LoadedKernel, grid, block, smem: int = 0, cluster: in
         if len(_configs) > 4096:  # shapes vary without bound in some workloads; keep the memo small
             _configs.clear()
         if cluster > 1:  # cuda.core counts clusters, not blocks, in `grid` when a cluster is given
-            kernel.allow_cluster(cluster)
             g = (grid,) if isinstance(grid, int) else tuple(grid)
             if g[0] % cluster:
                 raise ValueError(f"grid.x = {g[0]} is not a multiple of the cluster size {cluster}")

@@ -43,7 +43,7 @@ using namespace tf;
 namespace {
 
 constexpr int THREADS = 128, WARPS = 4, TILE = 64, ROWS = 16;
-constexpr int MAX_CLUSTER = 8;  // splits a cluster combine takes (ops/rope_attention.py MAX_CLUSTER_SPLITS)
+constexpr int MAX_CLUSTER = 16;  // splits a cluster combine takes (sm_90's non-portable limit; ops/rope_attention.py)
 constexpr float LOG2E = 1.4426950408889634f;
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
