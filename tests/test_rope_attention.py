@@ -25,7 +25,7 @@ from tilefish import GpuSpec
 from tilefish.reference import rope_cache as rope_cache_reference
 from tilefish.ops import library
 from tilefish.ops import rope_attention as ops
-from tilefish.ops.w4a16 import layer_counters, make_layer_counters
+from tilefish.ops.w4a16 import LaunchPolicy, launch_policy, layer_counters, make_layer_counters
 
 DTYPES = (torch.float16, torch.bfloat16)
 TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2}  # P rounded to the dtype before P V, out rounded once
@@ -167,6 +167,19 @@ def test_the_split_combines_in_a_cluster_only_where_every_cluster_fits(gpu):
             assert batch > 4 or splits == 1 or ops.combine_in_cluster(gpu, batch, 8, splits), (batch, slots)
             if gpu.cc == 90 and batch == 1:
                 assert chunk == ops.TILE, slots
+
+
+def test_wide_clusters_off_keeps_the_portable_split_on_sm_90():
+    """LaunchPolicy(wide_clusters=False) plans an H200's batch-1 576-slot cache as before the non-portable sizes:
+    at most 8 chunks (5 of two tiles), every split still one cluster; other GPUs plan the same either way."""
+    h200, b200 = GpuSpec("NVIDIA H200", 132, 90), GpuSpec("NVIDIA B200", 148, 100)
+    wide = -(-576 // ops.plan_chunk(1, 8, 576, 132, ops.max_cluster_splits(h200)))
+    with launch_policy(LaunchPolicy(wide_clusters=False)):
+        narrow = -(-576 // ops.plan_chunk(1, 8, 576, 132, ops.max_cluster_splits(h200)))
+        assert not ops.combine_in_cluster(h200, 1, 8, 9) and ops.combine_in_cluster(h200, 1, 8, narrow)
+        assert ops.max_cluster_splits(b200) == 8
+    assert (wide, narrow) == (9, 5)
+    assert ops.combine_in_cluster(h200, 1, 8, 9) and ops.max_cluster_splits(b200) == 8
 
 
 def test_custom_op_opcheck_and_fullgraph_trace():

@@ -41,6 +41,10 @@ def test_policy_checks_each_field_and_is_immutable():
     for bad in ("Rule", "", None, True):
         with pytest.raises(ValueError, match="LaunchPolicy.separate_tail must be 'rule', 'never' or 'always'"):
             ops.LaunchPolicy(separate_tail=bad)
+    for field in ("programmatic", "wide_clusters"):
+        for bad in (1, 0, "yes", None):
+            with pytest.raises(ValueError, match=f"LaunchPolicy.{field} must be True or False"):
+                ops.LaunchPolicy(**{field: bad})
     p = ops.LaunchPolicy(dsmem_split=False)
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.dsmem_split = True

@@ -7,9 +7,7 @@ default); all variants' graphs are then replayed in alternating rounds in this o
 
     python scripts/experiments/chain_plans.py [layers] [batch] [rounds]     (env CONTEXT: cache positions, default 512)
 Env VARIANTS: a comma list of name=ENTRY|ENTRY|... (default below; "default" is the dispatcher's own choice),
-an ENTRY being @field=0|1 (a LaunchPolicy switch captured under, e.g. @flagged_fixup=0),
-%module:NAME=INT (a module's constant set while the variant is captured, e.g.
-%tilefish.ops.rope_attention:HOPPER_CLUSTER_SPLITS=8),
+an ENTRY being @field=0|1 (a LaunchPolicy switch captured under, e.g. @wide_clusters=0),
 KxN:plan (that weight's plan at this batch) or KxN:plan:DEFINE+DEFINE or ::DEFINE+DEFINE: kernels
 built with those defines (DEFINE or NAME=VALUE) (an experiment's -D switch in a kernel source, each added to the source its prefix
 names: kernel_defines.DEFINE_SOURCES). E.g. the o projection on the skinny kernel, and that plus a rope_attention build
@@ -18,8 +16,6 @@ with an experiment switch:
 """
 from __future__ import annotations
 
-import contextlib
-import importlib
 import json
 import os
 import statistics
@@ -51,15 +47,10 @@ def table_file(key: str, plans: list[tuple[int, int, str]], m: int, folder: str)
     return path
 
 
-def parse_variant(spec: str) -> tuple[list[tuple[int, int, str]], tuple[str, ...], dict, dict]:
-    """ENTRY|ENTRY|... -> ([(k, n, plan), ...], defines, LaunchPolicy switches, {(module, NAME): int})."""
-    plans, defines, switches, constants = [], [], {}, {}
+def parse_variant(spec: str) -> tuple[list[tuple[int, int, str]], tuple[str, ...], dict]:
+    """ENTRY|ENTRY|... -> ([(k, n, plan), ...], defines, LaunchPolicy switches)."""
+    plans, defines, switches = [], [], {}
     for entry in spec.split("|"):
-        if entry.startswith("%"):
-            target, _, value = entry[1:].partition("=")
-            module, _, name = target.partition(":")
-            constants[(module, name)] = int(value)
-            continue
         if entry.startswith("@"):
             field, _, value = entry[1:].partition("=")
             switches[field] = value not in ("0", "false", "False")
@@ -69,22 +60,7 @@ def parse_variant(spec: str) -> tuple[list[tuple[int, int, str]], tuple[str, ...
             k, n = map(int, shape.split("x"))
             plans.append((k, n, plan))
         defines += [d for d in extra.split("+") if d]
-    return plans, tuple(defines), switches, constants
-
-
-@contextlib.contextmanager
-def module_constants(constants: dict):
-    """Set each (module, NAME) to its value for the block, then put the old values back."""
-    old = {}
-    try:
-        for (module, name), value in constants.items():
-            mod = importlib.import_module(module)
-            old[(mod, name)] = getattr(mod, name)  # an unknown name is an AttributeError, not a silent new one
-            setattr(mod, name, value)
-        yield
-    finally:
-        for (mod, name), value in old.items():
-            setattr(mod, name, value)
+    return plans, tuple(defines), switches
 
 
 def main():
@@ -111,7 +87,7 @@ def main():
         runner = e2e._HF(cfg, dev)
         policy = LaunchPolicy(**({} if v is None else v[2]))
         try:
-            with torch.no_grad(), launch_policy(policy), module_constants({} if v is None else v[3]):
+            with torch.no_grad(), launch_policy(policy):
                 profile_e2e.convert_variant(runner, "w4a16")
                 replays[name] = (runner, profile_e2e.captured_step(runner, cfg, batch, dev, context))
         except ValueError as e:  # e.g. a forced plan this GPU cannot launch: the other variants still run

@@ -92,8 +92,8 @@ def plan_chunk(batch: int, kv_heads: int, slots: int, sm_count: int, max_splits:
 def max_cluster_splits(gpu: GpuSpec) -> int:
     """The most chunks a (sequence, kv head) takes as one cluster on this GPU: sm_90 launches clusters of up to 16
     CTAs once a kernel allows non-portable sizes (so a 513-1,024-slot cache is one tile a CTA at batch 1-2);
-    elsewhere the portable 8, the size measured there."""
-    return HOPPER_CLUSTER_SPLITS if gpu.cc == 90 else MAX_CLUSTER_SPLITS
+    elsewhere, or with the active launch policy's wide_clusters off, the portable 8."""
+    return HOPPER_CLUSTER_SPLITS if gpu.cc == 90 and resolve_policy(None).wide_clusters else MAX_CLUSTER_SPLITS
 
 
 def uses_clusters(gpu: GpuSpec) -> bool:

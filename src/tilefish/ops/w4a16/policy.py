@@ -1,4 +1,5 @@
-"""The launch policy of the W4A16 / NF4 op: the launch choices A/Bs, sweeps and the sanitizer switch.
+"""The launch policy of the W4A16 / NF4 op and the kernels launched around it (norm, rope_attention): the launch
+choices A/Bs, sweeps and the sanitizer switch.
 
 A LaunchPolicy is one immutable value, checked when it is made. Every plan is made under one:
 an explicit `policy=` argument (LaunchPlan.build, matmul_impl, plan), else the active one, which
@@ -37,17 +38,23 @@ class LaunchPolicy:
     programmatic: every launch under programmatic dependent launch (sm_90+): a kernel may start while
     the one ahead of it in the stream finishes, streaming its first weights meanwhile (the kernels wait
     for it before reading x or writing anything); the tilefish kernels around it (tilefish.norm) follow
-    the same switch. False: each launch starts once the kernel ahead has ended."""
+    the same switch. False: each launch starts once the kernel ahead has ended.
+    wide_clusters: clusters of more than the portable 8 CTAs (sm_90's non-portable sizes, up to 16) where a
+    plan takes them: today rope_attention's split combine (ops.rope_attention.max_cluster_splits). False: 8 at
+    most, as on every other GPU."""
 
     dsmem_split: bool = True
     separate_tail: str = "rule"
     programmatic: bool = True
+    wide_clusters: bool = True
 
     def __post_init__(self):
         if not isinstance(self.dsmem_split, bool):
             raise ValueError(f"LaunchPolicy.dsmem_split must be True or False, got {self.dsmem_split!r}")
         if not isinstance(self.programmatic, bool):
             raise ValueError(f"LaunchPolicy.programmatic must be True or False, got {self.programmatic!r}")
+        if not isinstance(self.wide_clusters, bool):
+            raise ValueError(f"LaunchPolicy.wide_clusters must be True or False, got {self.wide_clusters!r}")
         if not isinstance(self.separate_tail, str) or self.separate_tail not in SEPARATE_TAIL_MODES:
             raise ValueError(f"LaunchPolicy.separate_tail must be 'rule', 'never' or 'always', got "
                              f"{self.separate_tail!r}")
