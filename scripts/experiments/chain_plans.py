@@ -8,6 +8,8 @@ default); all variants' graphs are then replayed in alternating rounds in this o
     python scripts/experiments/chain_plans.py [layers] [batch] [rounds]     (env CONTEXT: cache positions, default 512)
 Env VARIANTS: a comma list of name=ENTRY|ENTRY|... (default below; "default" is the dispatcher's own choice),
 an ENTRY being @field=0|1 (a LaunchPolicy switch captured under, e.g. @wide_clusters=0),
++module:function (function(model) called on the converted model before the capture: an experiment's forward, e.g.
++norm_fold:install from scripts/experiments),
 KxN:plan (that weight's plan at this batch) or KxN:plan:DEFINE+DEFINE or ::DEFINE+DEFINE: kernels
 built with those defines (DEFINE or NAME=VALUE) (an experiment's -D switch in a kernel source, each added to the source its prefix
 names: kernel_defines.DEFINE_SOURCES). E.g. the o projection on the skinny kernel, and that plus a rope_attention build
@@ -16,6 +18,7 @@ with an experiment switch:
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import statistics
@@ -47,10 +50,13 @@ def table_file(key: str, plans: list[tuple[int, int, str]], m: int, folder: str)
     return path
 
 
-def parse_variant(spec: str) -> tuple[list[tuple[int, int, str]], tuple[str, ...], dict]:
-    """ENTRY|ENTRY|... -> ([(k, n, plan), ...], defines, LaunchPolicy switches)."""
-    plans, defines, switches = [], [], {}
+def parse_variant(spec: str) -> tuple[list[tuple[int, int, str]], tuple[str, ...], dict, list[str]]:
+    """ENTRY|ENTRY|... -> ([(k, n, plan), ...], defines, LaunchPolicy switches, ["module:function", ...])."""
+    plans, defines, switches, hooks = [], [], {}, []
     for entry in spec.split("|"):
+        if entry.startswith("+"):
+            hooks.append(entry[1:])
+            continue
         if entry.startswith("@"):
             field, _, value = entry[1:].partition("=")
             switches[field] = value not in ("0", "false", "False")
@@ -60,7 +66,7 @@ def parse_variant(spec: str) -> tuple[list[tuple[int, int, str]], tuple[str, ...
             k, n = map(int, shape.split("x"))
             plans.append((k, n, plan))
         defines += [d for d in extra.split("+") if d]
-    return plans, tuple(defines), switches
+    return plans, tuple(defines), switches, hooks
 
 
 def main():
@@ -89,6 +95,9 @@ def main():
         try:
             with torch.no_grad(), launch_policy(policy):
                 profile_e2e.convert_variant(runner, "w4a16")
+                for hook in [] if v is None else v[3]:
+                    module, _, function = hook.partition(":")
+                    getattr(importlib.import_module(module), function)(runner.model)
                 replays[name] = (runner, profile_e2e.captured_step(runner, cfg, batch, dev, context))
         except ValueError as e:  # e.g. a forced plan this GPU cannot launch: the other variants still run
             print(f"{name}: not run: {e}", flush=True)
