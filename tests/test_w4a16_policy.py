@@ -342,3 +342,16 @@ def test_light_ahead_takes_the_cluster_split_only_where_the_rule_does(described)
         assert ops.LaunchPlan.build(_weight(n, k, 128, False), None, 1, dev, light_ahead=True).geometry.cluster == 1
     forced = ops.LaunchPlan.build(qkv, None, 1, dev, ops.SkinnyConfig(8, 4, 1, 3, 2), light_ahead=True)
     assert forced.geometry.cluster == 1
+
+
+def test_light_ahead_must_be_a_bool():
+    """A light_ahead that is not a bool is a TypeError naming it, before any plan or launch (CPU too)."""
+    import torch
+
+    from tilefish import w4a16
+
+    w = w4a16.quantize(torch.randn(256, 128), 128, True, dtype=torch.float16)
+    x = torch.randn(1, 128, dtype=torch.float16)
+    for bad in ("yes", 1, None):
+        with pytest.raises(TypeError, match="light_ahead must be True or False"):
+            ops.matmul_impl(x, w, light_ahead=bad)

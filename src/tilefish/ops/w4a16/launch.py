@@ -106,6 +106,8 @@ def matmul_impl(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = Non
     thread-block clusters (dispatch.choose_skinny_cluster_split)."""
     validate(x, w, bias)
     validate_epilogue(x, w, residual, gated)
+    if not isinstance(light_ahead, bool):
+        raise TypeError(f"light_ahead must be True or False, got {light_ahead!r}")
     policy = resolve_policy(policy)
     if slices is not None:
         _check_count("slices", slices)
