@@ -34,9 +34,9 @@ TWIN_TOL = {torch.float16: 1e-2, torch.bfloat16: 3e-2}   # two layers of 16-bit 
 STEP_TOL = {torch.float16: 1e-2, torch.bfloat16: 3e-2}   # compiled vs eager: Inductor fuses norms, rotary
 
 
-def _model(variant: str, family: str = "llama"):
+def _model(variant: str, family: str = "llama", **config):
     method, fuse, skip, dtype = VARIANTS[variant]
-    model = build(family, dtype, "cuda")
+    model = build(family, dtype, "cuda", **config)
     extra = {"clip_search": False} if method == "w4a16" else {}
     tilefish.quantize_model(model, method, fuse=fuse, skip=skip, **extra)
     return model, dtype
@@ -123,6 +123,24 @@ def test_generate_static_cache_compiled_by_hf(variant):
             assert rel(steps[t], eager_steps[t]) < STEP_TOL[dtype], (batch_ids.shape[0], t)
         for t, (got, want) in enumerate(zip(steps, teacher_forced(model, seqs, PROMPT, batch_mask))):
             assert rel(got, want) < STEP_TOL[dtype], (batch_ids.shape[0], t)
+    _assert_no_fallback()
+    assert _no_shared_results(model)
+
+
+def test_generate_static_cache_past_512_slots():
+    """HF's static-cache fast path over a cache of 700+ slots, batch 1 and 2: at 2 KV heads that is 12
+    one-tile chunks a (sequence, head), which sm_90 combines in clusters wider than the portable 8 and other
+    GPUs through smaller clusters or L2. Each compiled step (graph trees) against a teacher-forced forward."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    model, dtype = _model("w4a16-fused", max_position_embeddings=1024)
+    prompt = 700
+    for batch in (1, 2):
+        ids = torch.randint(3, 512, (batch, prompt), device="cuda")
+        seqs, steps = generate(model, ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                               cache_implementation="static", compile_config=CompileConfig(fullgraph=True))
+        for t, (got, want) in enumerate(zip(steps, teacher_forced(model, seqs, prompt))):
+            assert rel(got, want) < STEP_TOL[dtype], (batch, t)
     _assert_no_fallback()
     assert _no_shared_results(model)
 
