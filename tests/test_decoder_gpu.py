@@ -145,18 +145,22 @@ def test_static_cache_decode_steps_run_rotary_cache_write_and_attention_as_one_k
     assert not any(k in n.lower() for n in names for k in ("sdpa", "fmha", "flash")), names
 
 
-def test_decode_steps_over_a_long_cache_take_rope_cache_and_the_attention_function():
-    """Past rope_attention's measured cache length (routes_decode_step) a decode step runs the rope_cache kernel
-    and the model's attention function, one of each a layer and no rope_attention, with logits and cache still
-    transformers' forward over the same 4-bit layers."""
+@pytest.mark.parametrize("slots", [1152, 8192])
+def test_decode_steps_past_1024_slots_follow_the_routing(slots):
+    """Past 1,024 cache slots a decode step takes rope_attention where routes_decode_step says so for this GPU
+    (on sm_90 a 1,152-slot cache at 2 kv heads: 9 two-tile chunks in a cluster), else the rope_cache kernel
+    and the model's attention function (an 8,192-slot cache: 8 tiles a CTA), one launch of each kind a layer,
+    with logits and cache still transformers' forward over the same 4-bit layers."""
     from transformers import StaticCache
 
     from tilefish.ops import rope_attention as rope_attention_ops
 
     dtype = torch.float16
     model, twin = _models("llama", dtype)
-    slots = rope_attention_ops.MAX_FUSED_SLOTS + 64
-    assert not rope_attention_ops.routes_decode_step(2, slots)
+    routed = rope_attention_ops.routes_decode_step(
+        2, 2, slots, lambda: rope_attention_ops.device_decode_limits(torch.cuda.current_device(), dtype, 64))
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert routed == (slots == 1152)
     torch.manual_seed(12)
     prompt = torch.randint(3, 512, (2, 5), device="cuda")
     caches = [StaticCache(config=m.config, max_cache_len=slots) for m in (model, twin)]
@@ -173,5 +177,6 @@ def test_decode_steps_over_a_long_cache_take_rope_cache_and_the_attention_functi
         assert rel(a.keys, b.keys) < TOL[dtype] and rel(a.values, b.values) < TOL[dtype]
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     layers = len(model.model.layers)
-    assert sum("rope_cache" in n for n in names) == layers, names
-    assert not any("rope_attention" in n for n in names), names
+    ran, other = ("rope_attention", "rope_cache") if routed else ("rope_cache", "rope_attention")
+    assert sum(ran in n for n in names) == layers, names
+    assert not any(other in n for n in names), names

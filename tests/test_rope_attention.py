@@ -169,6 +169,40 @@ def test_the_split_combines_in_a_cluster_only_where_every_cluster_fits(gpu):
                 assert chunk == ops.TILE, slots
 
 
+def test_decode_steps_past_1024_slots_route_where_a_cta_streams_few_tiles():
+    """The routing past 1,024 slots (Llama-3-8B's 8 kv heads): on a described H200 a step goes to rope_attention
+    while a CTA streams at most 4 tiles in a split of at most 16 chunks (batch 1-2 up to 4,096 slots, batch 4 up to
+    2,112; not batch 1 at 8,192, batch 4 at 4,096, batch 8 at 2,112, nor above 16 sequences at any length); with
+    the wide clusters off, on a GPU without clusters, or where the driver cannot hold a wider split's clusters at
+    once, the wider chunks or many-way L2 combines that follow keep those steps on rope_cache + SDPA. Up to 1,024
+    slots every batch of at most 16 routes, whatever the GPU."""
+    h200 = ops.decode_limits(GpuSpec("NVIDIA H200", 132, 90))
+
+    def routes(batch, slots, limits=h200):
+        return ops.routes_decode_step(batch, 8, slots, lambda: limits)
+
+    for batch, slots in ((1, 1088), (1, 2112), (1, 4096), (2, 1088), (2, 4096), (4, 1088), (4, 2112)):
+        assert routes(batch, slots), (batch, slots)
+    for batch, slots in ((1, 8192), (1, 16384), (2, 16384), (4, 4096), (8, 2112), (8, 4096), (16, 1088)):
+        assert not routes(batch, slots), (batch, slots)
+    assert all(routes(b, s) for b in (1, 2, 4, 8, 16) for s in (64, 576, 1024))
+    assert not routes(17, 64)
+    with launch_policy(LaunchPolicy(wide_clusters=False)):
+        portable = ops.decode_limits(GpuSpec("NVIDIA H200", 132, 90))
+    assert not routes(1, 4096, portable) and not routes(1, 2112, portable)
+    crowded = h200._replace(wide_resident=(7,) * (h200.cluster_splits - ops.MAX_CLUSTER_SPLITS))
+    assert not routes(1, 4096, crowded)  # 8 sequence-heads, room for 7 clusters of 16: the portable plan
+    a100 = ops.decode_limits(GpuSpec("NVIDIA A100-SXM4-80GB", 108, 80))
+    assert not routes(1, 2112, a100) and not routes(1, 4096, a100) and routes(1, 1024, a100)
+
+
+def test_the_routing_limits_are_asked_for_only_past_1024_slots():
+    def never():
+        raise AssertionError("asked for the GPU's limits")
+
+    assert ops.routes_decode_step(1, 8, 1024, never) and not ops.routes_decode_step(17, 8, 4096, never)
+
+
 def test_wide_clusters_off_keeps_the_portable_split_on_sm_90():
     """LaunchPolicy(wide_clusters=False) plans an H200's batch-1 576-slot cache as before the non-portable sizes:
     at most 8 chunks (5 of two tiles), every split still one cluster; other GPUs plan the same either way."""

@@ -127,14 +127,15 @@ def test_generate_static_cache_compiled_by_hf(variant):
     assert _no_shared_results(model)
 
 
-def test_generate_static_cache_past_512_slots():
-    """HF's static-cache fast path over a cache of 700+ slots, batch 1 and 2: at 2 KV heads that is 12
-    one-tile chunks a (sequence, head), which sm_90 combines in clusters wider than the portable 8 and other
-    GPUs through smaller clusters or L2. Each compiled step (graph trees) against a teacher-forced forward."""
+def test_generate_static_cache_past_1024_slots():
+    """HF's static-cache fast path over a cache of 1,100+ slots, batch 1 and 2: at 2 KV heads that is 9 two-tile
+    chunks a (sequence, head), which sm_90 routes to rope_attention and combines in clusters wider than the
+    portable 8, and other GPUs route to rope_cache + SDPA. Each compiled step (graph trees) against a
+    teacher-forced forward."""
     from transformers.generation.configuration_utils import CompileConfig
 
-    model, dtype = _model("w4a16-fused", max_position_embeddings=1024)
-    prompt = 700
+    model, dtype = _model("w4a16-fused", max_position_embeddings=2048)
+    prompt = 1100
     for batch in (1, 2):
         ids = torch.randint(3, 512, (batch, prompt), device="cuda")
         seqs, steps = generate(model, ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,

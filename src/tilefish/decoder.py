@@ -204,13 +204,17 @@ class FusedAttention:
         keyword that changes the math) of a shape the kernel takes."""
         if not x.is_cuda or x.shape[1] != 1 or (self.training and self.attention_dropout > 0):
             return False
-        if not rope_attention_ops.routes_decode_step(x.shape[0], layer.keys.shape[2]):
-            return False
         if self.config._attn_implementation not in ("sdpa", TILEFISH_SDPA):
             return False
         keys, d = layer.keys, self.head_dim
         fused = self.q_proj.fused
-        if not rope_attention_ops.supports(d, fused.split_sizes[0] // d, fused.split_sizes[1] // d):
+        kv_heads = fused.split_sizes[1] // d
+        if not rope_attention_ops.supports(d, fused.split_sizes[0] // d, kv_heads):
+            return False
+        index, dtype = x.device.index, x.dtype
+        if not rope_attention_ops.routes_decode_step(
+                x.shape[0], kv_heads, keys.shape[2],
+                lambda: rope_attention_ops.device_decode_limits(index, dtype, d)):
             return False
         if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 4
                                      and mask.dtype in (torch.bool, x.dtype) and mask.shape[0] in (1, x.shape[0])

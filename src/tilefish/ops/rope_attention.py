@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -45,21 +46,76 @@ THREADS, TILE = 128, 64  # kernels/attention/rope_attention.cu
 MAX_GRID_YZ = 65535
 MAX_CLUSTER_SPLITS = 8  # the portable cluster size
 HOPPER_CLUSTER_SPLITS = 16  # sm_90's non-portable limit; the kernel's combine holds this many (its MAX_CLUSTER)
-# The fused forward routes a decode step here (decoder.FusedAttention) when routes_decode_step says so: at most
-# this many sequences and cache slots. Measured against rope_cache + the attention function, a Llama-3-8B-shaped
-# model, 8 layers, H200 (scripts/profile_e2e.py, bench/results/h200/ab/e2e_profile_rope_attention_by_cache.txt):
-# at 32-1,088 slots even to 3 us a layer faster at batch 16 and within about 1.3 us a layer either way at batch 1;
-# at 2,112 and 4,096 slots slower at both (batch 16, 4,096 slots: +12 us a layer, +7% a step), because a long
-# cache is split into many chunks at batch 1 (the last CTA combines up to 33 partials) and a few long ones at
-# batch 16, which stream slower than cuDNN's kernel. Larger batches were not measured.
+# The fused forward routes a decode step here (decoder.FusedAttention) when routes_decode_step says so. Measured
+# against rope_cache + the attention function, a Llama-3-8B-shaped model (8 kv heads), 8 layers, H200
+# (scripts/profile_e2e.py, -ropecache against -allslots):
+# - up to 1,024 slots, batches 1-16 (bench/results/h200/ab/e2e_profile_rope_attention_by_cache.txt): even to 3 us a
+#   layer faster;
+# - past it (e2e_profile_rope_attention_routing_cluster16.txt, with the 16-chunk clusters): 1.2-6.9 us a layer
+#   faster wherever a CTA streams at most 4 tiles and a split has at most 16 chunks (batch 1-2 up to 4,096 slots,
+#   batch 4 up to 2,112); from 8 tiles a CTA on it was 1.6-31 us a layer slower at 7 of 9 points (a CTA's tiles
+#   stream one after another through a 2-stage ring, slower than cuDNN's kernel), and so was a 33-way L2 combine
+#   of 1-tile chunks at batch 1, 2,112 slots (+2.9). Batches above 16 were not measured.
 MAX_FUSED_BATCH = 16
 MAX_FUSED_SLOTS = 1024
+MAX_ROUTED_CHUNK = 4 * TILE
+MAX_ROUTED_SPLITS = HOPPER_CLUSTER_SPLITS
 
 
-def routes_decode_step(batch: int, slots: int) -> bool:
+class DecodeLimits(NamedTuple):
+    """What the plan of a decode step depends on besides its shape: the GPU's SM count, the most chunks a
+    (sequence, kv head) takes as one cluster (0: the GPU combines through L2), and how many clusters of
+    MAX_CLUSTER_SPLITS + 1 .. cluster_splits CTAs the driver holds at once (empty: all it is asked for)."""
+    sm_count: int
+    cluster_splits: int
+    wide_resident: tuple[int, ...] = ()
+
+
+def decode_limits(gpu: GpuSpec, wide_resident: tuple[int, ...] = ()) -> DecodeLimits:
+    """A GPU's DecodeLimits under the active launch policy (a described GPU: every cluster fits)."""
+    return DecodeLimits(gpu.sm_count, max_cluster_splits(gpu) if uses_clusters(gpu) else 0, wide_resident)
+
+
+@torch.compiler.assume_constant_result
+def device_decode_limits(index: int, dtype: torch.dtype, head_dim: int) -> DecodeLimits:
+    """The present GPU's DecodeLimits for this build, with the driver's cluster answer; a constant to
+    torch.compile (the launch policy as it stands when the step is traced)."""
+    gpu = GpuSpec.current(index)
+    limits = decode_limits(gpu)
+    if limits.cluster_splits <= MAX_CLUSTER_SPLITS:
+        return limits
+    return limits._replace(wide_resident=_wide_resident(index, dtype, head_dim, limits.cluster_splits))
+
+
+@functools.lru_cache(maxsize=None)
+def _wide_resident(index: int, dtype: torch.dtype, head_dim: int, cap: int) -> tuple[int, ...]:
+    kern = get_kernel(kernel_spec(dtype, head_dim), index)
+    return tuple(kern.max_active_clusters(n, THREADS, smem_bytes(head_dim))
+                 for n in range(MAX_CLUSTER_SPLITS + 1, cap + 1))
+
+
+def split_chunk(batch: int, kv_heads: int, slots: int, limits: DecodeLimits) -> int:
+    """plan_chunk under the GPU's cluster cap, or the portable cap where the driver cannot hold a wider split's
+    clusters all at once (one seam: the launch and the routing plan alike)."""
+    cap = limits.cluster_splits or None
+    chunk = plan_chunk(batch, kv_heads, slots, limits.sm_count, cap)
+    splits = -(-slots // chunk)
+    if cap is not None and splits > MAX_CLUSTER_SPLITS and limits.wide_resident and (
+            limits.wide_resident[splits - MAX_CLUSTER_SPLITS - 1] < batch * kv_heads):
+        chunk = plan_chunk(batch, kv_heads, slots, limits.sm_count, MAX_CLUSTER_SPLITS)
+    return chunk
+
+
+def routes_decode_step(batch: int, kv_heads: int, slots: int, limits: Callable[[], DecodeLimits]) -> bool:
     """Whether the fused forward takes this kernel for a decode step of `batch` sequences over a `slots`-slot
-    cache, rather than rope_cache + the attention function (the measured rule above)."""
-    return batch <= MAX_FUSED_BATCH and slots <= MAX_FUSED_SLOTS
+    cache, rather than rope_cache + the attention function (the measured rule above). limits: the GPU's
+    DecodeLimits, asked for only past MAX_FUSED_SLOTS."""
+    if batch > MAX_FUSED_BATCH:
+        return False
+    if slots <= MAX_FUSED_SLOTS:
+        return True
+    chunk = split_chunk(batch, kv_heads, slots, limits())
+    return chunk <= MAX_ROUTED_CHUNK and -(-slots // chunk) <= MAX_ROUTED_SPLITS
 
 
 @functools.lru_cache(maxsize=None)
@@ -183,12 +239,8 @@ def rope_attention_impl(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     max_splits = (4 * TILE * d * 2 // 4 - groups) // (2 * groups)
     kern = get_kernel(kernel_spec(qkv.dtype, d), qkv.get_device())
     if chunk is None:
-        cap = max_cluster_splits(gpu) if cluster else None
-        chunk = plan_chunk(b, kv_heads, slots, gpu.sm_count, cap)
-        if cap is not None and -(-slots // chunk) > MAX_CLUSTER_SPLITS and (
-                kern.max_active_clusters(-(-slots // chunk), THREADS, smem_bytes(d)) < b * kv_heads):
-            chunk = plan_chunk(b, kv_heads, slots, gpu.sm_count, MAX_CLUSTER_SPLITS)  # not all at once: portable
-        chunk = max(chunk, -(-slots // (max_splits * TILE)) * TILE)
+        limits = device_decode_limits(qkv.get_device(), qkv.dtype, d) if cluster else DecodeLimits(gpu.sm_count, 0)
+        chunk = max(split_chunk(b, kv_heads, slots, limits), -(-slots // (max_splits * TILE)) * TILE)
     elif isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < TILE or chunk % TILE:
         raise ValueError(f"rope_attention: chunk must be a positive multiple of {TILE}, got {chunk!r}")
     elif -(-slots // chunk) > max_splits:
