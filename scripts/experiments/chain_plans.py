@@ -9,7 +9,7 @@ default); all variants' graphs are then replayed in alternating rounds in this o
 Env VARIANTS: a comma list of name=ENTRY|ENTRY|... (default below; "default" is the dispatcher's own choice),
 an ENTRY being @field=0|1 (a LaunchPolicy switch captured under, e.g. @wide_clusters=0),
 +module:function (function(model) called on the converted model before the capture: an experiment's forward, e.g.
-+norm_fold:install from scripts/experiments),
++norm_fold:install, from docs/attempts/norm_fold.patch),
 KxN:plan (that weight's plan at this batch) or KxN:plan:DEFINE+DEFINE or ::DEFINE+DEFINE: kernels
 built with those defines (DEFINE or NAME=VALUE) (an experiment's -D switch in a kernel source, each added to the source its prefix
 names: kernel_defines.DEFINE_SOURCES). E.g. the o projection on the skinny kernel, and that plus a rope_attention build
