@@ -53,7 +53,7 @@ HOPPER_CLUSTER_SPLITS = 16  # sm_90's non-portable limit; the kernel's combine h
 #   layer faster;
 # - past it (e2e_profile_rope_attention_routing_cluster16.txt, with the 16-chunk clusters): 1.2-6.9 us a layer
 #   faster wherever a CTA streams at most 4 tiles and a split has at most 16 chunks (batch 1-2 up to 4,096 slots,
-#   batch 4 up to 2,112); from 8 tiles a CTA on it was 1.6-31 us a layer slower at 7 of 9 points (a CTA's tiles
+#   batch 4 up to 2,112); from 8 tiles a CTA on it was 1.4-31 us a layer slower at 9 of 11 points (a CTA's tiles
 #   stream one after another through a 2-stage ring, slower than cuDNN's kernel), and so was a 33-way L2 combine
 #   of 1-tile chunks at batch 1, 2,112 slots (+2.9). Batches above 16 were not measured.
 MAX_FUSED_BATCH = 16
