@@ -46,7 +46,7 @@ def _transformers_forward(model):
 def test_fused_forward_is_transformers_forward_bit_for_bit(family, dtype):
     model, report = _quantized(family, dtype)
     layers = model.model.layers
-    attentions = 0 if family == "qwen3" else len(layers)  # Qwen3's q / k norms: transformers' attention forward
+    attentions = len(layers)
     assert report.forward == (f"fused decoder forward: {len(layers)} layer(s), {len(layers)} gated MLP(s), "
                               f"{attentions} attention(s)")
     assert all(isinstance(m, FusedDecoderLayer) and isinstance(m.mlp, FusedGatedMLP) for m in layers)
@@ -218,11 +218,12 @@ def test_gated_layer_parts_weight_and_bias_are_the_parts_order():
         GatedW4A16Linear.from_fused(tilefish.convert.fuse(parts + [W4A16Linear.from_linear(gate)]))
 
 
-@pytest.mark.parametrize("family", ("llama", "qwen2", "mistral"))
+@pytest.mark.parametrize("family", ("llama", "qwen2", "mistral", "qwen3"))
 def test_static_cache_decode_steps_take_the_rope_cache_op(family, monkeypatch):
     """The fused attention writes the cache with tilefish.ops.rope_cache exactly when the cache is a StaticCache's
     plain StaticLayer already filled (decode steps after the prompt), and transformers' forward writes it
-    otherwise (the prompt, a DynamicCache, Mistral's sliding-window layers); logits bit for bit either way."""
+    otherwise (the prompt, a DynamicCache, Mistral's sliding-window layers); logits bit for bit either way (Qwen3:
+    its per-head q / k norms inside the op)."""
     from transformers import DynamicCache, StaticCache
 
     from tilefish.ops import rope_cache as rope_ops
@@ -246,3 +247,26 @@ def test_static_cache_decode_steps_take_the_rope_cache_op(family, monkeypatch):
         assert len(calls) == (3 * len(model.model.layers) if static else 0), (family, type(caches[0]).__name__)
         assert all(shape[1] == 1 for shape in calls)  # decode steps only: the prompt filled the cache
 
+
+
+def test_qwen3_moe_attention_takes_the_fused_forward_bit_for_bit():
+    """Qwen3-MoE's attention (per-head q / k norms, as Qwen3's) takes the fused attention forward while its sparse
+    MoE layers keep transformers' layer forward: decode steps through a StaticCache run the rope_cache op and give
+    transformers' logits bit for bit."""
+    from transformers import StaticCache
+
+    from moe_families import build_moe
+
+    model = build_moe("qwen3_moe", torch.float16)
+    report = tilefish.quantize_model(model, clip_search=False)
+    layers = len(model.model.layers)
+    assert report.forward == f"fused decoder forward: 0 layer(s), 0 gated MLP(s), {layers} attention(s)"
+    assert all(isinstance(m.self_attn, FusedAttention) for m in model.model.layers)
+    twin = _transformers_forward(model)
+    caches = [StaticCache(config=m.config, max_cache_len=16) for m in (model, twin)]
+    ids = torch.randint(3, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for step in range(4):
+            got, want = (m(ids, past_key_values=c, use_cache=True).logits for m, c in zip((model, twin), caches))
+            assert torch.equal(got, want), f"step {step}"
+            ids = want[:, -1:].argmax(-1)

@@ -111,14 +111,15 @@ def test_a_fused_layer_launches_five_tilefish_kernels_around_its_attention():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_static_cache_decode_steps_run_rotary_cache_write_and_attention_as_one_kernel_a_layer(dtype):
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_static_cache_decode_steps_run_rotary_cache_write_and_attention_as_one_kernel_a_layer(family, dtype):
     """With a StaticCache, a decode step of the fused model runs the rotary embedding, the cache write and the
-    attention as one rope_attention kernel a layer (no index_copy, no rotary, length or SDPA kernels), the
-    prompt's fill takes transformers' attention forward, and logits and cache follow transformers' forward over
-    the same 4-bit layers step after step."""
+    attention as one rope_attention kernel a layer (no index_copy, no rotary, length or SDPA kernels; Qwen3's
+    q / k head norms inside it too), the prompt's fill takes transformers' attention forward, and logits and
+    cache follow transformers' forward over the same 4-bit layers step after step."""
     from transformers import StaticCache
 
-    model, twin = _models("llama", dtype)
+    model, twin = _models(family, dtype)
     torch.manual_seed(11)
     prompt = torch.randint(3, 512, (2, 5), device="cuda")
     caches = [StaticCache(config=m.config, max_cache_len=24) for m in (model, twin)]
@@ -146,7 +147,8 @@ def test_static_cache_decode_steps_run_rotary_cache_write_and_attention_as_one_k
 
 
 @pytest.mark.parametrize("slots", [1152, 8192])
-def test_decode_steps_past_1024_slots_follow_the_routing(slots):
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_decode_steps_past_1024_slots_follow_the_routing(family, slots):
     """Past 1,024 cache slots a decode step takes rope_attention where routes_decode_step says so for this GPU
     (on sm_90 a 1,152-slot cache at 2 kv heads: 9 two-tile chunks in a cluster), else the rope_cache kernel
     and the model's attention function (an 8,192-slot cache: 8 tiles a CTA), one launch of each kind a layer,
@@ -156,7 +158,7 @@ def test_decode_steps_past_1024_slots_follow_the_routing(slots):
     from tilefish.ops import rope_attention as rope_attention_ops
 
     dtype = torch.float16
-    model, twin = _models("llama", dtype)
+    model, twin = _models(family, dtype)
     routed = rope_attention_ops.routes_decode_step(
         2, 2, slots, lambda: rope_attention_ops.device_decode_limits(torch.cuda.current_device(), dtype, 64))
     if torch.cuda.get_device_capability() == (9, 0):

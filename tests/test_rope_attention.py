@@ -10,7 +10,9 @@ by transformers' eager steps (keys, values and length bit for bit), output poiso
 fully masked rows, the new position at the first and last slot and past the cache, chunks from one tile (many
 CTAs combining) to the whole cache, the cluster combine (sm_90+) against the combine through L2 bit for bit, the
 early K/V copies on and off, many steps in a row leaving the counters at zero, a manual CUDA graph replayed,
-torch.compile (default, reduce-overhead).
+torch.compile (default, reduce-overhead). With Qwen3's per-head q / k norms: on the CPU Qwen3Attention's eager
+steps then the attention; on the GPU the cache rope_cache's kernel writes, bit for bit, and the float64 attention
+of its q.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import pytest
 import torch
 
 from conftest import capture, poison
-from test_rope_cache import _copy, _step, _transformers
+from test_rope_cache import _copy, _head_norms, _norm_args, _step, _transformers
 from tilefish import GpuSpec
 from tilefish.reference import rope_cache as rope_cache_reference
 from tilefish.ops import library
@@ -46,13 +48,9 @@ def _mask(kind, b, slots, length, dtype, device, generator):
     return add[:, None, None, :].to(dtype).to(device)
 
 
-def _want(qkv, cos, sin, layer, heads, kv_heads, mask, scale):
-    """The reference rotary and cache write (transformers' eager ops, positions past the cache not written) on a
-    copy, then the attention in float64: (out [b, 1, heads, d] float64, the copy)."""
-    twin = _copy(layer)
-    q = rope_cache_reference(qkv, cos, sin, twin.keys, twin.values, twin.cumulative_length, heads, kv_heads)
-    keys, values = twin.keys, twin.values
-    b, _, _, d = q.shape
+def _attention64(q, keys, values, mask, scale, kv_heads):
+    """The attention of q [b, 1, heads, d] over the cache with the mask, in float64: [b, 1, heads, d]."""
+    b, _, heads, d = q.shape
     groups = heads // kv_heads
     qd = q.double().reshape(b, kv_heads, groups, d)
     scores = torch.einsum("bkgd,bksd->bkgs", qd, keys.double()) * scale
@@ -61,7 +59,17 @@ def _want(qkv, cos, sin, layer, heads, kv_heads, mask, scale):
         scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.double()
     empty = torch.isneginf(scores).all(-1, keepdim=True)
     w = torch.softmax(scores.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0)
-    return torch.einsum("bkgs,bksd->bkgd", w, values.double()).reshape(b, 1, heads, d), twin
+    return torch.einsum("bkgs,bksd->bkgd", w, values.double()).reshape(b, 1, heads, d)
+
+
+def _want(qkv, cos, sin, layer, heads, kv_heads, mask, scale, rope=None):
+    """The reference rotary and cache write (transformers' eager ops, positions past the cache not written; or
+    `rope`, a function of (qkv, cos, sin, keys, values, length) returning q) on a copy, then the attention in
+    float64: (out [b, 1, heads, d] float64, the copy)."""
+    twin = _copy(layer)
+    rope = rope or (lambda *a: rope_cache_reference(*a, heads, kv_heads))
+    q = rope(qkv, cos, sin, twin.keys, twin.values, twin.cumulative_length)
+    return _attention64(q, twin.keys, twin.values, mask, scale, kv_heads), twin
 
 
 def _rel(a, b):
@@ -91,6 +99,25 @@ def test_cpu_reference_is_rope_cache_then_sdpa(dtype, mask_kind):
     assert _rel(got, want) < TOL[dtype] / 4, f"seed {seed}"  # rounded once from fp32
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_reference_with_head_norms_is_qwen3s_steps_then_sdpa(dtype):
+    seed = 4
+    torch.manual_seed(seed)
+    b, heads, kv_heads, d, slots = 2, 8, 2, 64, 40
+    norms = _head_norms(d, dtype, seed=seed)
+    qkv, cos, sin, layer = _step(b, 1, heads, kv_heads, d, slots, dtype)
+    mask = _mask("bool", b, slots, int(layer.cumulative_length), dtype, "cpu", torch.Generator().manual_seed(seed))
+    twin = _copy(layer)
+    with torch.no_grad():  # Qwen3Attention's eager steps, then the float64 attention
+        q, _, _ = _transformers(qkv, cos, sin, twin, heads, kv_heads, norms)
+    want = _attention64(q.transpose(1, 2), twin.keys, twin.values, mask, 0.125, kv_heads)
+    got = ops.rope_attention(qkv, cos, sin, layer.keys, layer.values, layer.cumulative_length, mask, 0.125, heads,
+                             kv_heads, **_norm_args(norms))
+    assert torch.equal(layer.keys, twin.keys) and torch.equal(layer.values, twin.values), f"seed {seed}"
+    assert torch.equal(layer.cumulative_length, twin.cumulative_length)
+    assert _rel(got, want) < TOL[dtype] / 4, f"seed {seed}"  # rounded once from fp32
+
+
 def test_validation_names_the_rule_and_writes_nothing():
     torch.manual_seed(0)
     qkv, cos, sin, layer = _step(2, 1, 8, 2, 64, 32, torch.float16)
@@ -103,6 +130,9 @@ def test_validation_names_the_rule_and_writes_nothing():
         (dict(scale=float("inf")), TypeError, "scale must be a finite float"),
         (dict(heads=8, kv_heads=3), ValueError, "kv_heads"),
         (dict(cos=cos.float()), TypeError, "cos must have qkv's dtype"),
+        (dict(q_norm=torch.ones(64, dtype=torch.bfloat16)), TypeError, "q_norm must have qkv's dtype"),
+        (dict(k_norm=torch.ones(1, 64, dtype=torch.float16)), ValueError, "k_norm must be one weight a head dim"),
+        (dict(norm_eps=float("inf")), ValueError, "norm_eps"),
     ]
     for change, error, words in cases:
         args = dict(qkv=qkv, cos=cos, sin=sin, keys=layer.keys, values=layer.values, length=layer.cumulative_length,
@@ -223,6 +253,11 @@ def test_custom_op_opcheck_and_fullgraph_trace():
     torch.library.opcheck(library.rope_attention_op, (qkv, cos, sin, layer.keys, layer.values,
                                                       layer.cumulative_length, mask, 0.125, 8, 2, None, False),
                           test_utils=("test_schema", "test_faketensor"))
+    norms = _norm_args(_head_norms(64, torch.float16))
+    torch.library.opcheck(library.rope_attention_op, (qkv, cos, sin, layer.keys, layer.values,
+                                                      layer.cumulative_length, mask, 0.125, 8, 2, None, False,
+                                                      norms["q_norm"], norms["k_norm"], norms["norm_eps"]),
+                          test_utils=("test_schema", "test_faketensor"))
     f = torch.compile(lambda *a: ops.rope_attention(*a), fullgraph=True, backend="eager")
     out = f(qkv, cos, sin, layer.keys, layer.values, layer.cumulative_length, mask, 0.125, 8, 2)
     assert out.shape == (2, 1, 8, 64)
@@ -274,6 +309,33 @@ SHAPES = [(1, 32, 8, 128, 576), (1, 32, 8, 128, 2048), (2, 8, 8, 64, 64), (3, 12
 def test_kernel_matches_float64_attention_and_transformers_cache(dtype, shape, mask_kind, cuda):
     for seed in (0, 1):
         _run(shape, dtype, seed, cuda, mask_kind)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_head_norms_write_rope_caches_bits_and_match_float64_attention(dtype, shape, cuda):
+    """Qwen3's per-head q / k norms: the cache rope_attention writes is the one rope_cache's kernel writes, bit for
+    bit (one summation order for the norm, rotary.cuh), and the output is the float64 attention of rope_cache's
+    q over it; early copies, one-tile chunks and the whole cache in one chunk alike."""
+    b, heads, kv_heads, d, slots = shape
+    from tilefish.ops import rope_cache as rope_cache_ops
+
+    for seed, (chunk, early_kv) in enumerate(((None, True), (64, False), (-(-slots // 64) * 64, False))):
+        torch.manual_seed(seed)
+        norms = _norm_args(_head_norms(d, dtype, cuda, seed))
+        qkv, cos, sin, layer = _step(b, 1, heads, kv_heads, d, slots, dtype, device=cuda)
+        mask = _mask("bool", b, slots, int(layer.cumulative_length), dtype, cuda, torch.Generator().manual_seed(seed))
+        want, twin = _want(qkv, cos, sin, layer, heads, kv_heads, mask, 0.1,
+                           rope=lambda *a: rope_cache_ops.rope_cache_impl(*a, heads, kv_heads, **norms))
+        poison(torch.empty((b, 1, heads, d), dtype=dtype, device=cuda))
+        got = ops.rope_attention_impl(qkv, cos, sin, layer.keys, layer.values, layer.cumulative_length, mask, 0.1,
+                                      heads, kv_heads, **norms, early_kv=early_kv, chunk=chunk)
+        torch.cuda.synchronize()
+        where = f"seed {seed}, shape {shape}, {dtype}, chunk {chunk}, early {early_kv}"
+        assert torch.equal(layer.keys, twin.keys) and torch.equal(layer.values, twin.values), where
+        assert torch.equal(layer.cumulative_length, twin.cumulative_length), where
+        assert _rel(got, want) < TOL[dtype], f"{where}: {_rel(got, want):.2e}"
 
 
 @pytest.mark.gpu

@@ -8,6 +8,8 @@ transformers steps run eagerly on CUDA, bit for bit (both round every product an
 output poisoned and the caches filled with random values (what is not written must stay), batch 1-64, prompts
 up to 2048 tokens (a grid of 1024 CTAs meeting at the length), many launches in a row, PDL on and off, the shared
 W4A16 counters left at zero, a manual CUDA graph replayed, torch.compile (default, reduce-overhead).
+With Qwen3's per-head q / k norms (q_norm / k_norm): bit for bit with Qwen3Attention's eager steps on the CPU, and
+on CUDA within the norm's fp32 summation order (values and the length bit for bit).
 """
 from __future__ import annotations
 
@@ -45,12 +47,15 @@ def _step(b, t, heads, kv_heads, d, slots, dtype, device="cpu", start=None, cos_
     return move(qkv), move(cos), move(sin), layer
 
 
-def _transformers(qkv, cos, sin, layer, heads, kv_heads):
-    """What LlamaAttention.forward does from its projections to the attention (the eager ops)."""
+def _transformers(qkv, cos, sin, layer, heads, kv_heads, norms=None):
+    """What LlamaAttention.forward does from its projections to the attention (the eager ops); with norms
+    (q_norm, k_norm: transformers' Qwen3RMSNorm modules), what Qwen3Attention.forward does."""
     b, t, _ = qkv.shape
     d = layer.keys.shape[-1]
-    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
-    q, k, v = (p.reshape(b, t, -1, d).transpose(1, 2) for p in (q, k, v))
+    q, k, v = (p.reshape(b, t, -1, d) for p in qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1))
+    if norms is not None:
+        q, k = norms[0](q), norms[1](k)
+    q, k, v = (p.transpose(1, 2) for p in (q, k, v))
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
     keys, values = layer.update(k, v)
     return q, keys, values
@@ -61,6 +66,23 @@ def _copy(layer):
     twin.keys, twin.values = layer.keys.clone(), layer.values.clone()
     twin.cumulative_length, twin.device, twin.is_initialized = layer.cumulative_length.clone(), layer.device, True
     return twin
+
+
+def _head_norms(d, dtype, device="cpu", seed=0, eps=1e-6):
+    """Qwen3's q_norm and k_norm: transformers' Qwen3RMSNorm over the head dim, weights drawn around 1."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    g = torch.Generator().manual_seed(seed)
+    norms = []
+    for _ in range(2):
+        norm = Qwen3RMSNorm(d, eps=eps)
+        norm.weight.data = 1 + 0.5 * torch.randn(d, generator=g)
+        norms.append(norm.to(device=device, dtype=dtype))
+    return norms
+
+
+def _norm_args(norms):
+    return dict(q_norm=norms[0].weight.detach(), k_norm=norms[1].weight.detach(), norm_eps=norms[0].variance_epsilon)
 
 
 SHAPES = [  # b, t, heads, kv_heads, d, slots
@@ -84,6 +106,23 @@ def test_cpu_equals_transformers_rotary_and_cache_update(dtype, shape, seed):
         assert torch.equal(q.transpose(1, 2), q_want), f"seed {seed}"
         assert torch.equal(layer.keys, keys_want) and torch.equal(layer.values, values_want), f"seed {seed}"
         assert torch.equal(layer.cumulative_length, twin.cumulative_length), f"seed {seed}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}t{}h{}kv{}d{}S{}".format(*s))
+def test_cpu_head_norms_equal_transformers_qwen3_steps(dtype, shape, seed):
+    """q_norm / k_norm: Qwen3Attention's q_norm(q), k_norm(k), rotary and cache update, bit for bit."""
+    b, t, heads, kv_heads, d, slots = shape
+    norms = _head_norms(d, dtype, seed=seed)
+    qkv, cos, sin, layer = _step(b, t, heads, kv_heads, d, slots, dtype)
+    twin = _copy(layer)
+    with torch.no_grad():
+        q_want, keys_want, values_want = _transformers(qkv, cos, sin, twin, heads, kv_heads, norms)
+    q = ops.rope_cache(qkv, cos, sin, layer.keys, layer.values, layer.cumulative_length, heads, kv_heads,
+                       **_norm_args(norms))
+    assert torch.equal(q.transpose(1, 2), q_want), f"seed {seed}"
+    assert torch.equal(layer.keys, keys_want) and torch.equal(layer.values, values_want), f"seed {seed}"
+    assert torch.equal(layer.cumulative_length, twin.cumulative_length), f"seed {seed}"
 
 
 def test_cpu_positions_past_the_cache_are_not_written(seed):
@@ -115,6 +154,11 @@ def test_validation_names_the_rule():
         (dict(length=n.int()), TypeError, "int64"),
         (dict(length=torch.zeros(2, dtype=torch.long)), TypeError, "one-element"),
         (dict(qkv=None), TypeError, "torch.Tensor"),
+        (dict(q_norm=torch.ones(32)), TypeError, "q_norm must have qkv's dtype"),
+        (dict(k_norm=torch.ones(16, dtype=torch.float16)), ValueError, r"k_norm must be one weight a head dim"),
+        (dict(k_norm=[1.0] * 32), TypeError, "k_norm must be a torch.Tensor or None"),
+        (dict(q_norm=torch.ones(32, dtype=torch.float16), norm_eps=-1e-6), ValueError, "norm_eps"),
+        (dict(norm_eps=float("nan")), ValueError, "norm_eps"),
     ]
     for change, err, match in cases:
         args = dict(qkv=qkv, cos=cos, sin=sin, keys=k, values=v, length=n, heads=4, kv_heads=2)
@@ -132,6 +176,9 @@ def test_custom_op_opcheck_and_fullgraph_trace():
     qkv, cos, sin, layer = _step(2, 3, 4, 2, 32, 16, torch.bfloat16)
     torch.library.opcheck(library.rope_cache_op, (qkv, cos, sin, layer.keys, layer.values,
                                                   layer.cumulative_length, 4, 2, None))
+    norms = _norm_args(_head_norms(32, torch.bfloat16))
+    torch.library.opcheck(library.rope_cache_op, (qkv, cos, sin, layer.keys, layer.values, layer.cumulative_length,
+                                                  4, 2, None, norms["q_norm"], norms["k_norm"], norms["norm_eps"]))
     twin = _copy(layer)
 
     def attention_step(qkv, cos, sin, keys, values, length):
@@ -171,6 +218,37 @@ def _run_and_check(shape, dtype, seed, cuda, cos_batch=None, start=None, pdl=Tru
 def test_kernel_equals_transformers_on_cuda(dtype, shape, seed, cuda):
     for cos_batch in (None, 1):
         _run_and_check(shape, dtype, seed, cuda, cos_batch)
+
+
+def _ulp_close(got, want, dtype, where):
+    """Within the head norm's reordered fp32 sum: a last-bit difference in a few elements, not more."""
+    diff = (got.double() - want.double()).norm() / want.double().norm()
+    differing = (got != want).double().mean().item()
+    assert diff < {torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype] and differing < 0.02, \
+        f"{where}: relative error {diff:.2e}, {differing:.2%} of the elements differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES + [(64, 1, 32, 8, 128, 520), (2, 300, 40, 8, 128, 512)],
+                         ids=lambda s: "b{}t{}h{}kv{}d{}S{}".format(*s))
+def test_kernel_head_norms_match_transformers_qwen3_on_cuda(dtype, shape, seed, cuda):
+    """Qwen3's steps run eagerly on CUDA (q_norm, k_norm, rotary, cache update): values and the length bit for
+    bit; q and the keys within the norm's fp32 sum order (the kernel's is fixed, rotary.cuh; torch's is its own)."""
+    b, t, heads, kv_heads, d, slots = shape
+    norms = _head_norms(d, dtype, cuda, seed)
+    qkv, cos, sin, layer = _step(b, t, heads, kv_heads, d, slots, dtype, cuda)
+    twin = _copy(layer)
+    with torch.no_grad():
+        q_want, keys_want, values_want = _transformers(qkv, cos, sin, twin, heads, kv_heads, norms)
+    poison(torch.empty((b, t, heads, d), dtype=dtype, device=cuda))
+    q = ops.rope_cache_impl(qkv, cos, sin, layer.keys, layer.values, layer.cumulative_length, heads, kv_heads,
+                            **_norm_args(norms))
+    torch.cuda.synchronize()
+    where = f"seed {seed}, shape {shape}, {dtype}"
+    _ulp_close(q.transpose(1, 2), q_want, dtype, f"q, {where}")
+    _ulp_close(layer.keys, keys_want, dtype, f"keys, {where}")
+    assert torch.equal(layer.values, values_want) and torch.equal(layer.cumulative_length, twin.cumulative_length)
 
 
 @pytest.mark.gpu

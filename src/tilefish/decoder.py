@@ -9,7 +9,8 @@ and the fused forward as
                                        embedding and the cache write one more (tilefish.ops.rope_cache), then
                                        the model's attention function and o; a CUDA decode step of SDPA
                                        attention runs rotary, cache write and attention as one launch
-                                       (tilefish.ops.rope_attention), then o
+                                       (tilefish.ops.rope_attention), then o; Qwen3's per-head q / k norms
+                                       run inside either kernel
     h, x2 = rms_norm(x + a)            one kernel: the residual add and the norm
     g = silu(gate(x2)) * up(x2)        one W4A16 launch with the activation in its epilogue (GatedW4A16Linear)
     out = h + down(g)                  one W4A16 launch with the residual add in its epilogue
@@ -49,8 +50,12 @@ DECODER_LAYERS = {"LlamaDecoderLayer": "llama", "MistralDecoderLayer": "mistral"
                   "Qwen3DecoderLayer": "qwen3"}
 GATED_MLPS = {"LlamaMLP": "llama", "MistralMLP": "mistral", "Qwen2MLP": "qwen2", "Qwen3MLP": "qwen3",
               "Qwen2MoeMLP": "qwen2_moe", "Qwen3MoeMLP": "qwen3_moe"}
-ATTENTIONS = {"LlamaAttention": "llama", "MistralAttention": "mistral", "Qwen2Attention": "qwen2"}
-RMS_NORMS = {"LlamaRMSNorm": "llama", "MistralRMSNorm": "mistral", "Qwen2RMSNorm": "qwen2", "Qwen3RMSNorm": "qwen3"}
+ATTENTIONS = {"LlamaAttention": "llama", "MistralAttention": "mistral", "Qwen2Attention": "qwen2",
+              "Qwen3Attention": "qwen3", "Qwen3MoeAttention": "qwen3_moe"}
+# the families whose attention RMS-normalizes each q and k head (q_norm / k_norm) before the rotary
+HEAD_NORMED = ("qwen3", "qwen3_moe")
+RMS_NORMS = {"LlamaRMSNorm": "llama", "MistralRMSNorm": "mistral", "Qwen2RMSNorm": "qwen2", "Qwen3RMSNorm": "qwen3",
+             "Qwen3MoeRMSNorm": "qwen3_moe"}
 SILU = ("SiLUActivation", "SiLU")  # transformers' ACT2FN["silu"] and torch's nn.SiLU
 NORM_MULTIPLE = 8  # the norm kernel reads 16-byte vectors of the hidden size
 DESCRIPTION = "fused decoder forward: {layers} layer(s), {mlps} gated MLP(s), {attentions} attention(s)"
@@ -127,9 +132,22 @@ class FusedGatedMLP:
         return self.down_proj.forward_residual(self.gate_up_proj.forward_gated(x), residual)
 
 
+def _attention_family(module) -> str:
+    return ATTENTIONS[(module._tilefish_base if isinstance(module, FusedAttention) else type(module)).__name__]
+
+
+def _head_norms_fit(module, d: int) -> bool:
+    """Qwen3's q_norm / k_norm: the family's RMSNorm over the head dim, one eps for both (the kernels take one)."""
+    norms = [getattr(module, name, None) for name in ("q_norm", "k_norm")]
+    return all(_known(n, RMS_NORMS) and isinstance(getattr(n, "variance_epsilon", None), float)
+               and isinstance(getattr(n, "weight", None), torch.Tensor) and n.weight.shape == (d,) for n in norms) \
+        and norms[0].variance_epsilon == norms[1].variance_epsilon
+
+
 def _fusable_attention(module) -> bool:
     """An attention of ATTENTIONS whose q / k / v are the three parts, in order, of one FusedW4A16Linear
-    (quantize_model / load_quantized with fuse=True) and whose head dim the rope_cache kernel takes."""
+    (quantize_model / load_quantized with fuse=True), whose head dim the rope_cache kernel takes, and, for
+    HEAD_NORMED families, whose head norms the kernels apply (_head_norms_fit)."""
     if not (_known(module, ATTENTIONS) or isinstance(module, FusedAttention)):
         return False
     parts = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj")]
@@ -140,7 +158,8 @@ def _fusable_attention(module) -> bool:
             and all(p.fused is fused and p.index == i for i, p in enumerate(parts))
             and isinstance(d, int) and d > 0 and d % rope_cache_ops.HEAD_DIM_MULTIPLE == 0
             and fused.split_sizes[0] % d == 0 and fused.split_sizes[1] == fused.split_sizes[2]
-            and fused.split_sizes[1] % d == 0)
+            and fused.split_sizes[1] % d == 0
+            and (_attention_family(module) not in HEAD_NORMED or _head_norms_fit(module, d)))
 
 
 def _is_static_layer(layer) -> bool:
@@ -193,9 +212,18 @@ class FusedAttention:
             return None
         if x.dtype != fused.scales.dtype or any(t.dtype != x.dtype for t in (cos, sin, keys, values)):
             return None
+        norms = self._head_norms()
+        if norms is not None and any(w.dtype != x.dtype or w.device != x.device for w in norms[:2]):
+            return None
         if keys.shape != values.shape or keys.shape[:2] != (x.shape[0], kv_heads) or keys.shape[3] != self.head_dim:
             return None
         return layer
+
+    def _head_norms(self):
+        """(q_norm weight, k_norm weight, eps) of a HEAD_NORMED family's attention, else None."""
+        if _attention_family(self) not in HEAD_NORMED:
+            return None
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.variance_epsilon
 
     def _one_kernel_step(self, x, mask, layer, kwargs) -> bool:
         """Whether this step's rotary, cache write and attention are one rope_attention launch: a CUDA decode
@@ -234,19 +262,21 @@ class FusedAttention:
         fused, d = self.q_proj.fused, self.head_dim
         b, t = hidden_states.shape[:2]
         heads, kv_heads = fused.split_sizes[0] // d, fused.split_sizes[1] // d
+        norms = self._head_norms() or ()
         if self._one_kernel_step(hidden_states, attention_mask, layer, kwargs):
             # early_kv: a model's decode step (module docstring of ops.rope_attention)
             out = rope_attention_ops.rope_attention(fused(hidden_states), cos, sin, layer.keys, layer.values,
                                                     layer.cumulative_length, attention_mask, self.scaling, heads,
-                                                    kv_heads, early_kv=True)
+                                                    kv_heads, True, *norms)
             return self.o_proj(out.reshape(b, t, -1)), None
         q = rope_cache_ops.rope_cache(fused(hidden_states), cos, sin, layer.keys, layer.values,
-                                      layer.cumulative_length, heads, kv_heads)
+                                      layer.cumulative_length, heads, kv_heads, *norms)
         functions, eager = _ATTENTION_FUNCTIONS[self._tilefish_base.__name__]
         attention = functions.get_interface(self.config._attn_implementation, eager)
-        if ATTENTIONS[self._tilefish_base.__name__] == "mistral":  # what each family's forward adds
+        family = _attention_family(self)
+        if family == "mistral":  # what each family's forward adds
             kwargs["sliding_window"] = getattr(self.config, "sliding_window", None)
-        elif ATTENTIONS[self._tilefish_base.__name__] == "qwen2":
+        elif family in ("qwen2", "qwen3", "qwen3_moe"):
             kwargs["sliding_window"] = self.sliding_window
         out, weights = attention(self, q.transpose(1, 2), layer.keys, layer.values, attention_mask,
                                  dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
@@ -308,7 +338,7 @@ def use_fused_forward(model: torch.nn.Module) -> str | None:
     """Give every fusable SiLU-gated MLP and Llama-family decoder layer of `model` its fused forward (in place):
     an MLP whose gate / up are a GatedW4A16Linear (quantize_model / load_quantized with fuse=True) and whose down
     is a W4A16Linear; a layer whose MLP is such and whose two norms are the family's RMSNorm in the layers'
-    dtype; an attention (Llama / Mistral / Qwen2) whose q / k / v are one FusedW4A16Linear. Returns a one-line
+    dtype; an attention (Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE) whose q / k / v are one FusedW4A16Linear. Returns a one-line
     description, or None (nothing changed). Idempotent."""
     if not isinstance(model, torch.nn.Module):
         return None

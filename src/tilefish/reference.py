@@ -176,16 +176,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 # ----------------------------------------------------------------------------------------------------------------
 # Rotary embedding + KV-cache write of a Llama-family attention step (the op in tilefish.ops.rope_cache)
 
+def head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The RMSNorm of each head (last dim) in transformers' Qwen3RMSNorm op order: fp32 x * rsqrt(mean(x^2) + eps),
+    rounded to x's dtype, times the weight."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
 def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               length: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+               length: torch.Tensor, heads: int, kv_heads: int, q_norm: torch.Tensor | None = None,
+               k_norm: torch.Tensor | None = None, norm_eps: float = 1e-6) -> torch.Tensor:
     """transformers' attention step between the q/k/v projection and the attention, on the fused projection's
     output qkv [B, T, (heads + 2 kv_heads) D]: apply_rotary_pos_emb's op order on q and k (bit for bit on the
     same device), then StaticLayer.update's write of k and v into keys / values [B, kv_heads, S, D] at positions
     length + arange(T) and length += T; positions >= S are not written. Returns q as [B, T, heads, D] (transpose
-    dims 1 and 2 for transformers' query)."""
+    dims 1 and 2 for transformers' query). q_norm / k_norm ([D], optional): each q / k head goes through
+    head_norm first, as Qwen3's attention does."""
     b, t, _ = qkv.shape
     d = keys.shape[-1]
     q, k, v = qkv.view(b, t, heads + 2 * kv_heads, d).split([heads, kv_heads, kv_heads], dim=2)
+    if q_norm is not None:
+        q = head_norm(q, q_norm, norm_eps)
+    if k_norm is not None:
+        k = head_norm(k, k_norm, norm_eps)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     c, s = cos.unsqueeze(1), sin.unsqueeze(1)
 

@@ -191,30 +191,33 @@ def _(x, residual, weight, eps):
 
 @torch.library.custom_op("tilefish::rope_cache", mutates_args=("keys", "values", "length"))
 def rope_cache_op(qkv: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, length: Tensor, heads: int,
-                  kv_heads: int, counters: Optional[Tensor] = None) -> Tensor:
+                  kv_heads: int, counters: Optional[Tensor] = None, q_norm: Optional[Tensor] = None,
+                  k_norm: Optional[Tensor] = None, norm_eps: float = 1e-6) -> Tensor:
     # q [B, T, heads, D]; keys / values / length written in place. counters: scratch the kernel leaves at zero
-    # (the W4A16 convention), so not declared mutated.
+    # (the W4A16 convention), so not declared mutated. q_norm / k_norm: Qwen3's per-head norm weights, or None.
     from .rope_cache import rope_cache_impl
 
-    return rope_cache_impl(qkv, cos, sin, keys, values, length, heads, kv_heads, counters)
+    return rope_cache_impl(qkv, cos, sin, keys, values, length, heads, kv_heads, counters, q_norm, k_norm, norm_eps)
 
 
 @rope_cache_op.register_fake
-def _(qkv, cos, sin, keys, values, length, heads, kv_heads, counters=None):
+def _(qkv, cos, sin, keys, values, length, heads, kv_heads, counters=None, q_norm=None, k_norm=None, norm_eps=1e-6):
     return qkv.new_empty((qkv.shape[0], qkv.shape[1], heads, keys.shape[-1]))
 
 
 @torch.library.custom_op("tilefish::rope_attention", mutates_args=("keys", "values", "length"))
 def rope_attention_op(qkv: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, length: Tensor,
                       mask: Optional[Tensor], scale: float, heads: int, kv_heads: int,
-                      counters: Optional[Tensor] = None, early_kv: bool = False) -> Tensor:
+                      counters: Optional[Tensor] = None, early_kv: bool = False, q_norm: Optional[Tensor] = None,
+                      k_norm: Optional[Tensor] = None, norm_eps: float = 1e-6) -> Tensor:
     # out [B, 1, heads, D]; keys / values / length written in place; counters left at zero (not mutated).
     from .rope_attention import rope_attention_impl
 
     return rope_attention_impl(qkv, cos, sin, keys, values, length, mask, scale, heads, kv_heads, counters,
-                               early_kv=early_kv)
+                               q_norm, k_norm, norm_eps, early_kv=early_kv)
 
 
 @rope_attention_op.register_fake
-def _(qkv, cos, sin, keys, values, length, mask, scale, heads, kv_heads, counters=None, early_kv=False):
+def _(qkv, cos, sin, keys, values, length, mask, scale, heads, kv_heads, counters=None, early_kv=False, q_norm=None,
+      k_norm=None, norm_eps=1e-6):
     return qkv.new_empty((qkv.shape[0], 1, heads, keys.shape[-1]))

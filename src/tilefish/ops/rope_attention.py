@@ -3,7 +3,8 @@ StaticCache write and the attention over the cache (kernels/attention/rope_atten
 
     out = rope_attention(qkv, cos, sin, keys, values, length, mask, scale, heads, kv_heads)   # [B, 1, heads, D]
 
-is rope_cache (ops/rope_cache.py: rope(q), rope(k) and v written at position `length`, length += 1) followed by
+is rope_cache (ops/rope_cache.py: rope(q), rope(k) and v written at position `length`, length += 1; with q_norm /
+k_norm, Qwen3's per-head RMSNorm ahead of the rotary) followed by
 SDPA of rope(q) over the whole cache with `mask` (bool, True = attend, or additive in qkv's dtype; [B or 1, 1, 1,
 S]; None attends every slot), grouped-query heads reading K/V once: what transformers' sdpa attention computes
 for one new token. keys / values / length come out bit for bit rope_cache's; out is within the rounding of
@@ -34,7 +35,7 @@ import torch
 
 from ..reference import rope_cache as rope_cache_reference
 from ..runtime import GpuSpec, KernelSpec, f32, get_kernel, i32, i64, launch_prepared, prepare_launch
-from .rope_cache import _rows, check_inputs as rope_cache_checks
+from .rope_cache import _rows, check_head_norms, check_inputs as rope_cache_checks, norm_args, norm_weights
 from .w4a16.policy import resolve_policy
 from .w4a16.workspace import StreamTurn, check_counters, layer_counters, new_counters
 
@@ -196,9 +197,11 @@ def check_inputs(qkv, cos, sin, keys, values, length, mask, scale, heads, kv_hea
     return b, d, slots
 
 
-def reference(qkv, cos, sin, keys, values, length, mask, scale, heads, kv_heads) -> torch.Tensor:
+def reference(qkv, cos, sin, keys, values, length, mask, scale, heads, kv_heads, q_norm=None, k_norm=None,
+              norm_eps=1e-6) -> torch.Tensor:
     """The definition on any device: rope_cache's reference, then the attention in fp32, rounded once."""
-    q = rope_cache_reference(qkv, cos, sin, keys, values, length, heads, kv_heads)  # [B, 1, heads, D]
+    q = rope_cache_reference(qkv, cos, sin, keys, values, length, heads, kv_heads, q_norm, k_norm,
+                             norm_eps)  # [B, 1, heads, D]
     b, _, _, d = q.shape
     groups = heads // kv_heads
     scores = torch.einsum("bkgd,bksd->bkgs", q.float().reshape(b, kv_heads, groups, d), keys.float()) * scale
@@ -213,17 +216,21 @@ def reference(qkv, cos, sin, keys, values, length, mask, scale, heads, kv_heads)
 
 def rope_attention_impl(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
                         values: torch.Tensor, length: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                        heads: int, kv_heads: int, counters: torch.Tensor | None = None, *, early_kv: bool = False,
-                        chunk: int | None = None, pdl: bool | None = None,
-                        cluster: bool | None = None) -> torch.Tensor:
+                        heads: int, kv_heads: int, counters: torch.Tensor | None = None,
+                        q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                        norm_eps: float = 1e-6, *, early_kv: bool = False, chunk: int | None = None,
+                        pdl: bool | None = None, cluster: bool | None = None) -> torch.Tensor:
     """out [B, 1, heads, D]; keys, values and length updated in place (module docstring). counters: owned int32
     counters (1 + B x kv_heads are used), else the W4A16 layers' of the device where they suffice, else fresh
-    zeroed ones. chunk: positions a CTA takes (a multiple of 64; tests), else plan_chunk's. pdl: programmatic
-    dependent launch (None: the active W4A16 launch policy's). cluster: False keeps the combine in L2 and the plan
-    without the cluster's split limit; None / True (True needs sm_90 or newer): where combine_in_cluster says so."""
+    zeroed ones. q_norm / k_norm: the per-head norms' weights ([D], Qwen3) or None. chunk: positions a CTA takes
+    (a multiple of 64; tests), else plan_chunk's. pdl: programmatic dependent launch (None: the active W4A16
+    launch policy's). cluster: False keeps the combine in L2 and the plan without the cluster's split limit;
+    None / True (True needs sm_90 or newer): where combine_in_cluster says so."""
     b, d, slots = check_inputs(qkv, cos, sin, keys, values, length, mask, scale, heads, kv_heads)
+    check_head_norms("rope_attention", qkv, d, q_norm, k_norm, norm_eps)
     if qkv.is_cpu:
-        return reference(qkv, cos, sin, keys, values, length, mask, float(scale), heads, kv_heads)
+        return reference(qkv, cos, sin, keys, values, length, mask, float(scale), heads, kv_heads, q_norm, k_norm,
+                         float(norm_eps))
     gpu = GpuSpec.current(qkv.device)
     if gpu.cc < 80:
         raise ValueError(f"rope_attention needs an sm_80 or newer GPU (mma.sync, cp.async); {qkv.device} is "
@@ -247,6 +254,7 @@ def rope_attention_impl(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         raise ValueError(f"rope_attention: chunk {chunk} splits {slots} positions {-(-slots // chunk)} ways; at most "
                          f"{max_splits} fit the combine's shared memory (head dim {d}, {groups} query heads a kv head)")
     qkv, cos, sin = qkv.contiguous(), _rows(cos), _rows(sin)
+    q_norm, k_norm = norm_weights(q_norm, k_norm)
     if qkv.data_ptr() % 16:
         qkv = qkv.clone()
     if cos.stride() != sin.stride():
@@ -283,18 +291,21 @@ def rope_attention_impl(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         launch_prepared(kern, cfg, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(),
                         length.data_ptr(), counters_ptr, mask_ptr, i32(kind), i64(mask_sb), out.data_ptr(),
                         partials.data_ptr(), i32(heads), i32(kv_heads), i32(slots), i32(chunk), i64(batch_stride),
-                        f32(float(scale) * math.log2(math.e)), i32(1 if early_kv else 0), i32(1 if in_cluster else 0))
+                        f32(float(scale) * math.log2(math.e)), i32(1 if early_kv else 0), i32(1 if in_cluster else 0),
+                        *norm_args(q_norm, k_norm, norm_eps))
     return out
 
 
 def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                    length: torch.Tensor, mask: torch.Tensor | None, scale: float, heads: int, kv_heads: int,
-                   early_kv: bool = False) -> torch.Tensor:
+                   early_kv: bool = False, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                   norm_eps: float = 1e-6) -> torch.Tensor:
     """rope_attention_impl eagerly; under torch.compile the custom op tilefish::rope_attention (keys, values and
     length declared mutated), with the W4A16 layers' counters where the device has them."""
     if torch.compiler.is_compiling():
         from . import library
 
         return library.rope_attention_op(qkv, cos, sin, keys, values, length, mask, float(scale), heads, kv_heads,
-                                          layer_counters(qkv.device), early_kv)
-    return rope_attention_impl(qkv, cos, sin, keys, values, length, mask, scale, heads, kv_heads, early_kv=early_kv)
+                                          layer_counters(qkv.device), early_kv, q_norm, k_norm, float(norm_eps))
+    return rope_attention_impl(qkv, cos, sin, keys, values, length, mask, scale, heads, kv_heads, None, q_norm,
+                               k_norm, norm_eps, early_kv=early_kv)

@@ -6,7 +6,8 @@ output: validate -> launch kernels/attention/rope_cache.cu on torch's current st
 does what transformers' Llama / Mistral / Qwen2 attention does between its projections and the attention
 (apply_rotary_pos_emb on q and k, then StaticLayer.update: k and v written into the cache at positions
 length + arange(T), length += T), in one launch instead of four compiled kernels (rotary q, rotary k + cache
-write, cache write of v, the length's add). The kernel rounds each product and sum to the activation dtype as
+write, cache write of v, the length's add). With q_norm / k_norm (each a [D] weight, and norm_eps) it is Qwen3's
+step: every q / k head RMS-normalized (Qwen3RMSNorm's rounding) before its rotary, two kernels fewer again. The kernel rounds each product and sum to the activation dtype as
 transformers' eager rotary does, so q, keys and values come out bit for bit as the eager path's (compiled,
 inductor rounds once per element instead). Positions at or past the cache's end (S) are not written; transformers'
 index_copy_ would stop on a device-side assert there (generate() checks the cache size before it gets there).
@@ -20,11 +21,12 @@ when the q/k/v GEMM ahead of it ends.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
 from ..reference import rope_cache as rope_cache_reference
-from ..runtime import KernelSpec, get_kernel, i32, i64, launch_prepared, prepare_launch
+from ..runtime import KernelSpec, f32, get_kernel, i32, i64, launch_prepared, prepare_launch
 from .w4a16.policy import resolve_policy
 from .w4a16.workspace import StreamTurn, check_counters, layer_counters, new_counters
 
@@ -99,6 +101,36 @@ def check_inputs(qkv, cos, sin, keys, values, length, heads, kv_heads) -> tuple[
     return b, t, d, slots
 
 
+def check_head_norms(op: str, qkv, d: int, q_norm, k_norm, norm_eps) -> None:
+    """The optional per-head norm weights: each None or a [D] tensor of qkv's dtype on its device, and a finite,
+    non-negative eps (a TypeError / ValueError naming the rule)."""
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if w is None:
+            continue
+        if not isinstance(w, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor or None, got {type(w).__name__}")
+        if w.dtype != qkv.dtype:
+            raise TypeError(f"{op}: {name} must have qkv's dtype {qkv.dtype}, got {w.dtype}")
+        if w.dim() != 1 or w.shape[0] != d:
+            raise ValueError(f"{op}: {name} must be one weight a head dim, [D = {d}], got {tuple(w.shape)}")
+        if not _same_device(w, qkv):
+            raise ValueError(f"{op}: {name} is on {w.device}, qkv on {qkv.device}: they must share a device")
+    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not math.isfinite(norm_eps) \
+            or norm_eps < 0:
+        raise ValueError(f"{op}: norm_eps must be a finite float >= 0, got {norm_eps!r}")
+
+
+def norm_weights(q_norm, k_norm) -> tuple:
+    """The weights as the kernels read them (16-byte vectors: a unit-stride, aligned copy where not)."""
+    return tuple(None if w is None else _rows(w) for w in (q_norm, k_norm))
+
+
+def norm_args(q_norm, k_norm, norm_eps) -> tuple:
+    """The kernels' (q_norm, k_norm, eps) arguments from norm_weights' tensors (null where absent)."""
+    return (0 if q_norm is None else q_norm.data_ptr(), 0 if k_norm is None else k_norm.data_ptr(),
+            f32(float(norm_eps)))
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """t with unit stride along its last dim and 16-byte aligned rows: the kernel's 16-byte loads (a copy where not)."""
     if t.stride(-1) != 1 or any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
@@ -110,14 +142,20 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def rope_cache_impl(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
                     values: torch.Tensor, length: torch.Tensor, heads: int, kv_heads: int,
-                    counters: torch.Tensor | None = None, *, pdl: bool | None = None) -> torch.Tensor:
+                    counters: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
+                    k_norm: torch.Tensor | None = None, norm_eps: float = 1e-6, *,
+                    pdl: bool | None = None) -> torch.Tensor:
     """q [B, T, heads, D]; keys, values and length updated in place (module docstring). CPU -> the reference,
     CUDA -> the kernel. counters: owned int32 counters (one is used), else the W4A16 layers' of the device, else
-    a fresh zeroed one. pdl: programmatic dependent launch (None: the active W4A16 launch policy's)."""
+    a fresh zeroed one. q_norm / k_norm: the per-head norms' weights ([D]) or None. pdl: programmatic dependent
+    launch (None: the active W4A16 launch policy's)."""
     b, t, d, slots = check_inputs(qkv, cos, sin, keys, values, length, heads, kv_heads)
+    check_head_norms("rope_cache", qkv, d, q_norm, k_norm, norm_eps)
     if qkv.is_cpu:
-        return rope_cache_reference(qkv, cos, sin, keys, values, length, heads, kv_heads)
+        return rope_cache_reference(qkv, cos, sin, keys, values, length, heads, kv_heads, q_norm, k_norm,
+                                    float(norm_eps))
     qkv, cos, sin = qkv.contiguous(), _rows(cos), _rows(sin)
+    q_norm, k_norm = norm_weights(q_norm, k_norm)
     if qkv.data_ptr() % 16:
         qkv = qkv.clone()
     if cos.stride() != sin.stride():  # the kernel takes one set of strides for both
@@ -140,17 +178,19 @@ def rope_cache_impl(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key
     with StreamTurn(counters, index) as arrivals:
         launch_prepared(kern, cfg, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), keys.data_ptr(),
                         values.data_ptr(), length.data_ptr(), arrivals, i32(b), i32(t), i32(heads), i32(kv_heads),
-                        i32(d), i32(slots), i64(batch_stride), i64(cos.stride(1)))
+                        i32(d), i32(slots), i64(batch_stride), i64(cos.stride(1)),
+                        *norm_args(q_norm, k_norm, norm_eps))
     return q
 
 
 def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               length: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+               length: torch.Tensor, heads: int, kv_heads: int, q_norm: torch.Tensor | None = None,
+               k_norm: torch.Tensor | None = None, norm_eps: float = 1e-6) -> torch.Tensor:
     """rope_cache_impl eagerly; under torch.compile the custom op tilefish::rope_cache (keys, values and length
     declared mutated), with the W4A16 layers' counters where the device has them."""
     if torch.compiler.is_compiling():
         from . import library
 
         return library.rope_cache_op(qkv, cos, sin, keys, values, length, heads, kv_heads,
-                                     layer_counters(qkv.device))
-    return rope_cache_impl(qkv, cos, sin, keys, values, length, heads, kv_heads)
+                                     layer_counters(qkv.device), q_norm, k_norm, float(norm_eps))
+    return rope_cache_impl(qkv, cos, sin, keys, values, length, heads, kv_heads, None, q_norm, k_norm, norm_eps)

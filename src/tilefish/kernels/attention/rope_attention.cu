@@ -2,7 +2,8 @@
 // output, in one launch (ops/rope_attention.py): for every sequence b of qkv [B, 1, (H + 2 KV) * D],
 //   keys[b, g, L] = rope(k_g), values[b, g, L] = v_g                     (what rope_cache.cu writes, bit for bit)
 //   out[b, 0, h]  = softmax(scale * rope(q_h) . keys[b, h / G]^T + mask[b]) values[b, h / G]    (G = H / KV)
-// with L = *length as the launch found it, then *length = L + 1; cos / sin rows [B or 1, 1, D]; the mask a
+// with L = *length as the launch found it, then *length = L + 1; rope(x) of a q / k head RMS-normalized first where
+// q_norm / k_norm ([D]) are given (Qwen3; attention/rotary.cuh); cos / sin rows [B or 1, 1, D]; the mask a
 // bool (false: masked) or additive row [B or 1, 1, 1, S] (mask_kind 1 / 2). A row with nothing left gives zeros
 // (torch's SDPA since 2.5). Math in fp32 but for P, which is rounded to T for its tensor-core product with V (as
 // flash attention does); out is rounded once.
@@ -70,7 +71,8 @@ rope_attention(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __
                T* __restrict__ keys, T* __restrict__ values, long long* __restrict__ length, int* __restrict__ counters,
                const void* __restrict__ mask, int mask_kind, long long mask_sb, T* __restrict__ out,
                float* __restrict__ partials, int heads, int kv_heads, int slots, int chunk, long long cs_batch,
-               float scale_log2, int early_kv, int cluster_combine) {
+               float scale_log2, int early_kv, int cluster_combine, const T* __restrict__ q_norm,
+               const T* __restrict__ k_norm, float norm_eps) {
     static_assert(D == 64 || D == 128, "head dim 64 or 128");
     constexpr int CH = D / 8;                        // 16-byte chunks a row
     constexpr int NB = D / 8;                        // n8 blocks of O
@@ -152,11 +154,15 @@ rope_attention(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __
     const T* row = qkv + (size_t)b * (heads + 2 * kv_heads) * D;
     const T* c_row = cos + b * cs_batch;
     const T* s_row = sin + b * cs_batch;
-    constexpr int HALF = D / 16;  // 8-pair chunks of a rotated head
+    constexpr int HALF = D / 16;  // 8-pair chunks of a rotated head: a head's chunks are HALF consecutive lanes
+    static_assert(ROWS * HALF % 32 == 0 && 32 % HALF == 0, "whole warps take the q loop (the head norm's shuffles)");
     for (int e = tid; e < ROWS * HALF; e += THREADS) {
         const int g = e / HALF, i = (e % HALF) * 8;
         uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
-        if (g < groups) rotary::rotate_chunk<T>(row + (size_t)(kvh * groups + g) * D, c_row, s_row, i, D, lo, hi);
+        if (g < groups) rotary::load_chunk<T>(row + (size_t)(kvh * groups + g) * D, i, D, lo, hi);
+        if (q_norm != nullptr) rotary::norm_chunk_in_lanes<T>(lo, hi, q_norm, i, D, norm_eps, 0xffffffffu, HALF);
+        if (g < groups) rotary::rotate_at<T>(lo, hi, c_row, s_row, i, D);
+        else lo = hi = make_uint4(0, 0, 0, 0);  // the padding rows stay zeros whatever the norm made of them
         *reinterpret_cast<uint4*>(q_s + swz<D>(g, i / 8)) = lo;
         *reinterpret_cast<uint4*>(q_s + swz<D>(g, (i + D / 2) / 8)) = hi;
     }
@@ -167,9 +173,13 @@ rope_attention(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __
     if (owner) {
         T* kr = keys + (cache_row0 + L) * D;
         T* vr = values + (cache_row0 + L) * D;
-        for (int e = tid; e < HALF; e += THREADS) {
+        for (int e = tid; e < HALF; e += THREADS) {  // lanes 0 .. HALF - 1 of warp 0
+            const T* k_row = row + (size_t)(heads + kvh) * D;
             uint4 lo, hi;
-            rotary::rotate_chunk<T>(row + (size_t)(heads + kvh) * D, c_row, s_row, e * 8, D, lo, hi);
+            rotary::load_chunk<T>(k_row, e * 8, D, lo, hi);
+            if (k_norm != nullptr)
+                rotary::norm_chunk_in_lanes<T>(lo, hi, k_norm, e * 8, D, norm_eps, (1u << HALF) - 1, HALF);
+            rotary::rotate_at<T>(lo, hi, c_row, s_row, e * 8, D);
             st_v4(kr + e * 8, lo);
             st_v4(kr + e * 8 + D / 2, hi);
             *reinterpret_cast<uint4*>(fresh + e * 8) = lo;

@@ -5,6 +5,8 @@
 // with L = *length as the launch found it, and *length = L + T once every CTA has read it: transformers'
 // StaticLayer.update (index_copy_ at arange(T) + cumulative_length, then cumulative_length += T).
 // rope(x) pairs element i < D/2 with i + D/2, rounded as transformers' eager rotary rounds (attention/rotary.cuh).
+// q_norm / k_norm (optional, [D]): each q / k head is RMS-normalized first, as Qwen3's attention does (rotary.cuh's
+// head norm; a unit reads its head's other chunks for the sum, from L2).
 // cos / sin: [B or 1, T, D] rows (strides in elements; the batch stride 0 for a shared row).
 //
 // Work units: 8 pairs of one rotated head (16 bytes of each half), or 8 elements of one v head; thread t of
@@ -22,7 +24,8 @@ template <typename T>
 __global__ void __launch_bounds__(256)
 rope_cache(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __restrict__ sin, T* __restrict__ q_out,
            T* __restrict__ keys, T* __restrict__ values, long long* __restrict__ length, int* __restrict__ arrivals,
-           int batch, int tokens, int heads, int kv_heads, int dim, int slots, long long cs_batch, long long cs_token) {
+           int batch, int tokens, int heads, int kv_heads, int dim, int slots, long long cs_batch, long long cs_token,
+           const T* __restrict__ q_norm, const T* __restrict__ k_norm, float norm_eps) {
     __shared__ long long base_shared;
     launch_dependent_grids();
     grid_dependency_wait();
@@ -51,8 +54,11 @@ rope_cache(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __rest
             const T* src = row + head * dim;
             const T* c = cos + b * cs_batch + j * cs_token;
             const T* s = sin + b * cs_batch + j * cs_token;
+            const T* norm = head < heads ? q_norm : k_norm;
             uint4 lo, hi;
-            rotary::rotate_chunk<T>(src, c, s, i, dim, lo, hi);
+            rotary::load_chunk<T>(src, i, dim, lo, hi);
+            if (norm != nullptr) rotary::norm_chunk_reading_head<T>(lo, hi, src, norm, i, dim, norm_eps);
+            rotary::rotate_at<T>(lo, hi, c, s, i, dim);
             st_v4(dst + i, lo);
             st_v4(dst + i + dim / 2, hi);
         } else {
