@@ -1,7 +1,8 @@
 """`tilefish bench e2e`: a Llama-3-8B-shaped decoder end to end, dense fp16 against tilefish W4A16,
 bitsandbytes NF4 (when importable) and tilefish NF4 (the same NF4 weights, fused matmul): decode
 tokens/s at several batch sizes over a filled KV cache, prefill tokens/s, in eager mode and compiled
-(torch.compile per decoder layer + one CUDA graph per step). With arch="qwen3-moe" (bench/e2e_models.py) the
+(torch.compile per decoder layer + one CUDA graph per step). With arch="qwen3-8b" the model is transformers'
+Qwen3ForCausalLM with Qwen3-8B's shapes (the same variants); with arch="qwen3-moe" (bench/e2e_models.py) the
 model is transformers' Qwen3MoeForCausalLM with Qwen3-30B-A3B's shapes in bf16: transformers' dense experts
 (grouped_mm, batched_mm) against tilefish int4 g128 and MXFP4 (QuantizedExperts + W4A16Linear attention).
 
@@ -77,8 +78,8 @@ class _Builtin:
 
 
 class _HF:
-    """transformers' LlamaForCausalLM (a LlamaConfig, fp16) or Qwen3MoeForCausalLM (an e2e_models.MoEConfig,
-    bf16) with its StaticCache. The step calls the model's own modules
+    """transformers' LlamaForCausalLM (a LlamaConfig, fp16), Qwen3ForCausalLM (an e2e_models.Qwen3DenseConfig, fp16)
+    or Qwen3MoeForCausalLM (an e2e_models.MoEConfig, bf16) with its StaticCache. The step calls the model's own modules
     (embedding, rotary, decoder layers, norm, lm_head) the way LlamaModel.forward does, with two
     changes that keep it capturable: the mask is built here from the positions (transformers' mask
     helpers read tensors on the host), and each layer gets its own StaticLayer as its cache, so
@@ -395,7 +396,7 @@ def _variant(plan: _Plan, impl: str, reference: torch.Tensor | None, timed: bool
         notes.append(f"{impl} not timed at {', '.join(skipped)}: transformers' batched_mm gathers a copy of the "
                      f"selected expert's weights for every token and slot (over {BATCHED_MM_MAX_BYTES >> 30} GiB "
                      "there)")
-    if reference is None and plan.arch is not e2e_models.LLAMA:  # which experts implementation the dense model ran
+    if reference is None and plan.arch.moe:  # which experts implementation the dense model ran
         line = f"{impl} ({summary}): the reference of the logits checks"
         print(line, flush=True)
         notes.append(line)
@@ -437,16 +438,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def labels(arch: e2e_models.Arch) -> dict[str, str]:
     """The rows' impl names of an arch's variants."""
-    return LABELS if arch is e2e_models.LLAMA else MOE_LABELS
+    return MOE_LABELS if arch.moe else LABELS
 
 
 def _ratios(arch: e2e_models.Arch, impl: str, ms: float, by_impl: dict) -> dict[str, float]:
-    """A variant's ratios in one case: each dense variant's time over its time ("fp16" for the Llama, the
+    """A variant's ratios in one case: each dense variant's time over its time ("fp16" for a dense decoder, the
     dense labels and "best bf16", the fastest of them, for the MoE model); none for a dense variant."""
     dense = {d: by_impl[d][0] for d in arch.dense if d in by_impl}
     if impl in arch.dense or not dense:
         return {}
-    if arch is e2e_models.LLAMA:
+    if not arch.moe:
         return {LABELS[d]: t / ms for d, t in dense.items()}
     ratios = {MOE_LABELS[d]: t / ms for d, t in dense.items()}
     ratios[e2e_models.BEST_DENSE] = min(dense.values()) / ms
@@ -471,8 +472,8 @@ def _add_rows(report: Report, plan: _Plan, model: str, times: dict, info: dict, 
         case = f"{mode} decode b{size} ctx{plan.context}" if phase == "decode" else f"{mode} prefill {size}"
         for impl, (ms, setup_s) in by_impl.items():
             i = info[impl]
-            read = None  # bytes a decode step reads (the dense Llama only: an MoE step's experts depend on routing)
-            if phase == "decode" and arch is e2e_models.LLAMA:
+            read = None  # bytes a decode step reads (dense decoders only: an MoE step's experts depend on routing)
+            if phase == "decode" and not arch.moe:
                 read = decode_bytes(plan.cfg, i["layer_bytes"], i["lm_head_bytes"], size, plan.context)
             pct = 100 * read / (ms * 1e-3) / (copy_gbps * 1e9) if read and copy_gbps else None
             report.add(Row("e2e", arch.case_prefix + case, names[impl], ms * 1e3, size / (ms * 1e-3), "tok/s", pct,
@@ -507,7 +508,7 @@ def run(layers: int | None = None, batches=DEFAULT_BATCHES, prefill=DEFAULT_PREF
         raise ValueError(f"arch {arch!r} with a {type(config).__name__}")
     cfg = config or e2e_models.default_config(arch or e2e_models.DEFAULT_ARCH, layers)
     spec = e2e_models.arch_of(cfg)
-    known = IMPLS if spec is e2e_models.LLAMA else MOE_IMPLS
+    known = MOE_IMPLS if spec.moe else IMPLS
     impls = known if impls is None else impls
     if model == "auto":
         model = "hf" if has_transformers() or spec is not e2e_models.LLAMA else "builtin"
@@ -546,7 +547,7 @@ def run(layers: int | None = None, batches=DEFAULT_BATCHES, prefill=DEFAULT_PREF
     plan = _Plan(_HF if model == "hf" else _Builtin, cfg, device, [m for m in MODES if m in modes],
                  [("decode", b) for b in batches] + [("prefill", p) for p in prefill], context, reps, backend, seed,
                  lm_head)
-    ratio = (f"ratio = {spec.reference} time / variant time" if spec is e2e_models.LLAMA else
+    ratio = (f"ratio = {spec.reference} time / variant time" if not spec.moe else
              f"ratio = dense time / variant time, {e2e_models.BEST_DENSE}: the faster dense experts implementation")
     report = Report(f"End-to-end decoder, {spec.title} shapes, {cfg.num_hidden_layers} layers, {model} model, "
                     f"{spec.dtype} activations (tok/s; {ratio}){title_note}")
@@ -558,11 +559,11 @@ def run(layers: int | None = None, batches=DEFAULT_BATCHES, prefill=DEFAULT_PREF
         f"K/V positions (no prefill run); prefill: batch 1, logits of the last position only",
         "compiled: each decoder layer torch.compile(fullgraph=True) (one graph shared by all layers), the whole "
         "step captured in one CUDA graph and replayed; eager: plain calls"]
-    if spec is not e2e_models.LLAMA:
+    if spec.moe:
         report.notes += e2e_models.MOE_NOTES
 
     copy_gbps = None
-    if device.type == "cuda" and spec is e2e_models.LLAMA:  # before any model: 4 GiB of copy buffers
+    if device.type == "cuda" and not spec.moe:  # before any model: 4 GiB of copy buffers
         from .ceilings import copy_bandwidth_gbps
 
         copy_gbps = copy_bandwidth_gbps()

@@ -19,6 +19,7 @@ the GPU's busy time (the union of its kernels' intervals) the same way; the rest
 is the GPU waiting for the host (generate's Python loop, the graph launch, the logits processors).
 min_new_tokens = N, so random weights never stop early at an end-of-sequence token.
 
+With arch="qwen3-8b" the model is transformers' Qwen3ForCausalLM with Qwen3-8B's shapes (the Llama's variants).
 With arch="qwen3-moe" (bench/e2e_models.py) the model is transformers' Qwen3MoeForCausalLM with Qwen3-30B-A3B's
 shapes, bf16: `bf16` dense as generate() runs it (grouped_mm experts for the prompt, batched_mm for the decode
 steps: generate's own switch), `bf16-grouped` the same with grouped_mm kept for the decode steps, `int4` / `mxfp4`
@@ -287,8 +288,7 @@ def _add_rows(report: Report, cfg, results: dict, info: dict, new_tokens: int, p
                                 f"first call (compile) {r['setup_s']:.0f} s")
     for impl, by_batch in results.items():
         for b, r in by_batch.items():
-            ratios = (_llama_ratios(impl, b, r, results) if spec is e2e_models.LLAMA else
-                      _moe_ratios(impl, b, r, results))
+            ratios = (_moe_ratios(impl, b, r, results) if spec.moe else _llama_ratios(impl, b, r, results))
             report.add(Row("e2e", f"{spec.case_prefix}generate decode b{b}", names[impl], r["ms_per_token"] * 1e3,
                            b / (r["ms_per_token"] * 1e-3), "tok/s", None, ratios, {
                                "mode": "generate", "phase": "decode", "batch": b, "new_tokens": new_tokens,

@@ -4,6 +4,8 @@ ratios are taken against, and its bytes per layer (to fit the layers in the GPU'
 
 - `llama3-8b` (default): Llama-3-8B shapes, fp16 (tilefish.models.llama's LlamaConfig; transformers'
   LlamaForCausalLM or tilefish's own); its variants are bench/e2e.py's IMPLS and bench/e2e_generate.py's IMPLS.
+- `qwen3-8b`: Qwen3-8B shapes (Qwen3DenseConfig below), fp16, transformers' Qwen3ForCausalLM: the Llama's
+  decoder but for its attention, which RMS-normalizes each q / k head before the rotary; the Llama's variants.
 - `qwen3-moe`: Qwen3-30B-A3B shapes (MoEConfig below), bf16 (the model's own dtype), transformers'
   Qwen3MoeForCausalLM; the variants below.
 
@@ -22,7 +24,8 @@ class Arch:
     """One --arch choice: name (the flag's value, the rows' extra["arch"]), title (report titles), dtype (the
     activations'), reference (the dense variant the logits are checked against), dense (the dense variants of
     the harness loop, in order; the ratios' denominators), case_prefix (before each row's case, so that rows of
-    different models never share a case), default_layers (the full model)."""
+    different models never share a case), default_layers (the full model), moe (the MoE model's variants; a
+    dense decoder has the Llama's)."""
     name: str
     title: str
     dtype: str
@@ -30,11 +33,13 @@ class Arch:
     dense: tuple[str, ...]
     case_prefix: str
     default_layers: int
+    moe: bool = False
 
 
 LLAMA = Arch("llama3-8b", "Llama-3-8B", "fp16", "fp16", ("fp16", "fp16-gqa"), "", 32)
-QWEN3_MOE = Arch("qwen3-moe", "Qwen3-30B-A3B", "bf16", "bf16", ("bf16", "bf16-batched"), "qwen3-moe ", 48)
-ARCHS = {a.name: a for a in (LLAMA, QWEN3_MOE)}
+QWEN3 = Arch("qwen3-8b", "Qwen3-8B", "fp16", "fp16", ("fp16", "fp16-gqa"), "qwen3-8b ", 36)
+QWEN3_MOE = Arch("qwen3-moe", "Qwen3-30B-A3B", "bf16", "bf16", ("bf16", "bf16-batched"), "qwen3-moe ", 48, moe=True)
+ARCHS = {a.name: a for a in (LLAMA, QWEN3, QWEN3_MOE)}
 DEFAULT_ARCH = LLAMA.name
 
 # The MoE model's variants. Harness loop (bench/e2e.py): "bf16" is the dense model as transformers builds it
@@ -54,6 +59,34 @@ MOE_GENERATE_LABELS = {"bf16": "bf16 batched_mm", "bf16-grouped": "bf16 grouped_
                        "mxfp4": "tilefish mxfp4"}
 BEST_DENSE = "best bf16"  # the ratio to the fastest dense variant of the case
 MOE_QUANTIZED = ("int4", "mxfp4")
+
+
+@dataclass
+class Qwen3DenseConfig:
+    """A dense Qwen3 decoder's shapes (defaults: Qwen3-8B, huggingface.co/Qwen/Qwen3-8B/config.json), in the fields
+    of tilefish.models.llama's LlamaConfig (that module imports torch), built as transformers' Qwen3ForCausalLM."""
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    num_hidden_layers: int = 36
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    vocab_size: int = 151936
+    rope_theta: float = 1000000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 40960
+
+    @classmethod
+    def qwen3_8b(cls, layers: int = 36) -> "Qwen3DenseConfig":
+        return cls(num_hidden_layers=layers)
+
+    def hf_config(self):
+        """The transformers Qwen3Config (sdpa attention, untied lm_head, std 0.02 init)."""
+        import transformers
+
+        fields = {k: v for k, v in vars(self).items() if k != "rope_theta"}
+        return transformers.Qwen3Config(**fields, rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+                                        tie_word_embeddings=False, initializer_range=0.02, attn_implementation="sdpa")
 
 
 @dataclass
@@ -94,7 +127,9 @@ class MoEConfig:
 
 
 def arch_of(config) -> Arch:
-    """The Arch of a model config (a LlamaConfig or an MoEConfig)."""
+    """The Arch of a model config (a LlamaConfig, Qwen3DenseConfig or MoEConfig)."""
+    if isinstance(config, Qwen3DenseConfig):
+        return QWEN3
     return QWEN3_MOE if isinstance(config, MoEConfig) else LLAMA
 
 
@@ -104,6 +139,8 @@ def default_config(arch: str, layers: int | None = None):
     layers = spec.default_layers if layers is None else layers
     if spec is QWEN3_MOE:
         return MoEConfig.qwen3_30b_a3b(layers)
+    if spec is QWEN3:
+        return Qwen3DenseConfig.qwen3_8b(layers)
     from ..models.llama import LlamaConfig
 
     return LlamaConfig.llama3_8b(layers)
@@ -121,12 +158,16 @@ def hf_model(config):
 
     if isinstance(config, MoEConfig):
         return transformers.Qwen3MoeForCausalLM(config.hf_config())
+    if isinstance(config, Qwen3DenseConfig):
+        return transformers.Qwen3ForCausalLM(config.hf_config())
     from ..models.llama import hf_config
 
     return transformers.LlamaForCausalLM(hf_config(config))
 
 
 def hf_class_name(config) -> str:
+    if isinstance(config, Qwen3DenseConfig):
+        return "Qwen3ForCausalLM"
     return "Qwen3MoeForCausalLM" if isinstance(config, MoEConfig) else "LlamaForCausalLM"
 
 

@@ -1,5 +1,5 @@
-"""The e2e family (`tilefish bench e2e`: a Llama-3-8B-shaped decoder end to end, or with --arch qwen3-moe a
-Qwen3-30B-A3B-shaped MoE decoder (bench/e2e_models.py), in the harness's loop, bench/e2e.py, in the user's,
+"""The e2e family (`tilefish bench e2e`: a Llama-3-8B-shaped decoder end to end, or with --arch qwen3-8b a
+Qwen3-8B-shaped one, or with --arch qwen3-moe a Qwen3-30B-A3B-shaped MoE decoder (bench/e2e_models.py), in the harness's loop, bench/e2e.py, in the user's,
 bench/e2e_generate.py, and tensor-parallel, bench/e2e_tp.py (the Llama only))."""
 from __future__ import annotations
 
@@ -44,17 +44,19 @@ def _ints(text: str) -> list[int]:
 class E2E(BenchFamily):
     name = "e2e"
     title = "End-to-end decoder"
-    help = ("a decoder end to end: Llama-3-8B, fp16 vs tilefish W4A16 / NF4 and bitsandbytes NF4; --arch "
-            "qwen3-moe: Qwen3-30B-A3B, bf16 vs tilefish int4 / MXFP4")
+    help = ("a decoder end to end: Llama-3-8B or Qwen3-8B, fp16 vs tilefish W4A16 / NF4 and bitsandbytes NF4; "
+            "Qwen3-30B-A3B, bf16 vs tilefish int4 / MXFP4")
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("--arch", default=DEFAULT_ARCH, choices=list(ARCHS),
-                       help="the model: llama3-8b (Llama-3-8B shapes, fp16; default) or qwen3-moe (transformers' "
+                       help="the model: llama3-8b (Llama-3-8B shapes, fp16; default), qwen3-8b (transformers' "
+                       "Qwen3ForCausalLM with Qwen3-8B's shapes, fp16: the Llama's variants) or qwen3-moe (transformers' "
                        "Qwen3MoeForCausalLM with Qwen3-30B-A3B's shapes, bf16: 128 experts, top 8; variants bf16 "
                        "(grouped_mm experts), bf16-batched (batched_mm), int4, mxfp4; generate loop bf16, "
                        "bf16-grouped, int4, mxfp4)")
         p.add_argument("--layers", type=positive_int,
-                       help="decoder layers (default all: 32, qwen3-moe 48; fewer if the GPU cannot hold them)")
+                       help="decoder layers (default all: 32, qwen3-8b 36, qwen3-moe 48; fewer if the GPU cannot "
+                       "hold them)")
         p.add_argument("--batches", type=int_list, help="decode batch sizes (default 1,4,16,64; with --tp 1,16)")
         p.add_argument("--prefill", default="512,2048",
                        help="prefill prompt lengths, batch 1 (default 512,2048; '' for none)")
@@ -116,8 +118,8 @@ class E2E(BenchFamily):
                               batches=_ints(args.batches or ",".join(map(str, e2e_tp.TP_BATCHES))),
                               context=args.context, modes=(args.modes or "compiled").split(","), model=args.model,
                               reps=args.reps)
-        harness_impls, generate_impls = ((e2e.IMPLS, e2e_generate.IMPLS) if arch == LLAMA.name else
-                                         (MOE_IMPLS, MOE_GENERATE_IMPLS))
+        harness_impls, generate_impls = ((MOE_IMPLS, MOE_GENERATE_IMPLS) if ARCHS[arch].moe else
+                                         (e2e.IMPLS, e2e_generate.IMPLS))
         batches = args.batches or ",".join(map(str, e2e.DEFAULT_BATCHES))
         impls = args.impls.split(",") if args.impls else list(dict.fromkeys(harness_impls + generate_impls))
         report = None
