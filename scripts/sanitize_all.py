@@ -1422,18 +1422,26 @@ def _run_rope_cache(pid: str, a: dict, dev) -> dict:
     gen = torch.Generator().manual_seed(_seed(pid))
     dt = _dtype(a["dt"])
     info = {"gpu_s": 0.0}
-    for b, t, slots, start in ((64, 1, 40, 17), (2, 33, 60, 32)):  # heads 32 on 8 kv heads, head dim 128
+    # heads 32 on 8 kv heads, head dim 128; the last case with Qwen3's per-head q / k norms
+    for b, t, slots, start, normed in ((64, 1, 40, 17, False), (2, 33, 60, 32, False), (5, 3, 40, 30, True)):
         qkv = torch.randn(b, t, 48 * 128, generator=gen).to(dt)
         cos, sin = (torch.rand(b, t, 128, generator=gen).to(dt) for _ in range(2))
         keys, values = (torch.randn(b, 8, slots, 128, generator=gen).to(dt) for _ in range(2))
         length = torch.tensor(start)
+        norms = [(1 + 0.5 * torch.randn(128, generator=gen)).to(dt) for _ in range(2)] if normed else [None, None]
         t0 = time.perf_counter()
         got = [x.to(dev) for x in (keys, values, length)]
-        q = rope_cache.rope_cache_impl(qkv.to(dev), cos.to(dev), sin.to(dev), *got, 32, 8).cpu()
+        q = rope_cache.rope_cache_impl(qkv.to(dev), cos.to(dev), sin.to(dev), *got, 32, 8, None,
+                                       *[None if w is None else w.to(dev) for w in norms]).cpu()
         got = [x.cpu() for x in got]
         info["gpu_s"] += time.perf_counter() - t0
-        want_q = reference(qkv, cos, sin, keys, values, length, 32, 8)
-        if not (torch.equal(q, want_q) and all(torch.equal(x, y) for x, y in zip(got, (keys, values, length)))):
+        want_q = reference(qkv, cos, sin, keys, values, length, 32, 8, *norms)
+        if normed:  # the norm's fp32 sum runs in another order than torch's: within its rounding
+            close = all(((x.double() - y.double()).norm() / y.double().norm()).item() < TOLERANCE[a["dt"]]
+                        for x, y in ((q, want_q), (got[0], keys)))
+            if not (close and torch.equal(got[1], values) and torch.equal(got[2], length)):
+                raise AssertionError(f"b {b}, t {t}, head norms: differs from the reference")
+        elif not (torch.equal(q, want_q) and all(torch.equal(x, y) for x, y in zip(got, (keys, values, length)))):
             raise AssertionError(f"b {b}, t {t}: differs from the reference bitwise")
     return info
 
@@ -1449,23 +1457,30 @@ def _run_rope_attention(pid: str, a: dict, dev) -> dict:
     dt, d = _dtype(a["dt"]), int(a["d"])
     info = {"gpu_s": 0.0}
     # 32 heads on 8 kv heads; chunks of 64: a split of 4 over 16 sequences (512 CTAs: through L2), of 12 (one
-    # cluster of a non-portable size on sm_90, through L2 elsewhere), of 18 (through L2), none
-    for b, slots, start, masked in ((16, 200, 130, True), (1, 760, 700, True), (2, 1100, 300, True),
-                                    (3, 64, 70, False)):
+    # cluster of a non-portable size on sm_90, through L2 elsewhere), of 18 (through L2), none; Qwen3's per-head
+    # q / k norms in two of them
+    for b, slots, start, masked, normed in ((16, 200, 130, True, False), (1, 760, 700, True, True),
+                                            (2, 1100, 300, True, False), (3, 64, 70, False, True)):
         qkv = torch.randn(b, 1, 48 * d, generator=gen).to(dt)
         cos, sin = (torch.rand(b, 1, d, generator=gen).to(dt) for _ in range(2))
         keys, values = (torch.randn(b, 8, slots, d, generator=gen).to(dt) for _ in range(2))
         length = torch.tensor(start)
         mask = (torch.rand(b, 1, 1, slots, generator=gen) > 0.3) if masked else None
+        norms = [(1 + 0.5 * torch.randn(d, generator=gen)).to(dt) for _ in range(2)] if normed else [None, None]
         t0 = time.perf_counter()
         got = [x.clone().to(dev) for x in (keys, values, length)]  # a copy on the CPU path too
         out = rope_attention.rope_attention_impl(qkv.to(dev), cos.to(dev), sin.to(dev), *got,
                                                  None if mask is None else mask.to(dev), 1 / math.sqrt(d), 32, 8,
+                                                 None, *[None if w is None else w.to(dev) for w in norms],
                                                  chunk=64, early_kv=True).cpu()
         got = [x.cpu() for x in got]
         info["gpu_s"] += time.perf_counter() - t0
-        want = rope_attention.reference(qkv, cos, sin, keys, values, length, mask, 1 / math.sqrt(d), 32, 8)
-        if not all(torch.equal(x, y) for x, y in zip(got, (keys, values, length))):
+        want = rope_attention.reference(qkv, cos, sin, keys, values, length, mask, 1 / math.sqrt(d), 32, 8, *norms)
+        if normed:  # the new keys' norm sums in another order than torch's: within its rounding
+            keys_err = ((got[0].double() - keys.double()).norm() / keys.double().norm()).item()
+            if not (keys_err < TOLERANCE[a["dt"]] and torch.equal(got[1], values) and torch.equal(got[2], length)):
+                raise AssertionError(f"b {b}, head norms: the cache or length differs from the reference")
+        elif not all(torch.equal(x, y) for x, y in zip(got, (keys, values, length))):
             raise AssertionError(f"b {b}: the cache or length differs from the reference")
         err = ((out.double() - want.double()).norm() / want.double().norm()).item()
         if not err < TOLERANCE[a["dt"]]:
