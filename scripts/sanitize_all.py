@@ -259,17 +259,18 @@ def norm_builds() -> dict:
 
 
 def rope_cache_builds() -> dict:
-    """{KernelSpec: dtype} of both rope_cache builds."""
+    """{KernelSpec: dtype} of every rope_cache build (with and without the head norms)."""
     from tilefish.ops import rope_cache
 
-    return {rope_cache.kernel_spec(dt): dt for dt in rope_cache.DTYPES}
+    return {rope_cache.kernel_spec(dt, hn): dt for dt in rope_cache.DTYPES for hn in (False, True)}
 
 
 def rope_attention_builds() -> dict:
-    """{KernelSpec: (dtype, head dim)} of every rope_attention build."""
+    """{KernelSpec: (dtype, head dim)} of every rope_attention build (with and without the head norms)."""
     from tilefish.ops import rope_attention
 
-    return {rope_attention.kernel_spec(dt, d): (dt, d) for dt in rope_attention.DTYPES for d in rope_attention.HEAD_DIMS}
+    return {rope_attention.kernel_spec(dt, d, hn): (dt, d) for dt in rope_attention.DTYPES
+            for d in rope_attention.HEAD_DIMS for hn in (False, True)}
 
 
 # A row width whose block (ops.norm.block_config) takes each chunk count: 17, 513 and 1025 chunks of 8.
@@ -1150,11 +1151,11 @@ def plan_specs(p: Plan) -> list:
     if p.family == "rope_cache":
         from tilefish.ops import rope_cache
 
-        return [rope_cache.kernel_spec(_dtype(a["dt"]))]
+        return [rope_cache.kernel_spec(_dtype(a["dt"]), hn) for hn in (False, True)]
     if p.family == "rope_attention":
         from tilefish.ops import rope_attention
 
-        return [rope_attention.kernel_spec(_dtype(a["dt"]), int(a["d"]))]
+        return [rope_attention.kernel_spec(_dtype(a["dt"]), int(a["d"]), hn) for hn in (False, True)]
     if p.family == "sgemm":
         return [sgemm.SgemmConfig(*_sg_parse(a["cfg"])).spec]
     if p.family == "hgemm":

@@ -120,13 +120,15 @@ def routes_decode_step(batch: int, kv_heads: int, slots: int, limits: Callable[[
 
 
 @functools.lru_cache(maxsize=None)
-def kernel_spec(dtype: torch.dtype, head_dim: int) -> KernelSpec:
-    return KernelSpec(SOURCE, f"rope_attention<{DTYPES[dtype]}, {head_dim}>", hot=True)
+def kernel_spec(dtype: torch.dtype, head_dim: int, head_norm: bool = False) -> KernelSpec:
+    """head_norm: the build that applies Qwen3's per-head q / k norms (the other runs none of that code)."""
+    return KernelSpec(SOURCE, f"rope_attention<{DTYPES[dtype]}, {head_dim}, {'true' if head_norm else 'false'}>",
+                      hot=True)
 
 
 def dispatch_specs(arch: str | None = None) -> list[KernelSpec]:
-    """Every kernel rope_attention can launch (dtypes x head dims), sm_80 and newer."""
-    specs = [kernel_spec(dt, d) for dt in DTYPES for d in HEAD_DIMS]
+    """Every kernel rope_attention can launch (dtypes x head dims x head norms), sm_80 and newer."""
+    specs = [kernel_spec(dt, d, hn) for dt in DTYPES for d in HEAD_DIMS for hn in (False, True)]
     return [s for s in specs if arch is None or s.supports(arch)]
 
 
@@ -244,7 +246,7 @@ def rope_attention_impl(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         raise ValueError(f"rope_attention: a cluster combine needs sm_90 or newer; {qkv.device} is sm_{gpu.cc}")
     # the last CTA of a split combine keeps every split's max and sum a head in the ring's shared memory
     max_splits = (4 * TILE * d * 2 // 4 - groups) // (2 * groups)
-    kern = get_kernel(kernel_spec(qkv.dtype, d), qkv.get_device())
+    kern = get_kernel(kernel_spec(qkv.dtype, d, q_norm is not None or k_norm is not None), qkv.get_device())
     if chunk is None:
         limits = device_decode_limits(qkv.get_device(), qkv.dtype, d) if cluster else DecodeLimits(gpu.sm_count, 0)
         chunk = max(split_chunk(b, kv_heads, slots, limits), -(-slots // (max_splits * TILE)) * TILE)

@@ -38,13 +38,15 @@ HEAD_DIM_MULTIPLE = 16  # 8-element (16-byte) chunks of each half of a rotated h
 
 
 @functools.lru_cache(maxsize=None)
-def kernel_spec(dtype: torch.dtype) -> KernelSpec:
-    return KernelSpec(SOURCE, f"rope_cache<{DTYPES[dtype]}>", hot=True)
+def kernel_spec(dtype: torch.dtype, head_norm: bool = False) -> KernelSpec:
+    """head_norm: the build that applies Qwen3's per-head q / k norms (the other runs none of that code)."""
+    return KernelSpec(SOURCE, f"rope_cache<{DTYPES[dtype]}, {'true' if head_norm else 'false'}>", hot=True)
 
 
 def dispatch_specs(arch: str | None = None) -> list[KernelSpec]:
-    """Every kernel rope_cache can launch: one per dtype, the same on every arch (sm_80 and newer)."""
-    specs = [kernel_spec(dt) for dt in DTYPES]
+    """Every kernel rope_cache can launch: one per dtype and head-norm choice, the same on every arch (sm_80 and
+    newer)."""
+    specs = [kernel_spec(dt, hn) for dt in DTYPES for hn in (False, True)]
     return [s for s in specs if arch is None or s.supports(arch)]
 
 
@@ -172,7 +174,7 @@ def rope_cache_impl(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key
     if pdl is None:
         pdl = resolve_policy(None).programmatic
     units = b * t * ((heads + kv_heads) * (d // 16) + kv_heads * (d // 8))
-    kern = get_kernel(kernel_spec(qkv.dtype), index)
+    kern = get_kernel(kernel_spec(qkv.dtype, q_norm is not None or k_norm is not None), index)
     cfg = prepare_launch(kern, min(-(-units // THREADS), MAX_CTAS), THREADS, pdl=pdl)
     batch_stride = 0 if cos.shape[0] == 1 else cos.stride(0)
     with StreamTurn(counters, index) as arrivals:

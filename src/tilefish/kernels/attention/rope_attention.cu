@@ -62,10 +62,12 @@ template <int D> __device__ __forceinline__ int swz(int r, int c) { return r * D
 
 }  // namespace
 
+// HEAD_NORM: a build that applies q_norm / k_norm where given (Qwen3); the other ignores them, so the Llama family's
+// step runs no code of it.
 // Three CTAs an SM: registers up to 170 (left to itself, ptxas held D = 64 to 128 and spilled).
 // Dynamic shared memory (ops/rope_attention.py smem_bytes): the ring, 2 stages x (K, V) x TILE x D x 2 bytes,
 // whose space the warps' merge reuses after the loop; then Q (ROWS x D x 2 bytes); then the new k and v rows.
-template <typename T, int D>
+template <typename T, int D, bool HEAD_NORM>
 __global__ void __launch_bounds__(THREADS, 3)
 rope_attention(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __restrict__ sin,
                T* __restrict__ keys, T* __restrict__ values, long long* __restrict__ length, int* __restrict__ counters,
@@ -160,7 +162,8 @@ rope_attention(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __
         const int g = e / HALF, i = (e % HALF) * 8;
         uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
         if (g < groups) rotary::load_chunk<T>(row + (size_t)(kvh * groups + g) * D, i, D, lo, hi);
-        if (q_norm != nullptr) rotary::norm_chunk_in_lanes<T>(lo, hi, q_norm, i, D, norm_eps, 0xffffffffu, HALF);
+        if (HEAD_NORM && q_norm != nullptr)
+            rotary::norm_chunk_in_lanes<T>(lo, hi, q_norm, i, D, norm_eps, 0xffffffffu, HALF);
         if (g < groups) rotary::rotate_at<T>(lo, hi, c_row, s_row, i, D);
         else lo = hi = make_uint4(0, 0, 0, 0);  // the padding rows stay zeros whatever the norm made of them
         *reinterpret_cast<uint4*>(q_s + swz<D>(g, i / 8)) = lo;
@@ -177,7 +180,7 @@ rope_attention(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __
             const T* k_row = row + (size_t)(heads + kvh) * D;
             uint4 lo, hi;
             rotary::load_chunk<T>(k_row, e * 8, D, lo, hi);
-            if (k_norm != nullptr)
+            if (HEAD_NORM && k_norm != nullptr)
                 rotary::norm_chunk_in_lanes<T>(lo, hi, k_norm, e * 8, D, norm_eps, (1u << HALF) - 1, HALF);
             rotary::rotate_at<T>(lo, hi, c_row, s_row, e * 8, D);
             st_v4(kr + e * 8, lo);

@@ -5,8 +5,8 @@
 // with L = *length as the launch found it, and *length = L + T once every CTA has read it: transformers'
 // StaticLayer.update (index_copy_ at arange(T) + cumulative_length, then cumulative_length += T).
 // rope(x) pairs element i < D/2 with i + D/2, rounded as transformers' eager rotary rounds (attention/rotary.cuh).
-// q_norm / k_norm (optional, [D]): each q / k head is RMS-normalized first, as Qwen3's attention does (rotary.cuh's
-// head norm; a unit reads its head's other chunks for the sum, from L2).
+// q_norm / k_norm (optional, [D]; the HEAD_NORM build, the other ignores them): each q / k head is RMS-normalized
+// first, as Qwen3's attention does (rotary.cuh's head norm; a unit reads its head's other chunks, from L2).
 // cos / sin: [B or 1, T, D] rows (strides in elements; the batch stride 0 for a shared row).
 //
 // Work units: 8 pairs of one rotated head (16 bytes of each half), or 8 elements of one v head; thread t of
@@ -20,7 +20,7 @@
 
 using namespace tf;
 
-template <typename T>
+template <typename T, bool HEAD_NORM>
 __global__ void __launch_bounds__(256)
 rope_cache(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __restrict__ sin, T* __restrict__ q_out,
            T* __restrict__ keys, T* __restrict__ values, long long* __restrict__ length, int* __restrict__ arrivals,
@@ -57,7 +57,7 @@ rope_cache(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __rest
             const T* norm = head < heads ? q_norm : k_norm;
             uint4 lo, hi;
             rotary::load_chunk<T>(src, i, dim, lo, hi);
-            if (norm != nullptr) rotary::norm_chunk_reading_head<T>(lo, hi, src, norm, i, dim, norm_eps);
+            if (HEAD_NORM && norm != nullptr) rotary::norm_chunk_reading_head<T>(lo, hi, src, norm, i, dim, norm_eps);
             rotary::rotate_at<T>(lo, hi, c, s, i, dim);
             st_v4(dst + i, lo);
             st_v4(dst + i + dim / 2, hi);
