@@ -338,8 +338,8 @@ def use_fused_forward(model: torch.nn.Module) -> str | None:
     """Give every fusable SiLU-gated MLP and Llama-family decoder layer of `model` its fused forward (in place):
     an MLP whose gate / up are a GatedW4A16Linear (quantize_model / load_quantized with fuse=True) and whose down
     is a W4A16Linear; a layer whose MLP is such and whose two norms are the family's RMSNorm in the layers'
-    dtype; an attention (Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE) whose q / k / v are one FusedW4A16Linear. Returns a one-line
-    description, or None (nothing changed). Idempotent."""
+    dtype; an attention (Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE) whose q / k / v are one FusedW4A16Linear.
+    Returns a one-line description, or None (nothing changed). Idempotent."""
     if not isinstance(model, torch.nn.Module):
         return None
     mlps = [m for m in model.modules() if _fusable_mlp(m)]

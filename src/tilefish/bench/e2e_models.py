@@ -85,8 +85,9 @@ class Qwen3DenseConfig:
         import transformers
 
         fields = {k: v for k, v in vars(self).items() if k != "rope_theta"}
-        return transformers.Qwen3Config(**fields, rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
-                                        tie_word_embeddings=False, initializer_range=0.02, attn_implementation="sdpa")
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
+        return transformers.Qwen3Config(**fields, rope_parameters=rope, tie_word_embeddings=False,
+                                        initializer_range=0.02, attn_implementation="sdpa")
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """The e2e family (`tilefish bench e2e`: a Llama-3-8B-shaped decoder end to end, or with --arch qwen3-8b a
-Qwen3-8B-shaped one, or with --arch qwen3-moe a Qwen3-30B-A3B-shaped MoE decoder (bench/e2e_models.py), in the harness's loop, bench/e2e.py, in the user's,
+Qwen3-8B-shaped one, or with --arch qwen3-moe a Qwen3-30B-A3B-shaped MoE decoder (bench/e2e_models.py), in the
+harness's loop, bench/e2e.py, in the user's,
 bench/e2e_generate.py, and tensor-parallel, bench/e2e_tp.py (the Llama only))."""
 from __future__ import annotations
 
@@ -50,8 +51,8 @@ class E2E(BenchFamily):
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("--arch", default=DEFAULT_ARCH, choices=list(ARCHS),
                        help="the model: llama3-8b (Llama-3-8B shapes, fp16; default), qwen3-8b (transformers' "
-                       "Qwen3ForCausalLM with Qwen3-8B's shapes, fp16: the Llama's variants) or qwen3-moe (transformers' "
-                       "Qwen3MoeForCausalLM with Qwen3-30B-A3B's shapes, bf16: 128 experts, top 8; variants bf16 "
+                       "Qwen3ForCausalLM with Qwen3-8B's shapes, fp16: the Llama's variants) or qwen3-moe "
+                       "(transformers' Qwen3MoeForCausalLM with Qwen3-30B-A3B's shapes, bf16: 128 experts, top 8; variants bf16 "
                        "(grouped_mm experts), bf16-batched (batched_mm), int4, mxfp4; generate loop bf16, "
                        "bf16-grouped, int4, mxfp4)")
         p.add_argument("--layers", type=positive_int,
