@@ -10,8 +10,9 @@ write, cache write of v, the length's add). With q_norm / k_norm (each a [D] wei
 step: every q / k head RMS-normalized (Qwen3RMSNorm's rounding) before its rotary, two kernels fewer again. The
 kernel rounds each product and sum to the activation dtype as transformers' eager rotary does, so q, keys and
 values come out bit for bit as the eager path's (compiled, inductor rounds once per element instead; with the
-head norms, within the norm's fp32 summation order, which differs from torch's). Positions at or past the cache's end (S) are not written; transformers'
-index_copy_ would stop on a device-side assert there (generate() checks the cache size before it gets there).
+head norms, within the norm's fp32 summation order, which differs from torch's). Positions at or past the cache's
+end (S) are not written; transformers' index_copy_ would stop on a device-side assert there (generate() checks the
+cache size before it gets there).
 
 The length is read and advanced on the GPU (no host synchronization: graph-safe): every CTA reads it, and the
 last CTA to finish advances it, meeting at one int32 counter of the W4A16 layers' shared tile counters

@@ -52,9 +52,9 @@ class E2E(BenchFamily):
         p.add_argument("--arch", default=DEFAULT_ARCH, choices=list(ARCHS),
                        help="the model: llama3-8b (Llama-3-8B shapes, fp16; default), qwen3-8b (transformers' "
                        "Qwen3ForCausalLM with Qwen3-8B's shapes, fp16: the Llama's variants) or qwen3-moe "
-                       "(transformers' Qwen3MoeForCausalLM with Qwen3-30B-A3B's shapes, bf16: 128 experts, top 8; variants bf16 "
-                       "(grouped_mm experts), bf16-batched (batched_mm), int4, mxfp4; generate loop bf16, "
-                       "bf16-grouped, int4, mxfp4)")
+                       "(transformers' Qwen3MoeForCausalLM with Qwen3-30B-A3B's shapes, bf16: 128 experts, top 8; "
+                       "variants bf16 (grouped_mm experts), bf16-batched (batched_mm), int4, mxfp4; generate loop "
+                       "bf16, bf16-grouped, int4, mxfp4)")
         p.add_argument("--layers", type=positive_int,
                        help="decoder layers (default all: 32, qwen3-8b 36, qwen3-moe 48; fewer if the GPU cannot "
                        "hold them)")
