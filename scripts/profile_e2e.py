@@ -13,9 +13,8 @@ LM_HEAD=auto|quantize|dense: quantize_model's lm_head,
 default auto), CONTEXTS=512 (default) or a list such as 32,160,512,2048: the positions a step decodes at (the cache
 holds that many random K/V rows; rope_attention against rope_cache + SDPA by cache length:
 IMPLS=w4a16-ropecache,w4a16,w4a16-onesplit CONTEXTS=32,96,160,480,1024,2048,4064 python scripts/profile_e2e.py 8 1 16),
-ARCH=llama3-8b (default) | qwen3-8b (transformers' Qwen3ForCausalLM with Qwen3-8B's shapes, fp16: its attention
-RMS-normalizes each q / k head; the Llama's variants) | qwen3-moe (bench e2e's Qwen3-30B-A3B, bf16; IMPLS such as
-int4-norope,int4)
+ARCH=llama3-8b (default) | qwen3-8b | qwen3-moe: bench e2e's --arch models (qwen3-8b takes the Llama's variants;
+qwen3-moe, bf16, IMPLS such as int4-norope,int4)
 
 """
 import contextlib
@@ -26,7 +25,6 @@ from collections import defaultdict
 import torch
 
 from tilefish.bench import e2e, e2e_models
-from tilefish.models.llama import LlamaConfig
 from tilefish.ops import rope_attention as rope_attention_ops
 from tilefish.ops import w4a16 as ops
 
@@ -149,40 +147,14 @@ def captured_step(runner, cfg, batch: int, dev, context: int = 512):
     return replay
 
 
-def qwen3_8b(layers: int) -> LlamaConfig:
-    """Qwen3-8B's shapes (huggingface.co/Qwen/Qwen3-8B/config.json) as the harness's config; the model is built as
-    transformers' Qwen3ForCausalLM (use_qwen3_model), whose decoder the harness's step calls as it calls the Llama's."""
-    return LlamaConfig(hidden_size=4096, intermediate_size=12288, num_hidden_layers=layers, num_attention_heads=32,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                       max_position_embeddings=40960)
-
-
-def use_qwen3_model() -> None:
-    """bench e2e's runner builds transformers' Qwen3ForCausalLM from the LlamaConfig's shapes (this process only)."""
-    import transformers
-
-    def qwen3(config):
-        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
-            **{k: v for k, v in vars(config).items() if k != "rope_theta"}, tie_word_embeddings=False,
-            rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta}, initializer_range=0.02,
-            attn_implementation="sdpa"))
-    e2e_models.hf_model = qwen3
-
-
 def main():
     layers = int(sys.argv[1]) if len(sys.argv) > 1 else 8
     batches = [int(v) for v in sys.argv[2:]] or [1, 16]
     contexts = [int(v) for v in os.environ.get("CONTEXTS", "512").split(",")]
     model = os.environ.get("MODEL", "hf")
     Runner = e2e._HF if model == "hf" else e2e._Builtin
-    arch = os.environ.get("ARCH", "llama3-8b")
-    if arch == "qwen3-moe":
-        cfg = e2e_models.MoEConfig.qwen3_30b_a3b(layers)
-    elif arch == "qwen3-8b":
-        cfg = qwen3_8b(layers)
-        use_qwen3_model()
-    else:
-        cfg = LlamaConfig.llama3_8b(layers)
+    arch = os.environ.get("ARCH", e2e_models.DEFAULT_ARCH)
+    cfg = e2e_models.default_config(arch, layers)
     dev = torch.device("cuda")
     print(f"GPU {torch.cuda.get_device_name()}, {model} model ({arch}), {layers} layers")
     # each (batch, cache length) is one more graph of the compiled layer (dynamic=False): allow all of them

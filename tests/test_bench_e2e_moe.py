@@ -3,8 +3,6 @@
 compiled with the "eager" backend); the GPU tests run both loops on a two-layer model of realistic widths."""
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 
@@ -17,6 +15,8 @@ from tilefish.bench.families import FAMILIES  # noqa: E402
 from tilefish.bench.report import Report  # noqa: E402
 from tilefish.experts import QuantizedExperts  # noqa: E402
 from tilefish.nn import W4A16Linear  # noqa: E402
+
+from test_cli import parse  # noqa: E402  (the namespace a command line hands to its command)
 
 CPU = torch.device("cpu")
 # The smallest shapes every projection of which converts: the kernels tile n % 64 and k % group (128 for int4 g128:
@@ -242,13 +242,6 @@ def test_generate_rows_and_ratios():
 
 
 # ---- the command line -------------------------------------------------------------------------------------------
-
-def parse(monkeypatch, *argv) -> argparse.Namespace:
-    seen = []
-    monkeypatch.setattr(cli, "cmd_bench", lambda args: seen.append(args) or 0)
-    assert cli.main(list(argv)) == 0
-    return seen[0]
-
 
 def test_cli_arch_flag(monkeypatch, capsys):
     assert parse(monkeypatch, "bench", "e2e").arch == "llama3-8b"

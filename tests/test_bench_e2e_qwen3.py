@@ -4,18 +4,16 @@
 a tiny config."""
 from __future__ import annotations
 
-import argparse
-
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
-from tilefish import cli  # noqa: E402
 from tilefish.bench import e2e, e2e_generate, e2e_models  # noqa: E402
 from tilefish.bench.e2e_models import Qwen3DenseConfig  # noqa: E402
 from tilefish.bench.families import FAMILIES  # noqa: E402
 from tilefish.bench.report import Report  # noqa: E402
+
+from test_cli import parse  # noqa: E402  (the namespace a command line hands to its command)
 
 TINY = Qwen3DenseConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=256)
@@ -45,13 +43,6 @@ def test_harness_on_cpu_runs_the_llamas_variants_on_qwen3():
     assert any("transformers Qwen3ForCausalLM" in n for n in rep.notes), rep.notes
     # the tilefish variant's layers, attention included, run the fused forward
     assert any("fused decoder forward: 2 layer(s), 2 gated MLP(s), 2 attention(s)" in n for n in rep.notes), rep.notes
-
-
-def parse(monkeypatch, *argv) -> argparse.Namespace:
-    seen = []
-    monkeypatch.setattr(cli, "cmd_bench", lambda args: seen.append(args) or 0)
-    assert cli.main(list(argv)) == 0
-    return seen[0]
 
 
 def test_family_runs_the_llamas_variants_for_qwen3(monkeypatch):

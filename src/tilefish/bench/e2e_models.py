@@ -84,10 +84,7 @@ class Qwen3DenseConfig:
         """The transformers Qwen3Config (sdpa attention, untied lm_head, std 0.02 init)."""
         import transformers
 
-        fields = {k: v for k, v in vars(self).items() if k != "rope_theta"}
-        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
-        return transformers.Qwen3Config(**fields, rope_parameters=rope, tie_word_embeddings=False,
-                                        initializer_range=0.02, attn_implementation="sdpa")
+        return transformers.Qwen3Config(**_hf_fields(self))
 
 
 @dataclass
@@ -116,15 +113,15 @@ class MoEConfig:
         """The transformers Qwen3MoeConfig (sdpa attention, untied lm_head, std 0.02 init)."""
         import transformers
 
-        return transformers.Qwen3MoeConfig(
-            hidden_size=self.hidden_size, moe_intermediate_size=self.moe_intermediate_size,
-            num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
-            norm_topk_prob=self.norm_topk_prob, num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim, vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps,
-            max_position_embeddings=self.max_position_embeddings,
-            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta}, decoder_sparse_step=1,
-            mlp_only_layers=[], tie_word_embeddings=False, initializer_range=0.02, attn_implementation="sdpa")
+        return transformers.Qwen3MoeConfig(**_hf_fields(self), decoder_sparse_step=1, mlp_only_layers=[])
+
+
+def _hf_fields(config) -> dict:
+    """A shapes dataclass as transformers config arguments: its fields (rope_theta as rope_parameters), sdpa
+    attention, an untied lm_head, std 0.02 init."""
+    fields = {k: v for k, v in vars(config).items() if k != "rope_theta"}
+    return dict(fields, rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+                tie_word_embeddings=False, initializer_range=0.02, attn_implementation="sdpa")
 
 
 def arch_of(config) -> Arch:
